@@ -1,0 +1,208 @@
+"""Typed run configuration: one dataclass per config node.
+
+These dataclasses are the schema every YAML file in ``conf/`` and ``recipes/``
+is merged into (see :mod:`rltrain.config.compose`). This module imports no
+Hydra, Ray or vLLM so GPU scripts and workers can use it anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and policy loss; the CLI command picks the option."""
+
+    name: str = "grpo"
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    # KL to the initial policy (k3 estimator); 0 disables the reference model.
+    kl_coef: float = 0.0
+    # Divide group-centred rewards by the group std (Dr.GRPO sets this false).
+    normalize_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+
+
+@dataclass
+class TrainConfig:
+    """Batch shape of the trainer. Sizes count sequences (prompt + response)."""
+
+    # Sequences per optimizer step across all data-parallel ranks; null = the
+    # whole rollout batch (one optimizer step per rollout and epoch).
+    mini_batch_size: int | None = None
+    # Sequences per forward/backward on one data-parallel rank.
+    micro_batch_size: int = 128
+    epochs: int = 1
+
+
+@dataclass
+class OptimConfig:
+    """AdamW on fp32 master weights."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class GradScalerConfig:
+    """Sharded grad scaler (fp16 only): dynamic loss scale."""
+
+    enabled: bool = False
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass
+class PrecisionConfig:
+    """One switch for the whole run: trainer, rollout and refit dtypes."""
+
+    name: str = "fp32"
+    # FSDP2 MixedPrecisionPolicy: compute dtype of gathered params / grad reduce.
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
+    rollout_dtype: str = "float32"
+    refit_dtype: str = "float32"
+
+
+@dataclass
+class DTensorConfig:
+    """Trainer mesh: dp x tp x cp ranks (written by the ``parallelism`` group)."""
+
+    strategy: str = "fsdp2"
+    dp: int | None = None  # null = auto: the trainer devices left after tp x cp
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+
+@dataclass
+class RefitConfig:
+    """Weight transport from trainer to rollout engines after every step."""
+
+    transport: str = "auto"  # auto | gloo
+    bucket_bytes: int = 64 * 2**20
+    num_buffers: int = 2
+    timeout_s: float = 120.0
+
+
+@dataclass
+class RolloutConfig:
+    """Inference engines and sampling defaults."""
+
+    engine: str = "torch"
+    replicas: int = 1
+    tp: int = 1
+    colocated: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 5
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the embedded randomly initialised Qwen2 model."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 64
+
+
+@dataclass
+class ModelConfig:
+    """Policy model: the embedded tiny model or an HF id / local path."""
+
+    name: str = "tiny"
+    path: str | None = None  # null = build the embedded tiny model in code
+    tokenizer: str | None = None  # null = same as path (or the embedded tokenizer)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    # Tokens that may never be sampled nor trained on (the logits are masked
+    # identically in the engine and the trainer).
+    blocked_tokens: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    """Prompt source and reward."""
+
+    name: str = "toy"
+    task: str = "copy"  # the embedded toy task
+    alphabet: str = "abcd"
+    min_len: int = 1
+    max_len: int = 3
+    # Reward of a wrong answer = partial_credit x fraction of matching positions.
+    partial_credit: float = 0.5
+
+
+@dataclass
+class ClusterConfig:
+    """Ray cluster: start a local one or attach to an existing one."""
+
+    mode: str = "local"  # local | ray
+    address: str | None = None  # ray mode: null = "auto"
+    num_cpus: int | None = None  # local mode: null = all cores of this machine
+    num_gpus: int | None = None  # local mode: null = all GPUs found
+    device: str = "auto"  # auto | cpu | cuda
+    object_store_bytes: int = 200 * 2**20
+    # Intra-op threads per worker process on CPU (small models: 1 is fastest).
+    torch_threads: int = 1
+    startup_timeout_s: float = 120.0
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks; jsonl always carries every metric."""
+
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "rltrain"
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: HF safetensors export of the policy."""
+
+    every_n_steps: int = 0  # 0 = only the final checkpoint
+    save_final: bool = True
+
+
+@dataclass
+class RunConfig:
+    """The whole run. Top-level keys seed, max_steps and output_dir are stable."""
+
+    seed: int = 0
+    max_steps: int = 300
+    output_dir: str | None = None  # null = outputs/<run_name>
+    run_name: str | None = None  # null = <algorithm>-<timestamp>
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    dtensor: DTensorConfig = field(default_factory=DTensorConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+DTYPES = ("float32", "bfloat16", "float16")

@@ -1,0 +1,135 @@
+"""Validation of a composed RunConfig: once, in one place, without mutating.
+
+Checks that need the cluster's size (dp auto, batch divisibility) live in
+:func:`rltrain.plan.make_plan`, which is also pure and runs before any cluster.
+"""
+
+from __future__ import annotations
+
+from rltrain.config.errors import ConfigError
+from rltrain.config.schema import DTYPES, RunConfig
+
+ENGINES = ("torch",)
+TRANSPORTS = ("auto", "gloo")
+ALGORITHMS = ("grpo",)
+TASKS = ("copy",)
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value} is not supported; use one of: {', '.join(allowed)}.")
+
+
+def _positive(key: str, value: float, minimum: float = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key}={value} must be >= {minimum}.")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError for the first inconsistency found in ``cfg``."""
+    _positive("max_steps", cfg.max_steps)
+    a = cfg.algorithm
+    _choice("algorithm.name", a.name, ALGORITHMS)
+    _positive("algorithm.prompts_per_step", a.prompts_per_step)
+    if a.samples_per_prompt < 2:
+        raise ConfigError(
+            f"algorithm.samples_per_prompt={a.samples_per_prompt}: GRPO normalises rewards within a group, "
+            "so it needs at least 2 samples per prompt."
+        )
+    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
+        raise ConfigError("algorithm.clip_ratio_low/high must be >= 0.")
+    if a.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
+
+    t = cfg.train
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    _positive("train.epochs", t.epochs)
+    if t.mini_batch_size is not None:
+        _positive("train.mini_batch_size", t.mini_batch_size)
+    o = cfg.optim
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr} must be > 0.")
+    if o.max_grad_norm <= 0:
+        raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0.")
+
+    p = cfg.precision
+    for key in ("param_dtype", "reduce_dtype", "rollout_dtype", "refit_dtype"):
+        _choice(f"precision.{key}", getattr(p, key), DTYPES)
+    if p.grad_scaler.enabled and p.param_dtype != "float16":
+        raise ConfigError(
+            "precision.grad_scaler.enabled=true only applies to float16 compute; "
+            "use precision=fp16 or set precision.grad_scaler.enabled=false."
+        )
+    if p.param_dtype == "float16" and not p.grad_scaler.enabled:
+        raise ConfigError(
+            "precision.param_dtype=float16 without a grad scaler underflows gradients; "
+            "set precision.grad_scaler.enabled=true (precision=fp16 does)."
+        )
+    _positive("precision.grad_scaler.growth_interval", p.grad_scaler.growth_interval)
+
+    d = cfg.dtensor
+    _choice("dtensor.strategy", d.strategy, ("fsdp2",))
+    if d.dp is not None:
+        _positive("dtensor.dp", d.dp)
+    _positive("dtensor.tp", d.tp)
+    _positive("dtensor.cp", d.cp)
+    if d.cp > 1:
+        raise ConfigError("dtensor.cp>1 (context parallelism) is not available yet; set dtensor.cp=1.")
+    if d.sequence_parallel and d.tp == 1:
+        raise ConfigError("dtensor.sequence_parallel=true needs dtensor.tp>1; set dtensor.tp or turn it off.")
+
+    r = cfg.refit
+    _choice("refit.transport", r.transport, TRANSPORTS)
+    _positive("refit.bucket_bytes", r.bucket_bytes, 1024)
+    _positive("refit.num_buffers", r.num_buffers)
+    if r.timeout_s <= 0:
+        raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
+
+    ro = cfg.rollout
+    _choice("rollout.engine", ro.engine, ENGINES)
+    _positive("rollout.replicas", ro.replicas)
+    if ro.tp != 1:
+        raise ConfigError("rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1).")
+    if ro.colocated:
+        raise ConfigError("rollout.colocated=true is not available for the torch engine; set rollout.colocated=false.")
+    if ro.temperature <= 0:
+        raise ConfigError(f"rollout.temperature={ro.temperature} must be > 0.")
+    if not 0 < ro.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={ro.top_p} must be in (0, 1].")
+    _positive("rollout.max_new_tokens", ro.max_new_tokens)
+
+    m = cfg.model
+    if m.path is None and m.name != "tiny":
+        raise ConfigError(f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder.")
+    ti = m.tiny
+    if ti.hidden_size % ti.num_heads or ti.num_heads % ti.num_kv_heads:
+        raise ConfigError(
+            "model.tiny: hidden_size must be divisible by num_heads, and num_heads by num_kv_heads."
+        )
+    if ti.hidden_size // ti.num_heads < 32:
+        raise ConfigError(
+            f"model.tiny: head_dim={ti.hidden_size // ti.num_heads} is below 32, which vLLM cannot serve; "
+            "raise model.tiny.hidden_size or lower model.tiny.num_heads."
+        )
+
+    da = cfg.data
+    _choice("data.task", da.task, TASKS)
+    if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
+        raise ConfigError(f"data.alphabet='{da.alphabet}' must be distinct characters without '='.")
+    if not 1 <= da.min_len <= da.max_len:
+        raise ConfigError(f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len.")
+    if ro.max_new_tokens < da.max_len + 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
+            f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
+        )
+    if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
+        raise ConfigError("model.tiny.max_position_embeddings is too short for data.max_len; raise it.")
+
+    c = cfg.cluster
+    _choice("cluster.mode", c.mode, ("local", "ray"))
+    _choice("cluster.device", c.device, ("auto", "cpu", "cuda"))
+    _positive("cluster.torch_threads", c.torch_threads)
+    _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
+    if cfg.checkpoint.every_n_steps < 0:
+        raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
