@@ -1,0 +1,1 @@
+"""Controllers (the RL loops) and the pure tensor math they use."""

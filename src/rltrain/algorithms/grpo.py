@@ -1,0 +1,105 @@
+"""The synchronous GRPO loop, in data-flow order.
+
+prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> log/checkpoint
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from rltrain.algorithms.advantages import grpo_advantages
+from rltrain.logging.metrics import StageTimer
+from rltrain.rollout.base import SamplingParams
+from rltrain.train.batch import build_train_batch
+
+
+def token_mult_prob_error(train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """Mean over response tokens of exp(|train logprob - engine logprob|); 1.0 = exact agreement."""
+    n = mask_BT.sum().clamp(min=1)
+    return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
+
+
+def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
+    """Run ``ctx.cfg.max_steps`` GRPO steps on ``ctx.workers``; ``on_step`` logs each one.
+
+    ``ctx`` is a :class:`rltrain.runner.RunContext`: config, plan, workers,
+    task, tokenizer, and ``checkpoint(step)``.
+    """
+    cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
+    a, ro = cfg.algorithm, cfg.rollout
+    sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    weight_version = 0
+    for step in range(1, cfg.max_steps + 1):
+        t_step = time.perf_counter()
+        timer = StageTimer()
+
+        # step 1: prompts, each repeated samples_per_prompt times (one GRPO group)
+        items = task.sample(a.prompts_per_step)
+        encoded = tok([it.prompt for it in items]).input_ids
+        prompt_ids = [ids for ids in encoded for _ in range(a.samples_per_prompt)]
+
+        # step 2: generate with the engines' current weights (version = weight_version)
+        with timer("generate"):
+            rollout = workers.generate(prompt_ids, sampling)
+        assert rollout.weight_version == weight_version, "rollout used stale weights"
+
+        # step 3: reward (decode without EOS/special tokens; 'finished' = stopped at EOS)
+        with timer("reward"):
+            texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+            scored = [
+                task.reward(items[i // a.samples_per_prompt], text, fin)
+                for i, (text, fin) in enumerate(zip(texts, rollout.finished, strict=True))
+            ]
+            rewards = torch.tensor([s.reward for s in scored])
+            exact = torch.tensor([s.exact_match for s in scored])
+
+        # step 4: GRPO advantages (group-normalised over the samples of one prompt)
+        advantages = grpo_advantages(rewards, a.samples_per_prompt, a.normalize_adv_by_std, a.adv_eps)
+        batch = build_train_batch(rollout, advantages, tok.pad_token_id)
+
+        # step 5: train-side logprobs before the update (and reference logprobs for KL)
+        with timer("logprobs"):
+            batch.old_logprobs_BT = workers.logprobs(batch)
+            if a.kl_coef > 0:
+                batch.ref_logprobs_BT = workers.logprobs(batch, reference=True)
+
+        # step 6: policy update
+        with timer("train"):
+            train_metrics = workers.train(batch)
+
+        # step 7: refit the rollout engines with the new weights
+        with timer("refit"):
+            weight_version += 1
+            refit = workers.refit(weight_version)
+
+        # step 8: metrics and checkpoint
+        step_s = time.perf_counter() - t_step
+        groups = rewards.view(-1, a.samples_per_prompt)
+        n_tokens = float(batch.response_mask_BT.sum())
+        metrics = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/exact_match": float(exact.mean()),
+            "reward/group_std_mean": float(groups.std(dim=1).mean()),
+            "reward/zero_spread_groups": float((groups.std(dim=1) == 0).float().mean()),
+            "advantages/abs_mean": float(advantages.abs().mean()),
+            "response/length_mean": n_tokens / batch.size,
+            "response/finished_frac": sum(rollout.finished) / len(rollout.finished),
+            "token_mult_prob_error": token_mult_prob_error(
+                batch.old_logprobs_BT, batch.engine_logprobs_BT, batch.response_mask_BT
+            ),
+            **train_metrics,
+            "weight_version": float(weight_version),
+            "refit/bytes": float(refit.bytes),
+            "refit/buckets": float(refit.buckets),
+            **timer.metrics(),
+            "time/step": step_s,
+            "throughput/steps_per_s": 1.0 / step_s,
+            "throughput/tokens_per_s": n_tokens / step_s,
+        }
+        on_step(step, metrics)
+        if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0 and step < cfg.max_steps:
+            ctx.checkpoint(step, weight_version)

@@ -1,0 +1,54 @@
+"""Policy losses (pure tensor functions)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
+    delta = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return delta.exp() - delta - 1.0
+
+
+def clipped_pg_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    normalizer: float,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clipped policy-gradient loss (PPO/GRPO surrogate).
+
+    loss = sum_t mask * [-min(r A, clip(r, 1-lo, 1+hi) A) + kl_coef * k3] / normalizer,
+    with r = exp(lp - old_lp). ``normalizer`` is the number of valid tokens of
+    the whole optimizer step across data-parallel ranks, so micro-batch losses
+    add up to the global token mean. Returns (loss, sums of the metrics), the
+    metric sums un-normalised so callers can reduce them across ranks.
+    """
+    mask = mask_BT.to(logprobs_BT.dtype)
+    adv = advantages_B[:, None].to(logprobs_BT.dtype)
+    ratio = torch.exp(logprobs_BT - old_logprobs_BT)
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    pg = -torch.minimum(surr1, surr2)
+    per_token = pg
+    stats: dict[str, torch.Tensor] = {
+        "pg_loss_sum": masked_sum(pg, mask).detach(),
+        "clip_frac_sum": masked_sum((surr2 < surr1).to(mask.dtype), mask).detach(),
+        "ratio_sum": masked_sum(ratio, mask).detach(),
+    }
+    if ref_logprobs_BT is not None and kl_coef > 0:
+        kl = kl_k3(logprobs_BT, ref_logprobs_BT)
+        per_token = per_token + kl_coef * kl
+        stats["kl_sum"] = masked_sum(kl, mask).detach()
+    loss = masked_sum(per_token, mask) / normalizer
+    return loss, stats

@@ -1,0 +1,216 @@
+"""Ray layer: host the plain worker classes in actors, placed by the run plan.
+
+The worker classes (PolicyWorker, TorchEngine) know nothing of Ray. Here each
+runs inside a generic :class:`WorkerHost` actor; the gangs below shard
+batches over data-parallel ranks, fan rollouts out over replicas, and turn
+actor failures and timeouts into errors that name the role and rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rltrain.config.schema import RunConfig
+from rltrain.plan import RunPlan
+from rltrain.refit.base import RefitStats
+from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.train.batch import TrainBatch
+from rltrain.train.distributed import DistEnv
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or stopped answering; the message names it."""
+
+
+class WorkerHost:
+    """Generic actor body: builds one worker object and forwards calls to it."""
+
+    def __init__(self, env_vars: dict[str, str]):
+        import os
+
+        os.environ.update(env_vars)
+
+    def endpoint(self) -> tuple[str, int]:
+        from rltrain.train.distributed import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def build(self, class_path: str, *args: Any) -> bool:
+        module, _, name = class_path.rpartition(".")
+        self.worker = getattr(importlib.import_module(module), name)(*args)
+        return True
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+RemoteHost = ray.remote(WorkerHost)
+
+
+def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
+    """ray.get that names the stuck or dead worker instead of hanging or dumping a trace."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError as exc:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        stuck = [n for r, n in zip(refs, names, strict=True) if r not in ready]
+        raise WorkerError(f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s") from exc
+    except RayActorError as exc:
+        dead = _first_failed(refs, names)
+        raise WorkerError(f"{what}: {dead} died ({str(exc).splitlines()[0]})") from exc
+    except RayTaskError as exc:
+        failed = _first_failed(refs, names)
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        raise WorkerError(f"{what}: {failed} failed: {type(cause).__name__}: {cause}") from exc
+
+
+def _first_failed(refs: list, names: list[str]) -> str:
+    for ref, name in zip(refs, names, strict=True):
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - probing which one failed
+            return name
+    return "a worker"
+
+
+@dataclass
+class Gang:
+    """The actors of one role, rank order."""
+
+    role: str
+    actors: list
+
+    def names(self, idx: list[int] | None = None) -> list[str]:
+        idx = list(range(len(self.actors))) if idx is None else idx
+        return [f"{self.role} rank {i}" for i in idx]
+
+    def call_all(self, method: str, *args: Any) -> list:
+        return [a.call.remote(method, *args) for a in self.actors]
+
+
+class Workers:
+    """Every actor of a run: the policy gang and the rollout pool, plus the refit wiring."""
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan):
+        self.cfg = cfg
+        self.plan = plan
+        self.timeout = cfg.cluster.startup_timeout_s
+        policy, rollout = plan.role("policy"), plan.role("rollout")
+        bundles = [dict(policy.bundle) for _ in range(policy.world_size)] + [
+            dict(rollout.bundle) for _ in range(rollout.world_size)
+        ]
+        bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.timeout)
+        except GetTimeoutError as exc:
+            raise WorkerError(
+                f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
+                f"{bundles[-1]} for rollout) within {self.timeout}s; it offers {ray.cluster_resources()}"
+            ) from exc
+        env_vars = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)} if plan.device == "cpu" else {}
+
+        def spawn(bundle_index: int, bundle: dict[str, float]):
+            return RemoteHost.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
+            ).remote(env_vars)
+
+        self.policy = Gang("policy", [spawn(i, bundles[i]) for i in range(policy.world_size)])
+        self.rollout = Gang(
+            "rollout", [spawn(policy.world_size + i, bundles[policy.world_size + i]) for i in range(rollout.world_size)]
+        )
+        host, port = wait([self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up")[0]
+        builds = [
+            a.build.remote(
+                "rltrain.train.policy_worker.PolicyWorker",
+                cfg,
+                DistEnv(rank, policy.world_size, host, port, policy.backend, cfg.refit.timeout_s),
+            )
+            for rank, a in enumerate(self.policy.actors)
+        ]
+        builds += [
+            a.build.remote("rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i)
+            for i, a in enumerate(self.rollout.actors)
+        ]
+        wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
+        self._init_refit()
+
+    # -- refit wiring -----------------------------------------------------------------------
+    def _init_refit(self) -> None:
+        """One-time manifest exchange and refit-group rendezvous (policy rank 0 + replicas)."""
+        manifest = wait([self.policy.actors[0].call.remote("refit_manifest")], ["policy rank 0"], self.timeout, "refit manifest")[0]
+        host, port = wait([self.policy.actors[0].call.remote("refit_endpoint")], ["policy rank 0"], self.timeout, "refit set-up")[0]
+        world = 1 + len(self.rollout.actors)
+        refs = [a.call.remote("init_refit", host, port, world) for a in self.policy.actors]
+        refs += [a.call.remote("init_refit", manifest, host, port, i + 1, world) for i, a in enumerate(self.rollout.actors)]
+        wait(refs, self.policy.names() + self.rollout.names(), self.timeout, "refit group rendezvous")
+        self.manifest = manifest
+
+    def refit(self, weight_version: int) -> RefitStats:
+        """Push the policy's weights to every replica, stamped ``weight_version``."""
+        send = self.policy.call_all("refit_send", weight_version)
+        recv = self.rollout.call_all("refit_receive")
+        out = wait(send + recv, self.policy.names() + self.rollout.names(), self.cfg.refit.timeout_s * 2, f"refit v{weight_version}")
+        stats: RefitStats = out[0]
+        replica_versions = [s.weight_version for s in out[len(send) :]]
+        if any(v != weight_version for v in replica_versions):
+            raise WorkerError(f"refit v{weight_version}: replicas report weight versions {replica_versions}")
+        return stats
+
+    # -- rollout ------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Split the prompts evenly over the replicas, keep request order."""
+        n = len(self.rollout.actors)
+        chunks = [prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)]
+        refs = [a.call.remote("generate", c, sampling) for a, c in zip(self.rollout.actors, chunks, strict=True) if c]
+        parts: list[RolloutBatch] = wait(refs, self.rollout.names(list(range(len(refs)))), None, "generate")
+        return RolloutBatch(
+            prompt_ids=[p for b in parts for p in b.prompt_ids],
+            response_ids=[r for b in parts for r in b.response_ids],
+            response_logprobs=[lp for b in parts for lp in b.response_logprobs],
+            finished=[f for b in parts for f in b.finished],
+            weight_version=min(b.weight_version for b in parts),
+        )
+
+    # -- policy -------------------------------------------------------------------------------
+    def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
+        """The rows each policy rank gets: its dp group's contiguous slice (tp ranks share it)."""
+        dp, tp = self.plan.batch.dp, self.cfg.dtensor.tp
+        per = batch.size // dp
+        shards = [batch.slice(d * per, (d + 1) * per) for d in range(dp)]
+        return [shards[rank // tp] for rank in range(len(self.policy.actors))]
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        shards = self._shards(batch)
+        refs = [a.call.remote("compute_logprobs", s, reference) for a, s in zip(self.policy.actors, shards, strict=True)]
+        out = wait(refs, self.policy.names(), None, "reference logprobs" if reference else "logprobs")
+        tp = self.cfg.dtensor.tp
+        return torch.cat(out[::tp], dim=0)
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        shards = self._shards(batch)
+        refs = [a.call.remote("train", s) for a, s in zip(self.policy.actors, shards, strict=True)]
+        return wait(refs, self.policy.names(), None, "train")[0]
+
+    def export_hf(self, path: str, metadata: dict) -> str:
+        return wait(self.policy.call_all("export_hf", path, metadata), self.policy.names(), None, "checkpoint")[0]
+
+    def shutdown(self) -> None:
+        """Tear the process groups down, then kill the actors and free the placement group."""
+        try:
+            ray.get(self.policy.call_all("shutdown"), timeout=10)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        for a in self.policy.actors + self.rollout.actors:
+            ray.kill(a)
+        remove_placement_group(self.pg)

@@ -1,0 +1,1 @@
+"""Metric sinks, progress display and the end-of-run summary."""

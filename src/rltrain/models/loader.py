@@ -1,0 +1,48 @@
+"""Build the tokenizer and the policy model from ModelConfig (tiny or HF path)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rltrain.config.errors import ConfigError
+from rltrain.config.schema import RunConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: the embedded character tokenizer or the model's own."""
+    if cfg.model.path is None:
+        from rltrain.models.tiny import build_tokenizer
+
+        return build_tokenizer(cfg.data.alphabet)
+    name = cfg.model.tokenizer or cfg.model.path
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as exc:
+        raise ConfigError(f"model.tokenizer '{name}' could not be loaded ({exc}); give a local folder or HF id.") from exc
+
+
+def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
+    """The initial policy weights, identical on every process that calls this."""
+    if cfg.model.path is None:
+        from rltrain.models.tiny import build_tiny_model
+
+        model = build_tiny_model(cfg.model.tiny, load_tokenizer(cfg), seed=cfg.seed)
+        return model.to(TORCH_DTYPES[dtype])
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=TORCH_DTYPES[dtype])
+    except OSError as exc:
+        raise ConfigError(f"model.path '{cfg.model.path}' could not be loaded ({exc}); give a local folder or HF id.") from exc
+
+
+def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids of model.blocked_tokens; an unknown token string is a config error."""
+    ids = []
+    vocab = tokenizer.get_vocab()
+    for tok in cfg.model.blocked_tokens:
+        if tok not in vocab:
+            raise ConfigError(f"model.blocked_tokens has '{tok}', which the tokenizer does not know; remove it.")
+        ids.append(vocab[tok])
+    return ids

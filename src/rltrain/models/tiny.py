@@ -1,0 +1,62 @@
+"""The embedded model: a randomly initialised tiny Qwen2 and a character tokenizer.
+
+Both are built in code (no hub access). head_dim is kept >= 32 so vLLM can
+serve the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rltrain.config.schema import TinyModelConfig
+from rltrain.models.vocab import vocabulary
+
+
+def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character, BOS prepended."""
+    vocab = {tok: i for i, tok in enumerate(vocabulary(alphabet))}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    """Qwen2 architecture config for the embedded model."""
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+    """Randomly initialised tiny Qwen2; the same seed gives the same weights everywhere."""
+    config = tiny_qwen2_config(shape, tokenizer)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model

@@ -1,0 +1,245 @@
+"""RunConfig -> RunPlan: roles, meshes, bundles, batch math, memory estimate.
+
+Pure: no cluster, no torch. ``rltrain plan`` prints it; the launcher executes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rltrain.config.errors import ConfigError
+from rltrain.config.schema import RunConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the cluster offers to this run."""
+
+    num_cpus: int
+    num_gpus: int
+
+
+@dataclass
+class RolePlan:
+    """One role: how many processes, their mesh, and the resources each takes."""
+
+    name: str
+    world_size: int
+    mesh: dict[str, int]
+    bundle: dict[str, float]  # Ray resources per process
+    device: str
+    dtype: str
+    backend: str  # torch.distributed backend inside the role
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BatchPlan:
+    """Batch math of one step. Sizes count sequences (prompt + response)."""
+
+    prompts_per_step: int
+    samples_per_prompt: int
+    rollout_batch: int  # sequences generated per step
+    mini_batch: int  # sequences per optimizer step (all dp ranks)
+    micro_batch: int  # sequences per forward/backward on one dp rank
+    dp: int
+    grad_accum_steps: int  # micro batches per optimizer step on one rank
+    epochs: int
+    optimizer_steps_per_rollout: int
+    sequences_per_rank: int  # rollout_batch / dp
+
+
+@dataclass
+class RunPlan:
+    """Everything the launcher needs to start and run the job."""
+
+    algorithm: str
+    device: str
+    resources: Resources
+    roles: list[RolePlan]
+    batch: BatchPlan
+    refit: dict[str, object]
+    precision: dict[str, object]
+    colocated: bool
+    memory: dict[str, object]
+    choices: dict[str, str]
+
+    def role(self, name: str) -> RolePlan:
+        return next(r for r in self.roles if r.name == name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _divisors_hint(total: int, per: int) -> str:
+    options = [m for m in range(1, total + 1) if total % (m * per) == 0]
+    return ", ".join(str(m) for m in options[-6:]) or "none"
+
+
+def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
+    a, t = cfg.algorithm, cfg.train
+    rollout_batch = a.prompts_per_step * a.samples_per_prompt
+    mini = t.mini_batch_size or rollout_batch
+    if rollout_batch % mini:
+        raise ConfigError(
+            f"train.mini_batch_size={mini} does not divide the rollout batch of "
+            f"algorithm.prompts_per_step={a.prompts_per_step} x algorithm.samples_per_prompt="
+            f"{a.samples_per_prompt} = {rollout_batch} sequences; pick a divisor of {rollout_batch}."
+        )
+    if mini % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"the batch of {mini} sequences per optimizer step is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x dp={dp} = {t.micro_batch_size * dp}; "
+            f"use train.micro_batch_size in {{{_divisors_hint(mini, dp)}}} or change "
+            "algorithm.prompts_per_step / train.mini_batch_size."
+        )
+    return BatchPlan(
+        prompts_per_step=a.prompts_per_step,
+        samples_per_prompt=a.samples_per_prompt,
+        rollout_batch=rollout_batch,
+        mini_batch=mini,
+        micro_batch=t.micro_batch_size,
+        dp=dp,
+        grad_accum_steps=mini // (t.micro_batch_size * dp),
+        epochs=t.epochs,
+        optimizer_steps_per_rollout=t.epochs * rollout_batch // mini,
+        sequences_per_rank=rollout_batch // dp,
+    )
+
+
+def estimate_num_params(cfg: RunConfig) -> int | None:
+    """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
+    if cfg.model.path is None:
+        from rltrain.models.vocab import vocab_size
+
+        ti = cfg.model.tiny
+        h, inter, L = ti.hidden_size, ti.intermediate_size, ti.num_layers
+        head_dim = h // ti.num_heads
+        kv = ti.num_kv_heads * head_dim
+        attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
+        mlp = 3 * h * inter
+        per_layer = attn + mlp + 2 * h
+        v = vocab_size(cfg.data.alphabet)
+        return v * h * 2 + L * per_layer + h  # untied embedding + lm_head, final norm
+    config_json = Path(cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        return None
+    c = json.loads(config_json.read_text())
+    try:
+        h, L, v, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
+    except KeyError:
+        return None
+    tied = c.get("tie_word_embeddings", False)
+    return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
+
+
+def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None) -> RunPlan:
+    """Compute the run plan; raises ConfigError when the config cannot run on ``resources``."""
+    d, ro, p = cfg.dtensor, cfg.rollout, cfg.precision
+    if cfg.cluster.device == "cuda" and resources.num_gpus == 0:
+        raise ConfigError("cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu.")
+    device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
+    model_parallel = d.tp * d.cp
+    rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
+    if device == "cuda":
+        free = resources.num_gpus - rollout_gpus
+        dp = d.dp if d.dp is not None else free // model_parallel
+        if dp < 1 or dp * model_parallel > free:
+            raise ConfigError(
+                f"dtensor.dp={d.dp if d.dp is not None else 'auto'} x dtensor.tp={d.tp} x dtensor.cp={d.cp} "
+                f"needs more GPUs than the {free} left for training ({resources.num_gpus} GPUs, "
+                f"{rollout_gpus} for rollout); lower dtensor.tp/dp or rollout.replicas."
+            )
+        if d.dp is None and free % model_parallel:
+            raise ConfigError(
+                f"dtensor.tp={d.tp} x dtensor.cp={d.cp} does not divide the {free} training GPUs; "
+                f"use a tp x cp that divides {free}."
+            )
+    else:
+        dp = d.dp if d.dp is not None else 1
+    batch = _batch_plan(cfg, dp)
+
+    trainer_world = dp * model_parallel
+    backend = "nccl" if device == "cuda" else "gloo"
+    n_actors = trainer_world + ro.replicas
+    if device == "cuda":
+        trainer_bundle: dict[str, float] = {"CPU": 1.0, "GPU": 1.0}
+        rollout_bundle: dict[str, float] = {"CPU": 1.0, "GPU": float(ro.tp)}
+        if ro.colocated:
+            rollout_bundle = {"CPU": 1.0, "GPU": 0.0}
+    else:
+        # Fractional CPUs pack every process onto a small machine; the workers
+        # take turns (generate, then train), so they rarely compete.
+        share = min(1.0, resources.num_cpus / n_actors) if resources.num_cpus else 1.0
+        share = math.floor(share * 100) / 100
+        trainer_bundle = {"CPU": share}
+        rollout_bundle = {"CPU": share}
+
+    transport = cfg.refit.transport
+    if transport == "auto":
+        transport = "gloo"
+    mesh = {"dp": dp, "tp": d.tp, "cp": d.cp}
+    trainer_notes = [
+        f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
+        f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
+    ]
+    if p.grad_scaler.enabled:
+        trainer_notes.append(f"sharded grad scaler (growth_interval={p.grad_scaler.growth_interval})")
+    roles = [
+        RolePlan("policy", trainer_world, mesh, trainer_bundle, device, p.param_dtype, backend, trainer_notes),
+        RolePlan(
+            "rollout",
+            ro.replicas,
+            {"replicas": ro.replicas, "tp": ro.tp},
+            rollout_bundle,
+            device,
+            p.rollout_dtype,
+            backend,
+            [f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}"],
+        ),
+    ]
+    n_params = estimate_num_params(cfg)
+    memory: dict[str, object] = {"num_params": n_params}
+    if n_params is not None:
+        shard = dp * d.tp
+        # fp32 master params + fp32 grads + AdamW's two fp32 moments, sharded over dp x tp.
+        memory["policy_bytes_per_rank"] = 16 * n_params // shard
+        memory["rollout_weight_bytes_per_replica"] = DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp
+        memory["refit_bytes_per_step"] = DTYPE_BYTES[p.refit_dtype] * n_params
+    return RunPlan(
+        algorithm=cfg.algorithm.name,
+        device=device,
+        resources=resources,
+        roles=roles,
+        batch=batch,
+        refit={
+            "transport": transport,
+            "bucket_bytes": cfg.refit.bucket_bytes,
+            "num_buffers": cfg.refit.num_buffers,
+            "dtype": p.refit_dtype,
+            "timeout_s": cfg.refit.timeout_s,
+        },
+        precision={
+            "name": p.name,
+            "policy": {
+                "master": "float32",
+                "param": p.param_dtype,
+                "reduce": p.reduce_dtype,
+                "grad_scaler": p.grad_scaler.enabled,
+                "growth_interval": p.grad_scaler.growth_interval,
+            },
+            "rollout": p.rollout_dtype,
+            "refit": p.refit_dtype,
+        },
+        colocated=ro.colocated,
+        memory=memory,
+        choices=dict(choices or {}),
+    )

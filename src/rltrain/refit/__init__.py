@@ -1,0 +1,1 @@
+"""Weight refit: trainer -> rollout engines after every optimizer step."""

@@ -1,0 +1,40 @@
+"""Engine protocol and the data that crosses the rollout boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling for one generate call."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    seed: int | None = None
+
+
+@dataclass
+class RolloutBatch:
+    """What an engine returns: one entry per (prompt, sample), in request order.
+
+    ``response_logprobs[i][j]`` is the engine's logprob of ``response_ids[i][j]``
+    under the temperature-scaled distribution (blocked tokens masked), the same
+    distribution the trainer evaluates.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    finished: list[bool]  # True when the response ended with EOS
+    weight_version: int
+
+
+class Engine(Protocol):
+    """A rollout engine replica."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+
+    def weight_version(self) -> int: ...

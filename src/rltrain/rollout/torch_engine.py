@@ -1,0 +1,152 @@
+"""Torch rollout engine: a transformers model with KV-cache batched sampling.
+
+Runs anywhere torch runs (CPU and GPU). Plain Python: ``cluster/`` wraps it as
+a Ray actor. Weights arrive through a refit receiver (see ``refit/``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from rltrain.algorithms.logprobs import scale_logits
+from rltrain.config.schema import RunConfig
+from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
+from rltrain.refit.base import RefitManifest, RefitStats
+from rltrain.rollout.base import RolloutBatch, SamplingParams
+
+
+def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail of each row outside the smallest set with mass >= top_p."""
+    if top_p >= 1.0:
+        return probs_BV
+    sorted_p, idx = probs_BV.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    drop = (cum - sorted_p) >= top_p  # keep the token that crosses top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs_BV).scatter(-1, idx, sorted_p)
+
+
+class TorchEngine:
+    """One rollout replica. ``generate`` is called by the controller; refit by the refit group."""
+
+    def __init__(self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0):
+        if device == "cpu":
+            torch.set_num_threads(cfg.cluster.torch_threads)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.tokenizer = load_tokenizer(cfg)
+        self.dtype = TORCH_DTYPES[cfg.precision.rollout_dtype]
+        self.model = load_model(cfg, cfg.precision.rollout_dtype).to(self.device).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.blocked = torch.tensor(blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(cfg.seed * 1000 + replica_index + 1)
+        self._version = 0
+        self._params = dict(self.model.named_parameters())
+        self.refit_receiver = None
+
+    # -- engine interface -------------------------------------------------
+    def weight_version(self) -> int:
+        return self._version
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Sample one response per prompt (repeat prompts for several samples).
+
+        Prompts are left-padded into one batch; each step feeds the last token
+        with the KV cache. A row stops at EOS; the batch stops when all rows did.
+        """
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        B = len(prompt_ids)
+        P = max(len(p) for p in prompt_ids)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, P - len(p) :] = torch.tensor(p)
+            mask[i, P - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        out_tokens = torch.full((B, sampling.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        out_logprobs = torch.zeros((B, sampling.max_new_tokens), dtype=torch.float32, device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(B, dtype=torch.long, device=self.device)
+        past = None
+        step_ids, step_pos = ids, position_ids
+        for t in range(sampling.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            past = out.past_key_values
+            logp = torch.log_softmax(scale_logits(out.logits[:, -1], sampling.temperature, self.blocked), dim=-1)
+            probs = top_p_filter(logp.exp(), sampling.top_p)
+            tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            out_tokens[:, t] = tok
+            out_logprobs[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
+            lengths += (~done).long()
+            done |= tok == self.eos_id
+            if bool(done.all()):
+                break
+            step_ids = tok[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
+
+        tokens, logprobs, n = out_tokens.tolist(), out_logprobs.tolist(), lengths.tolist()
+        finished = done.tolist()
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids],
+            response_ids=[tokens[i][: n[i]] for i in range(B)],
+            response_logprobs=[logprobs[i][: n[i]] for i in range(B)],
+            finished=finished,
+            weight_version=self._version,
+        )
+
+    # -- refit --------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> int:
+        """Copy (name, tensor) pairs into the model; returns the number of tensors loaded."""
+        n = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"rollout engine has no parameter '{name}' (refit manifest mismatch)")
+                param.copy_(tensor)
+                n += 1
+        self._version = weight_version
+        return n
+
+    def init_refit(self, manifest: RefitManifest, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy."""
+        from rltrain.refit.gloo import GlooRefitReceiver
+
+        missing = [s.name for b in manifest.buckets for s in b.slots if s.name not in self._params]
+        if missing:
+            raise KeyError(f"rollout engine has no parameters {missing[:3]}... named in the refit manifest")
+        self.refit_receiver = GlooRefitReceiver(manifest, host, port, rank, world_size, self.cfg.refit.timeout_s)
+
+    def refit_receive(self) -> RefitStats:
+        """Receive one refit and load it; the weight version comes from the sender."""
+        if self.refit_receiver is None:
+            raise RuntimeError("refit_receive before init_refit")
+        t0 = time.perf_counter()
+        stream = self.refit_receiver.receive()
+        version = self._version
+        n = 0
+        with torch.no_grad():
+            for version, name, tensor in stream:
+                self._params[name].copy_(tensor)
+                n += 1
+        self._version = version
+        m = self.refit_receiver.manifest
+        return RefitStats(version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)})

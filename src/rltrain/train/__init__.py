@@ -1,0 +1,1 @@
+"""Trainer roles (FSDP2 workers); plain Python, no Ray."""

@@ -1,0 +1,69 @@
+"""TrainBatch: the padded tensors a trainer consumes, built from a rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from rltrain.rollout.base import RolloutBatch
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded sequences (prompt then response); token-aligned per-token fields.
+
+    ``response_mask_BT[:, t]`` is 1 where ``input_ids_BT[:, t]`` is a response
+    token (a training target); per-token logprobs follow the same alignment:
+    ``logprobs_BT[:, t] = log p(input_ids[t] | input_ids[<t])``.
+    """
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    response_mask_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    engine_logprobs_BT: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None = None
+    ref_logprobs_BT: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids_BT.shape[0]
+
+    def slice(self, start: int, end: int) -> TrainBatch:
+        """Rows [start, end) of every field."""
+        return replace(
+            self,
+            **{f.name: (getattr(self, f.name)[start:end] if getattr(self, f.name) is not None else None) for f in fields(self)},
+        )
+
+    def split(self, size: int) -> list[TrainBatch]:
+        return [self.slice(i, min(i + size, self.size)) for i in range(0, self.size, size)]
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return replace(
+            self,
+            **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None) for f in fields(self)},
+        )
+
+
+def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id: int) -> TrainBatch:
+    """Pack prompt+response rows, right-padded to the longest row."""
+    rows = [p + r for p, r in zip(rollout.prompt_ids, rollout.response_ids, strict=True)]
+    B, T = len(rows), max(len(r) for r in rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    resp = torch.zeros((B, T), dtype=torch.float32)
+    elp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, strict=True)):
+        n, m = len(p), len(r)
+        ids[i, : n + m] = torch.tensor(p + r, dtype=torch.long)
+        attn[i, : n + m] = 1
+        resp[i, n : n + m] = 1.0
+        elp[i, n : n + m] = torch.tensor(lp, dtype=torch.float32)
+    return TrainBatch(ids, attn, resp, advantages_B.float(), elp)
+
+
+def concat_logprobs(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-rank logprob shards (same T) along the batch."""
+    return torch.cat(parts, dim=0)

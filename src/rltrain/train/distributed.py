@@ -1,0 +1,57 @@
+"""torch.distributed set-up for one worker process (no Ray)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in its role's gang."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str  # gloo | nccl
+    timeout_s: float = 120.0
+    local_rank: int = 0
+
+
+def node_ip() -> str:
+    """An address of this host that other hosts of the cluster can reach."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(env: DistEnv) -> torch.device:
+    """Join the gang's default process group; returns this rank's device."""
+    if env.backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=env.backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=env.timeout_s),
+        )
+    return device
