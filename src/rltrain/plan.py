@@ -35,6 +35,7 @@ class RolePlan:
     device: str
     dtype: str
     backend: str  # torch.distributed backend inside the role
+    threads: int  # torch intra-op threads per process (CPU); 0 = library default
     notes: list[str] = field(default_factory=list)
 
 
@@ -182,6 +183,12 @@ def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | No
         share = math.floor(share * 100) / 100
         trainer_bundle = {"CPU": share}
         rollout_bundle = {"CPU": share}
+    threads = cfg.cluster.torch_threads
+    if device == "cuda":
+        trainer_threads = rollout_threads = threads or 0
+    else:
+        trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
+        rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
     transport = cfg.refit.transport
     if transport == "auto":
@@ -194,7 +201,7 @@ def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | No
     if p.grad_scaler.enabled:
         trainer_notes.append(f"sharded grad scaler (growth_interval={p.grad_scaler.growth_interval})")
     roles = [
-        RolePlan("policy", trainer_world, mesh, trainer_bundle, device, p.param_dtype, backend, trainer_notes),
+        RolePlan("policy", trainer_world, mesh, trainer_bundle, device, p.param_dtype, backend, trainer_threads, trainer_notes),
         RolePlan(
             "rollout",
             ro.replicas,
@@ -203,6 +210,7 @@ def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | No
             device,
             p.rollout_dtype,
             backend,
+            rollout_threads,
             [f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}"],
         ),
     ]

@@ -31,6 +31,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
     a, ro = cfg.algorithm, cfg.rollout
     sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
     weight_version = 0
     for step in range(1, cfg.max_steps + 1):
         t_step = time.perf_counter()
@@ -60,15 +61,19 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         advantages = grpo_advantages(rewards, a.samples_per_prompt, a.normalize_adv_by_std, a.adv_eps)
         batch = build_train_batch(rollout, advantages, tok.pad_token_id)
 
-        # step 5: train-side logprobs before the update (and reference logprobs for KL)
+        # step 5: train-side logprobs before the update (and reference logprobs for KL).
+        # On-policy with one optimizer step, the training forward computes them.
         with timer("logprobs"):
-            batch.old_logprobs_BT = workers.logprobs(batch)
+            if not fuse_old_logprobs:
+                batch.old_logprobs_BT = workers.logprobs(batch)
             if a.kl_coef > 0:
                 batch.ref_logprobs_BT = workers.logprobs(batch, reference=True)
 
         # step 6: policy update
         with timer("train"):
-            train_metrics = workers.train(batch)
+            train_metrics, fused_old = workers.train(batch)
+            if fused_old is not None:
+                batch.old_logprobs_BT = fused_old
 
         # step 7: refit the rollout engines with the new weights
         with timer("refit"):

@@ -22,17 +22,22 @@ def token_logprobs(
     input_ids_BT: torch.Tensor,
     temperature: float,
     blocked_ids: torch.Tensor | None,
+    mask_BT: torch.Tensor | None = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-aligned logprobs of ``input_ids``: out[:, t] = log p(x_t | x_<t).
 
-    Column 0 has no prefix and is 0. Returns (logprobs_BT, entropy_BT or None),
-    entropy aligned the same way (entropy of the distribution that produced x_t).
+    Column 0 has no prefix and is 0; where ``mask_BT`` is 0 (prompt, padding)
+    the output is 0, never -inf (a padding id may be a blocked token). Returns
+    (logprobs_BT, entropy_BT or None), entropy aligned the same way (entropy of
+    the distribution that produced x_t).
     """
     scaled = scale_logits(logits_BTV[:, :-1], temperature, blocked_ids)
     logp_all = torch.log_softmax(scaled, dim=-1)
     lp = logp_all.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
     logprobs_BT = torch.nn.functional.pad(lp, (1, 0))
+    if mask_BT is not None:
+        logprobs_BT = torch.where(mask_BT.bool(), logprobs_BT, torch.zeros_like(logprobs_BT))
     entropy_BT = None
     if with_entropy:
         with torch.no_grad():  # a metric: keep it out of the autograd graph

@@ -33,11 +33,6 @@ class WorkerError(RuntimeError):
 class WorkerHost:
     """Generic actor body: builds one worker object and forwards calls to it."""
 
-    def __init__(self, env_vars: dict[str, str]):
-        import os
-
-        os.environ.update(env_vars)
-
     def endpoint(self) -> tuple[str, int]:
         from rltrain.train.distributed import free_port, node_ip
 
@@ -116,14 +111,17 @@ class Workers:
                 f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
                 f"{bundles[-1]} for rollout) within {self.timeout}s; it offers {ray.cluster_resources()}"
             ) from exc
-        env_vars = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)} if plan.device == "cpu" else {}
+        # Set at process start (before torch loads). Passive OpenMP waits keep an
+        # idle role from spinning on cores the busy role needs.
+        env_vars = {"OMP_WAIT_POLICY": "PASSIVE"} if plan.device == "cpu" else {}
 
         def spawn(bundle_index: int, bundle: dict[str, float]):
             return RemoteHost.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
-            ).remote(env_vars)
+                runtime_env={"env_vars": env_vars},
+            ).remote()
 
         self.policy = Gang("policy", [spawn(i, bundles[i]) for i in range(policy.world_size)])
         self.rollout = Gang(
@@ -135,11 +133,12 @@ class Workers:
                 "rltrain.train.policy_worker.PolicyWorker",
                 cfg,
                 DistEnv(rank, policy.world_size, host, port, policy.backend, cfg.refit.timeout_s),
+                policy.threads,
             )
             for rank, a in enumerate(self.policy.actors)
         ]
         builds += [
-            a.build.remote("rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i)
+            a.build.remote("rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
@@ -197,10 +196,16 @@ class Workers:
         tp = self.cfg.dtensor.tp
         return torch.cat(out[::tp], dim=0)
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Train on the batch; returns rank 0's metrics (already reduced over dp) and,
+        when ``batch.old_logprobs_BT`` was None, the old logprobs the training forward computed."""
         shards = self._shards(batch)
         refs = [a.call.remote("train", s) for a, s in zip(self.policy.actors, shards, strict=True)]
-        return wait(refs, self.policy.names(), None, "train")[0]
+        out = wait(refs, self.policy.names(), None, "train")
+        metrics, old = out[0]
+        if old is None:
+            return metrics, None
+        return metrics, torch.cat([o for _, o in out[:: self.cfg.dtensor.tp]], dim=0)
 
     def export_hf(self, path: str, metadata: dict) -> str:
         return wait(self.policy.call_all("export_hf", path, metadata), self.policy.names(), None, "checkpoint")[0]

@@ -118,7 +118,7 @@ class TinyModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 512
+    intermediate_size: int = 256
     max_position_embeddings: int = 64
 
 
@@ -158,8 +158,9 @@ class ClusterConfig:
     num_gpus: int | None = None  # local mode: null = all GPUs found
     device: str = "auto"  # auto | cpu | cuda
     object_store_bytes: int = 200 * 2**20
-    # Intra-op threads per worker process on CPU (small models: 1 is fastest).
-    torch_threads: int = 1
+    # Intra-op threads per worker process on CPU; null = the machine's cores
+    # divided among the trainer ranks (roles take turns, so they do not compete).
+    torch_threads: int | None = None
     startup_timeout_s: float = 120.0
 
 

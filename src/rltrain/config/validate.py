@@ -129,7 +129,8 @@ def validate(cfg: RunConfig) -> None:
     c = cfg.cluster
     _choice("cluster.mode", c.mode, ("local", "ray"))
     _choice("cluster.device", c.device, ("auto", "cpu", "cuda"))
-    _positive("cluster.torch_threads", c.torch_threads)
+    if c.torch_threads is not None:
+        _positive("cluster.torch_threads", c.torch_threads)
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")

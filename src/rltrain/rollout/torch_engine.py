@@ -32,9 +32,9 @@ def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 class TorchEngine:
     """One rollout replica. ``generate`` is called by the controller; refit by the refit group."""
 
-    def __init__(self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0):
-        if device == "cpu":
-            torch.set_num_threads(cfg.cluster.torch_threads)
+    def __init__(self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0, num_threads: int = 0):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.cfg = cfg
         self.device = torch.device(device)
         self.tokenizer = load_tokenizer(cfg)

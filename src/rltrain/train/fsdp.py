@@ -81,9 +81,9 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 class FSDPTrainer:
     """FSDP2 model + AdamW on fp32 master weights, one process of a trainer gang."""
 
-    def __init__(self, cfg: RunConfig, env: DistEnv):
-        if env.backend == "gloo":
-            torch.set_num_threads(cfg.cluster.torch_threads)
+    def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.cfg = cfg
         self.env = env
         self.device = init_distributed(env)

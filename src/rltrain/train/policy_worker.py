@@ -23,8 +23,8 @@ from rltrain.train.fsdp import FSDPTrainer
 class PolicyWorker(FSDPTrainer):
     """One rank of the policy trainer."""
 
-    def __init__(self, cfg: RunConfig, env: DistEnv):
-        super().__init__(cfg, env)
+    def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
+        super().__init__(cfg, env, num_threads)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
             from rltrain.models.loader import load_model
@@ -46,23 +46,29 @@ class PolicyWorker(FSDPTrainer):
         for micro in batch.split(self.cfg.train.micro_batch_size):
             micro = micro.to(self.device)
             logits = self.forward_logits(model, micro.input_ids_BT, micro.attention_mask_BT)
-            lp, _ = token_logprobs(logits, micro.input_ids_BT, self.temperature, self.blocked)
-            out.append((lp * micro.response_mask_BT).cpu())
+            lp, _ = token_logprobs(logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT)
+            out.append(lp.cpu())
         return torch.cat(out, dim=0)
 
     # -- training -----------------------------------------------------------------------
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
         """Clipped policy-gradient training on this rank's rows.
 
         Rows are cut into mini batches (one optimizer step each, ``epochs``
         passes) and micro batches (one forward/backward). The loss of a mini
         batch is the token mean over all of its valid tokens on every dp rank.
+
+        ``old_logprobs_BT=None`` is allowed only when the step is on-policy with
+        a single optimizer step: the training forward then yields the old
+        logprobs too (saving a forward pass), returned as the second value.
         """
         a, t = self.cfg.algorithm, self.cfg.train
-        if batch.old_logprobs_BT is None:
-            raise ValueError("train() needs old_logprobs_BT (call compute_logprobs first)")
         rollout_batch = a.prompts_per_step * a.samples_per_prompt
         mini_rows = (t.mini_batch_size or rollout_batch) // self.dp
+        fuse_old = batch.old_logprobs_BT is None
+        old_parts: list[torch.Tensor] = []
+        if fuse_old and (t.epochs != 1 or mini_rows * self.dp != rollout_batch):
+            raise ValueError("train() without old_logprobs_BT needs one optimizer step per rollout")
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         steps: list[dict[str, float]] = []
@@ -76,7 +82,14 @@ class PolicyWorker(FSDPTrainer):
                     # Reduce-scatter gradients only on the last micro batch.
                     self.model.set_requires_gradient_sync(i == len(micros) - 1)
                     logits = self.forward_logits(self.model, micro.input_ids_BT, micro.attention_mask_BT)
-                    lp, ent = token_logprobs(logits, micro.input_ids_BT, self.temperature, self.blocked, with_entropy=True)
+                    lp, ent = token_logprobs(
+                        logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT, with_entropy=True
+                    )
+                    if fuse_old:
+                        # On-policy, one optimizer step: the weights that sampled are the
+                        # weights of this forward, so old logprobs = these, detached.
+                        micro.old_logprobs_BT = lp.detach()
+                        old_parts.append(micro.old_logprobs_BT.cpu())
                     loss, stats = clipped_pg_loss(
                         lp,
                         micro.old_logprobs_BT,
@@ -116,7 +129,7 @@ class PolicyWorker(FSDPTrainer):
         if self.scaler is not None:
             metrics["loss_scale"] = steps[-1]["loss_scale"]
             metrics["skipped_steps"] = float(sum(1 - s["optimizer_step_taken"] for s in steps))
-        return metrics
+        return metrics, (torch.cat(old_parts, dim=0) if fuse_old else None)
 
     # -- refit (sender side) -------------------------------------------------------------
     def refit_manifest(self) -> RefitManifest:
