@@ -89,16 +89,19 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
     a, t = cfg.algorithm, cfg.train
     rollout_batch = a.prompts_per_step * a.samples_per_prompt
     mini = t.mini_batch_size or rollout_batch
+    if t.micro_batch_size is None and mini % dp:
+        raise ConfigError(f"the batch of {mini} sequences per optimizer step does not split over dp={dp} ranks; change dtensor.dp or the batch sizes.")
+    micro = t.micro_batch_size or mini // dp
     if rollout_batch % mini:
         raise ConfigError(
             f"train.mini_batch_size={mini} does not divide the rollout batch of "
             f"algorithm.prompts_per_step={a.prompts_per_step} x algorithm.samples_per_prompt="
             f"{a.samples_per_prompt} = {rollout_batch} sequences; pick a divisor of {rollout_batch}."
         )
-    if mini % (t.micro_batch_size * dp):
+    if mini % (micro * dp):
         raise ConfigError(
             f"the batch of {mini} sequences per optimizer step is not divisible by "
-            f"train.micro_batch_size={t.micro_batch_size} x dp={dp} = {t.micro_batch_size * dp}; "
+            f"train.micro_batch_size={micro} x dp={dp} = {micro * dp}; "
             f"use train.micro_batch_size in {{{_divisors_hint(mini, dp)}}} or change "
             "algorithm.prompts_per_step / train.mini_batch_size."
         )
@@ -107,9 +110,9 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
         samples_per_prompt=a.samples_per_prompt,
         rollout_batch=rollout_batch,
         mini_batch=mini,
-        micro_batch=t.micro_batch_size,
+        micro_batch=micro,
         dp=dp,
-        grad_accum_steps=mini // (t.micro_batch_size * dp),
+        grad_accum_steps=mini // (micro * dp),
         epochs=t.epochs,
         optimizer_steps_per_rollout=t.epochs * rollout_batch // mini,
         sequences_per_rank=rollout_batch // dp,

@@ -101,6 +101,10 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "refit/bytes": float(refit.bytes),
             "refit/buckets": float(refit.buckets),
             **timer.metrics(),
+            "time/generate_engine": rollout.engine_seconds,
+            # Controller <-> actor cost (serialisation, scheduling) of the two big calls.
+            "overhead/generate_s": timer.seconds["generate"] - rollout.engine_seconds,
+            "overhead/train_s": timer.seconds["train"] - train_metrics["time/train_worker"],
             "time/step": step_s,
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,

@@ -113,7 +113,7 @@ class Workers:
             ) from exc
         # Set at process start (before torch loads). Passive OpenMP waits keep an
         # idle role from spinning on cores the busy role needs.
-        env_vars = {"OMP_WAIT_POLICY": "PASSIVE"} if plan.device == "cpu" else {}
+        env_vars = {}
 
         def spawn(bundle_index: int, bundle: dict[str, float]):
             return RemoteHost.options(
@@ -179,6 +179,7 @@ class Workers:
             response_logprobs=[lp for b in parts for lp in b.response_logprobs],
             finished=[f for b in parts for f in b.finished],
             weight_version=min(b.weight_version for b in parts),
+            engine_seconds=max(b.engine_seconds for b in parts),
         )
 
     # -- policy -------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ class TrainConfig:
     # Sequences per optimizer step across all data-parallel ranks; null = the
     # whole rollout batch (one optimizer step per rollout and epoch).
     mini_batch_size: int | None = None
-    # Sequences per forward/backward on one data-parallel rank.
-    micro_batch_size: int = 128
+    # Sequences per forward/backward on one data-parallel rank; null = the
+    # rank's whole share of a mini batch (one forward/backward per step).
+    micro_batch_size: int | None = None
     epochs: int = 1
 
 

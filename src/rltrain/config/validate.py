@@ -42,7 +42,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
 
     t = cfg.train
-    _positive("train.micro_batch_size", t.micro_batch_size)
+    if t.micro_batch_size is not None:
+        _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.epochs", t.epochs)
     if t.mini_batch_size is not None:
         _positive("train.mini_batch_size", t.mini_batch_size)

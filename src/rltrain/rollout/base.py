@@ -30,6 +30,7 @@ class RolloutBatch:
     response_logprobs: list[list[float]]
     finished: list[bool]  # True when the response ended with EOS
     weight_version: int
+    engine_seconds: float = 0.0  # wall time inside the engine (the rest is transport)
 
 
 class Engine(Protocol):

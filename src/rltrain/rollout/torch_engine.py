@@ -60,6 +60,7 @@ class TorchEngine:
         Prompts are left-padded into one batch; each step feeds the last token
         with the KV cache. A row stops at EOS; the batch stops when all rows did.
         """
+        t0 = time.perf_counter()
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         B = len(prompt_ids)
@@ -110,6 +111,7 @@ class TorchEngine:
             response_logprobs=[logprobs[i][: n[i]] for i in range(B)],
             finished=finished,
             weight_version=self._version,
+            engine_seconds=time.perf_counter() - t0,
         )
 
     # -- refit --------------------------------------------------------------

@@ -7,6 +7,7 @@ same rows) and every method is called on all ranks.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -31,6 +32,9 @@ class PolicyWorker(FSDPTrainer):
 
             self.reference = self._shard(load_model(cfg, "float32"), trainable=False).eval()
         self.temperature = cfg.rollout.temperature
+        a = cfg.algorithm
+        rollout_batch = a.prompts_per_step * a.samples_per_prompt
+        self.micro_batch = cfg.train.micro_batch_size or (cfg.train.mini_batch_size or rollout_batch) // self.dp
         self.manifest: RefitManifest | None = None
         self.sender = None
 
@@ -43,7 +47,7 @@ class PolicyWorker(FSDPTrainer):
             raise RuntimeError("reference logprobs asked for, but algorithm.kl_coef=0 built no reference model")
         model.eval()
         out = []
-        for micro in batch.split(self.cfg.train.micro_batch_size):
+        for micro in batch.split(self.micro_batch):
             micro = micro.to(self.device)
             logits = self.forward_logits(model, micro.input_ids_BT, micro.attention_mask_BT)
             lp, _ = token_logprobs(logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT)
@@ -62,6 +66,7 @@ class PolicyWorker(FSDPTrainer):
         a single optimizer step: the training forward then yields the old
         logprobs too (saving a forward pass), returned as the second value.
         """
+        t0 = time.perf_counter()
         a, t = self.cfg.algorithm, self.cfg.train
         rollout_batch = a.prompts_per_step * a.samples_per_prompt
         mini_rows = (t.mini_batch_size or rollout_batch) // self.dp
@@ -76,7 +81,7 @@ class PolicyWorker(FSDPTrainer):
             for mini in batch.split(mini_rows):
                 local = torch.stack([mini.response_mask_BT.sum(), torch.tensor(float(mini.size))])
                 global_tokens, _ = self.dp_sum(local).tolist()
-                micros = mini.split(t.micro_batch_size)
+                micros = mini.split(self.micro_batch)
                 for i, micro in enumerate(micros):
                     micro = micro.to(self.device)
                     # Reduce-scatter gradients only on the last micro batch.
@@ -129,6 +134,7 @@ class PolicyWorker(FSDPTrainer):
         if self.scaler is not None:
             metrics["loss_scale"] = steps[-1]["loss_scale"]
             metrics["skipped_steps"] = float(sum(1 - s["optimizer_step_taken"] for s in steps))
+        metrics["time/train_worker"] = time.perf_counter() - t0
         return metrics, (torch.cat(old_parts, dim=0) if fuse_old else None)
 
     # -- refit (sender side) -------------------------------------------------------------

@@ -1,0 +1,42 @@
+# Everything a person does, as make targets. The venv pins the CPU torch build;
+# on a GPU machine with torch already installed, use `pip install -e .` instead.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rltrain-installed
+ARGS ?=
+
+.PHONY: setup run test test-fast lint format typecheck bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup  ## the embedded default: tiny model, copy task, local Ray on CPU
+	$(VENV)/bin/rltrain grpo $(ARGS)
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+test-fast: setup  ## everything except the end-to-end runs
+	$(VENV)/bin/pytest -q -m "not e2e"
+
+lint: setup
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff format --check src tests scripts
+
+format: setup
+	$(VENV)/bin/ruff format src tests scripts
+	$(VENV)/bin/ruff check --fix src tests scripts
+
+typecheck: setup
+	$(VENV)/bin/mypy src
+
+bench: setup  ## per-step cost of the embedded default across actors
+	$(PY) scripts/bench_step.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache
