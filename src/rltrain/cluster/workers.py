@@ -111,16 +111,12 @@ class Workers:
                 f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
                 f"{bundles[-1]} for rollout) within {self.timeout}s; it offers {ray.cluster_resources()}"
             ) from exc
-        # Set at process start (before torch loads). Passive OpenMP waits keep an
-        # idle role from spinning on cores the busy role needs.
-        env_vars = {}
 
         def spawn(bundle_index: int, bundle: dict[str, float]):
             return RemoteHost.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
-                runtime_env={"env_vars": env_vars},
             ).remote()
 
         self.policy = Gang("policy", [spawn(i, bundles[i]) for i in range(policy.world_size)])
