@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +34,31 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A free TCP port for a rendezvous store, outside the OS's ephemeral range.
+
+    gloo opens many outgoing connections on ephemeral ports; a store port
+    picked from that range can be taken by one of them before it is bound.
+    """
+    low, high = _ephemeral_range()
+    candidates = list(range(20000, low)) if low > 21000 else list(range(high + 1, 65535))
+    rng = random.Random()
+    for port in rng.sample(candidates, k=min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
