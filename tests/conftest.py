@@ -20,6 +20,8 @@ def ray_session():
     """One local Ray for every test that needs it (started on first use)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False
+    )
     yield ray
     ray.shutdown()

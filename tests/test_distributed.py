@@ -23,7 +23,15 @@ LR = 1.0
 def _cfg(dp: int, tp: int):
     # eps=1 makes AdamW's first update ~ lr * grad, so gradient noise stays small;
     # max_grad_norm below the grad norm exercises the mesh-aware clipping.
-    return tiny_config(**{"dtensor.dp": dp, "dtensor.tp": tp, "optim.lr": LR, "optim.eps": 1.0, "optim.max_grad_norm": 0.05})
+    return tiny_config(
+        **{
+            "dtensor.dp": dp,
+            "dtensor.tp": tp,
+            "optim.lr": LR,
+            "optim.eps": 1.0,
+            "optim.max_grad_norm": 0.05,
+        }
+    )
 
 
 def _batch(cfg, seed: int = 0):
@@ -51,12 +59,23 @@ def reference_step(cfg, batch) -> dict[str, torch.Tensor]:
     model = load_model(cfg)
     blocked = torch.tensor(blocked_token_ids(cfg, load_tokenizer(cfg)))
     o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
     logits = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
     lp, _ = token_logprobs(logits, batch.input_ids_BT, 1.0, blocked, batch.response_mask_BT)
     a = cfg.algorithm
     loss, _ = clipped_pg_loss(
-        lp, lp.detach(), batch.advantages_B, batch.response_mask_BT, a.clip_ratio_low, a.clip_ratio_high,
+        lp,
+        lp.detach(),
+        batch.advantages_B,
+        batch.response_mask_BT,
+        a.clip_ratio_low,
+        a.clip_ratio_high,
         normalizer=float(batch.response_mask_BT.sum()),
     )
     loss.backward()
@@ -86,8 +105,18 @@ def _refit_roundtrip(rank: int, port: int) -> None:
     from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, RefitError
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(300, generator=g), "b": torch.randn(17, 5, generator=g), "c": torch.randn(2000, generator=g), "d": torch.randn(400, generator=g)}
-    manifest = plan_buckets([(k, tuple(v.shape)) for k, v in tensors.items()], "bfloat16", bucket_bytes=1024, num_buffers=2)
+    tensors = {
+        "a": torch.randn(300, generator=g),
+        "b": torch.randn(17, 5, generator=g),
+        "c": torch.randn(2000, generator=g),
+        "d": torch.randn(400, generator=g),
+    }
+    manifest = plan_buckets(
+        [(k, tuple(v.shape)) for k, v in tensors.items()],
+        "bfloat16",
+        bucket_bytes=1024,
+        num_buffers=2,
+    )
     # [a, b] fill bucket 0; c (4000 B > 1024 B) gets its own; d: 3 buckets > 2 buffers (reuse).
     assert [len(b.slots) for b in manifest.buckets] == [2, 1, 1]
     if rank == 0:
@@ -138,11 +167,22 @@ def test_fsdp_tp_and_refit_match_reference(tmp_path):
     got = torch.load(tmp_path / "params.pt")
 
     cfg = _cfg(1, 1)
-    initial = {n: p.detach().clone() for n, p in __import__("rltrain.models.loader", fromlist=["x"]).load_model(cfg).named_parameters()}
+    initial = {
+        n: p.detach().clone()
+        for n, p in __import__("rltrain.models.loader", fromlist=["x"])
+        .load_model(cfg)
+        .named_parameters()
+    }
     ref = reference_step(cfg, _batch(cfg))
     moved = max(float((ref[n] - initial[n]).abs().max()) for n in ref)
     assert moved > 1e-3  # the step really changed the weights (tolerances below are 1000x smaller)
     for mode in ("dp2", "tp2"):
         assert set(got[mode]) == set(ref), mode
         for n, p in ref.items():
-            torch.testing.assert_close(got[mode][n], p, atol=2e-6, rtol=1e-4, msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}")
+            torch.testing.assert_close(
+                got[mode][n],
+                p,
+                atol=2e-6,
+                rtol=1e-4,
+                msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}",
+            )

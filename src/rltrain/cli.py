@@ -18,7 +18,10 @@ console = Console()
 err_console = Console(stderr=True)
 
 ALGORITHMS = ("grpo",)
-Overrides = Annotated[list[str] | None, typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),
+]
 
 
 def _fail(message: str, code: int) -> None:
@@ -51,7 +54,9 @@ def _train(algorithm: str, overrides: list[str] | None) -> None:
     except (WorkerError, RefitError) as exc:
         _fail(f"{exc}. Metrics and checkpoints written so far are kept.", 1)
     except KeyboardInterrupt:
-        _fail("interrupted; Ray was shut down, metrics and checkpoints written so far are kept.", 130)
+        _fail(
+            "interrupted; Ray was shut down, metrics and checkpoints written so far are kept.", 130
+        )
 
 
 @app.command()

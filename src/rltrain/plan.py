@@ -89,15 +89,17 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
     a, t = cfg.algorithm, cfg.train
     rollout_batch = a.prompts_per_step * a.samples_per_prompt
     mini = t.mini_batch_size or rollout_batch
-    if t.micro_batch_size is None and mini % dp:
-        raise ConfigError(f"the batch of {mini} sequences per optimizer step does not split over dp={dp} ranks; change dtensor.dp or the batch sizes.")
-    micro = t.micro_batch_size or mini // dp
     if rollout_batch % mini:
         raise ConfigError(
             f"train.mini_batch_size={mini} does not divide the rollout batch of "
             f"algorithm.prompts_per_step={a.prompts_per_step} x algorithm.samples_per_prompt="
             f"{a.samples_per_prompt} = {rollout_batch} sequences; pick a divisor of {rollout_batch}."
         )
+    if t.micro_batch_size is None and mini % dp:
+        raise ConfigError(
+            f"the batch of {mini} sequences per optimizer step does not split over dp={dp} ranks; change dtensor.dp or the batch sizes."
+        )
+    micro = t.micro_batch_size or mini // dp
     if mini % (micro * dp):
         raise ConfigError(
             f"the batch of {mini} sequences per optimizer step is not divisible by "
@@ -138,18 +140,27 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return None
     c = json.loads(config_json.read_text())
     try:
-        h, L, v, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
+        h, L, v, inter = (
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["vocab_size"],
+            c["intermediate_size"],
+        )
     except KeyError:
         return None
     tied = c.get("tie_word_embeddings", False)
     return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
 
 
-def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None) -> RunPlan:
+def make_plan(
+    cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None
+) -> RunPlan:
     """Compute the run plan; raises ConfigError when the config cannot run on ``resources``."""
     d, ro, p = cfg.dtensor, cfg.rollout, cfg.precision
     if cfg.cluster.device == "cuda" and resources.num_gpus == 0:
-        raise ConfigError("cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu.")
+        raise ConfigError(
+            "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
+        )
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
     model_parallel = d.tp * d.cp
     rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
@@ -202,9 +213,21 @@ def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | No
         f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
     ]
     if p.grad_scaler.enabled:
-        trainer_notes.append(f"sharded grad scaler (growth_interval={p.grad_scaler.growth_interval})")
+        trainer_notes.append(
+            f"sharded grad scaler (growth_interval={p.grad_scaler.growth_interval})"
+        )
     roles = [
-        RolePlan("policy", trainer_world, mesh, trainer_bundle, device, p.param_dtype, backend, trainer_threads, trainer_notes),
+        RolePlan(
+            "policy",
+            trainer_world,
+            mesh,
+            trainer_bundle,
+            device,
+            p.param_dtype,
+            backend,
+            trainer_threads,
+            trainer_notes,
+        ),
         RolePlan(
             "rollout",
             ro.replicas,
@@ -214,7 +237,9 @@ def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | No
             p.rollout_dtype,
             backend,
             rollout_threads,
-            [f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}"],
+            [
+                f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}"
+            ],
         ),
     ]
     n_params = estimate_num_params(cfg)
@@ -223,7 +248,9 @@ def make_plan(cfg: RunConfig, resources: Resources, choices: dict[str, str] | No
         shard = dp * d.tp
         # fp32 master params + fp32 grads + AdamW's two fp32 moments, sharded over dp x tp.
         memory["policy_bytes_per_rank"] = 16 * n_params // shard
-        memory["rollout_weight_bytes_per_replica"] = DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp
+        memory["rollout_weight_bytes_per_replica"] = (
+            DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp
+        )
         memory["refit_bytes_per_step"] = DTYPE_BYTES[p.refit_dtype] * n_params
     return RunPlan(
         algorithm=cfg.algorithm.name,

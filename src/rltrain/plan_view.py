@@ -18,27 +18,39 @@ def _fmt_bytes(n: object) -> str:
 
 
 def plan_tree(plan: RunPlan) -> Tree:
-    tree = Tree(f"[bold]{plan.algorithm}[/] on {plan.device} ({plan.resources.num_cpus} CPUs, {plan.resources.num_gpus} GPUs)")
+    tree = Tree(
+        f"[bold]{plan.algorithm}[/] on {plan.device} ({plan.resources.num_cpus} CPUs, {plan.resources.num_gpus} GPUs)"
+    )
     groups = tree.add("config groups")
     for g, opt in sorted(plan.choices.items()):
         groups.add(f"{g} = {opt}")
     roles = tree.add("roles")
     for r in plan.roles:
-        node = roles.add(f"[bold]{r.name}[/]: {r.world_size} process(es), mesh {r.mesh}, {r.backend}, {r.dtype}")
+        node = roles.add(
+            f"[bold]{r.name}[/]: {r.world_size} process(es), mesh {r.mesh}, {r.backend}, {r.dtype}"
+        )
         node.add(f"resources per process: {r.bundle}")
         for note in r.notes:
             node.add(note)
     b = plan.batch
     batch = tree.add("batch math")
-    batch.add(f"{b.prompts_per_step} prompts x {b.samples_per_prompt} samples = {b.rollout_batch} sequences per step")
-    batch.add(f"mini batch {b.mini_batch} -> {b.optimizer_steps_per_rollout} optimizer step(s) per rollout ({b.epochs} epoch(s))")
-    batch.add(f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} accumulation step(s)")
+    batch.add(
+        f"{b.prompts_per_step} prompts x {b.samples_per_prompt} samples = {b.rollout_batch} sequences per step"
+    )
+    batch.add(
+        f"mini batch {b.mini_batch} -> {b.optimizer_steps_per_rollout} optimizer step(s) per rollout ({b.epochs} epoch(s))"
+    )
+    batch.add(
+        f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} accumulation step(s)"
+    )
     p = plan.precision
     prec = tree.add(f"precision {p['name']}")
     prec.add(f"policy: {p['policy']}")
     prec.add(f"rollout: {p['rollout']}, refit: {p['refit']}")
     r = plan.refit
-    tree.add(f"refit: {r['transport']}, buckets of {_fmt_bytes(r['bucket_bytes'])}, {r['num_buffers']} buffers in flight, {r['dtype']}")
+    tree.add(
+        f"refit: {r['transport']}, buckets of {_fmt_bytes(r['bucket_bytes'])}, {r['num_buffers']} buffers in flight, {r['dtype']}"
+    )
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")

@@ -56,7 +56,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     from rltrain.cluster.ray_cluster import local_resources, ray_cluster
 
     # Plan first (pure): a config that cannot run fails before Ray starts.
-    resources: Resources | None = local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
+    resources: Resources | None = (
+        local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
+    )
     plan = make_plan(cfg, resources, choices) if resources else None
     run_name, out = resolve_output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +81,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         logger = MetricsLogger(cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)))
         workers = Workers(cfg, plan)
         try:
-            ctx = RunContext(cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out)
+            ctx = RunContext(
+                cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
+            )
             startup_s = time.perf_counter() - t0
             with RunProgress(cfg.max_steps, cfg.logger.progress, console) as progress:
 

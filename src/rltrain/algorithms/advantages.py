@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards_B: torch.Tensor, group_size: int, normalize_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards_B: torch.Tensor, group_size: int, normalize_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Group-normalised advantages.
 
     ``rewards_B`` holds consecutive groups of ``group_size`` samples of one

@@ -16,7 +16,9 @@ from rltrain.rollout.base import SamplingParams
 from rltrain.train.batch import build_train_batch
 
 
-def token_mult_prob_error(train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+def token_mult_prob_error(
+    train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> float:
     """Mean over response tokens of exp(|train logprob - engine logprob|); 1.0 = exact agreement."""
     n = mask_BT.sum().clamp(min=1)
     return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
@@ -30,7 +32,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """
     cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
     a, ro = cfg.algorithm, cfg.rollout
-    sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    sampling = SamplingParams(
+        temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens
+    )
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
     weight_version = 0
     for step in range(1, cfg.max_steps + 1):
@@ -58,7 +62,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             exact = torch.tensor([s.exact_match for s in scored])
 
         # step 4: GRPO advantages (group-normalised over the samples of one prompt)
-        advantages = grpo_advantages(rewards, a.samples_per_prompt, a.normalize_adv_by_std, a.adv_eps)
+        advantages = grpo_advantages(
+            rewards, a.samples_per_prompt, a.normalize_adv_by_std, a.adv_eps
+        )
         batch = build_train_batch(rollout, advantages, tok.pad_token_id)
 
         # step 5: train-side logprobs before the update (and reference logprobs for KL).
@@ -110,5 +116,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "throughput/tokens_per_s": n_tokens / step_s,
         }
         on_step(step, metrics)
-        if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0 and step < cfg.max_steps:
+        if (
+            cfg.checkpoint.every_n_steps
+            and step % cfg.checkpoint.every_n_steps == 0
+            and step < cfg.max_steps
+        ):
             ctx.checkpoint(step, weight_version)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def scale_logits(logits: torch.Tensor, temperature: float, blocked_ids: torch.Tensor | None) -> torch.Tensor:
+def scale_logits(
+    logits: torch.Tensor, temperature: float, blocked_ids: torch.Tensor | None
+) -> torch.Tensor:
     """fp32 logits / temperature with blocked token ids set to -inf. Shape kept."""
     out = logits.float() / temperature
     if blocked_ids is not None and blocked_ids.numel():

@@ -8,6 +8,7 @@ actor failures and timeouts into errors that name the role and rank.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -116,14 +117,22 @@ class Workers:
             return RemoteHost.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundle_index
+                ),
             ).remote()
 
         self.policy = Gang("policy", [spawn(i, bundles[i]) for i in range(policy.world_size)])
         self.rollout = Gang(
-            "rollout", [spawn(policy.world_size + i, bundles[policy.world_size + i]) for i in range(rollout.world_size)]
+            "rollout",
+            [
+                spawn(policy.world_size + i, bundles[policy.world_size + i])
+                for i in range(rollout.world_size)
+            ],
         )
-        host, port = wait([self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up")[0]
+        host, port = wait(
+            [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
+        )[0]
         builds = [
             a.build.remote(
                 "rltrain.train.policy_worker.PolicyWorker",
@@ -134,7 +143,9 @@ class Workers:
             for rank, a in enumerate(self.policy.actors)
         ]
         builds += [
-            a.build.remote("rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i, rollout.threads)
+            a.build.remote(
+                "rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i, rollout.threads
+            )
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
@@ -143,32 +154,62 @@ class Workers:
     # -- refit wiring -----------------------------------------------------------------------
     def _init_refit(self) -> None:
         """One-time manifest exchange and refit-group rendezvous (policy rank 0 + replicas)."""
-        manifest = wait([self.policy.actors[0].call.remote("refit_manifest")], ["policy rank 0"], self.timeout, "refit manifest")[0]
-        host, port = wait([self.policy.actors[0].call.remote("refit_endpoint")], ["policy rank 0"], self.timeout, "refit set-up")[0]
+        manifest = wait(
+            [self.policy.actors[0].call.remote("refit_manifest")],
+            ["policy rank 0"],
+            self.timeout,
+            "refit manifest",
+        )[0]
+        host, port = wait(
+            [self.policy.actors[0].call.remote("refit_endpoint")],
+            ["policy rank 0"],
+            self.timeout,
+            "refit set-up",
+        )[0]
         world = 1 + len(self.rollout.actors)
         refs = [a.call.remote("init_refit", host, port, world) for a in self.policy.actors]
-        refs += [a.call.remote("init_refit", manifest, host, port, i + 1, world) for i, a in enumerate(self.rollout.actors)]
-        wait(refs, self.policy.names() + self.rollout.names(), self.timeout, "refit group rendezvous")
+        refs += [
+            a.call.remote("init_refit", manifest, host, port, i + 1, world)
+            for i, a in enumerate(self.rollout.actors)
+        ]
+        wait(
+            refs, self.policy.names() + self.rollout.names(), self.timeout, "refit group rendezvous"
+        )
         self.manifest = manifest
 
     def refit(self, weight_version: int) -> RefitStats:
         """Push the policy's weights to every replica, stamped ``weight_version``."""
         send = self.policy.call_all("refit_send", weight_version)
         recv = self.rollout.call_all("refit_receive")
-        out = wait(send + recv, self.policy.names() + self.rollout.names(), self.cfg.refit.timeout_s * 2, f"refit v{weight_version}")
+        out = wait(
+            send + recv,
+            self.policy.names() + self.rollout.names(),
+            self.cfg.refit.timeout_s * 2,
+            f"refit v{weight_version}",
+        )
         stats: RefitStats = out[0]
         replica_versions = [s.weight_version for s in out[len(send) :]]
         if any(v != weight_version for v in replica_versions):
-            raise WorkerError(f"refit v{weight_version}: replicas report weight versions {replica_versions}")
+            raise WorkerError(
+                f"refit v{weight_version}: replicas report weight versions {replica_versions}"
+            )
         return stats
 
     # -- rollout ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         """Split the prompts evenly over the replicas, keep request order."""
         n = len(self.rollout.actors)
-        chunks = [prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)]
-        refs = [a.call.remote("generate", c, sampling) for a, c in zip(self.rollout.actors, chunks, strict=True) if c]
-        parts: list[RolloutBatch] = wait(refs, self.rollout.names(list(range(len(refs)))), None, "generate")
+        chunks = [
+            prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
+        ]
+        refs = [
+            a.call.remote("generate", c, sampling)
+            for a, c in zip(self.rollout.actors, chunks, strict=True)
+            if c
+        ]
+        parts: list[RolloutBatch] = wait(
+            refs, self.rollout.names(list(range(len(refs)))), None, "generate"
+        )
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -188,8 +229,13 @@ class Workers:
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         shards = self._shards(batch)
-        refs = [a.call.remote("compute_logprobs", s, reference) for a, s in zip(self.policy.actors, shards, strict=True)]
-        out = wait(refs, self.policy.names(), None, "reference logprobs" if reference else "logprobs")
+        refs = [
+            a.call.remote("compute_logprobs", s, reference)
+            for a, s in zip(self.policy.actors, shards, strict=True)
+        ]
+        out = wait(
+            refs, self.policy.names(), None, "reference logprobs" if reference else "logprobs"
+        )
         tp = self.cfg.dtensor.tp
         return torch.cat(out[::tp], dim=0)
 
@@ -205,14 +251,17 @@ class Workers:
         return metrics, torch.cat([o for _, o in out[:: self.cfg.dtensor.tp]], dim=0)
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        return wait(self.policy.call_all("export_hf", path, metadata), self.policy.names(), None, "checkpoint")[0]
+        return wait(
+            self.policy.call_all("export_hf", path, metadata),
+            self.policy.names(),
+            None,
+            "checkpoint",
+        )[0]
 
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement group."""
-        try:
+        with contextlib.suppress(Exception):  # best effort on the way out
             ray.get(self.policy.call_all("shutdown"), timeout=10)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
         for a in self.policy.actors + self.rollout.actors:
             ray.kill(a)
         remove_placement_group(self.pg)

@@ -42,7 +42,9 @@ def _asset_dir(name: str) -> Path:
     repo = Path(__file__).resolve().parents[3] / name
     if repo.is_dir():
         return repo
-    raise ConfigError(f"rltrain's {name}/ folder was not found next to the package; reinstall rltrain.")
+    raise ConfigError(
+        f"rltrain's {name}/ folder was not found next to the package; reinstall rltrain."
+    )
 
 
 def conf_dir() -> Path:
@@ -164,7 +166,9 @@ def _translate(exc: Exception, overrides: list[str]) -> ConfigError:
         key = getattr(e, "full_key", "") or ""
         if isinstance(e, ValidationError):
             msg = str(e).splitlines()[0]
-            return ConfigError(f"bad value for '{key or '?'}': {msg}; give a value of the key's type.")
+            return ConfigError(
+                f"bad value for '{key or '?'}': {msg}; give a value of the key's type."
+            )
         if re.search(r"Key '[^']+' (?:is )?not in", str(e)):
             if not key:
                 m2 = re.search(r"Key '([^']+)'", str(e))
@@ -193,7 +197,9 @@ def _reject_schema_append(override: str) -> None:
     )
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), algorithm: str | None = None) -> tuple[RunConfig, dict[str, str]]:
+def compose(
+    overrides: list[str] | tuple[str, ...] = (), algorithm: str | None = None
+) -> tuple[RunConfig, dict[str, str]]:
     """Compose conf/ + recipe + overrides into a validated RunConfig.
 
     Returns the typed config and the group choices (group -> option). Raises
@@ -209,7 +215,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), algorithm: str | None =
     overrides = list(overrides)
     for o in overrides:
         if "=" not in o:
-            raise ConfigError(f"override '{o}' has no '='; write it as key=value (e.g. optim.lr=3e-4).")
+            raise ConfigError(
+                f"override '{o}' has no '='; write it as key=value (e.g. optim.lr=3e-4)."
+            )
     for o in overrides:
         _reject_schema_append(o)
     if algorithm is not None:
@@ -228,7 +236,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), algorithm: str | None =
         raise _translate(exc, overrides) from exc
     finally:
         GlobalHydra.instance().clear()
-    choices = {g: str(v) for g, v in cfg.hydra.runtime.choices.items() if g in GROUPS and v is not None}
+    choices = {
+        g: str(v) for g, v in cfg.hydra.runtime.choices.items() if g in GROUPS and v is not None
+    }
     with open_dict(cfg):
         del cfg["hydra"]
     run_cfg: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
@@ -247,4 +257,8 @@ def load_yaml(path: str | Path) -> RunConfig:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from exc
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    from rltrain.config.validate import validate
+
+    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg

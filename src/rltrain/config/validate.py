@@ -75,9 +75,13 @@ def validate(cfg: RunConfig) -> None:
     _positive("dtensor.tp", d.tp)
     _positive("dtensor.cp", d.cp)
     if d.cp > 1:
-        raise ConfigError("dtensor.cp>1 (context parallelism) is not available yet; set dtensor.cp=1.")
+        raise ConfigError(
+            "dtensor.cp>1 (context parallelism) is not available yet; set dtensor.cp=1."
+        )
     if d.sequence_parallel and d.tp == 1:
-        raise ConfigError("dtensor.sequence_parallel=true needs dtensor.tp>1; set dtensor.tp or turn it off.")
+        raise ConfigError(
+            "dtensor.sequence_parallel=true needs dtensor.tp>1; set dtensor.tp or turn it off."
+        )
 
     r = cfg.refit
     _choice("refit.transport", r.transport, TRANSPORTS)
@@ -90,9 +94,13 @@ def validate(cfg: RunConfig) -> None:
     _choice("rollout.engine", ro.engine, ENGINES)
     _positive("rollout.replicas", ro.replicas)
     if ro.tp != 1:
-        raise ConfigError("rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1).")
+        raise ConfigError(
+            "rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1)."
+        )
     if ro.colocated:
-        raise ConfigError("rollout.colocated=true is not available for the torch engine; set rollout.colocated=false.")
+        raise ConfigError(
+            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false."
+        )
     if ro.temperature <= 0:
         raise ConfigError(f"rollout.temperature={ro.temperature} must be > 0.")
     if not 0 < ro.top_p <= 1:
@@ -101,7 +109,9 @@ def validate(cfg: RunConfig) -> None:
 
     m = cfg.model
     if m.path is None and m.name != "tiny":
-        raise ConfigError(f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder.")
+        raise ConfigError(
+            f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder."
+        )
     ti = m.tiny
     if ti.hidden_size % ti.num_heads or ti.num_heads % ti.num_kv_heads:
         raise ConfigError(
@@ -118,14 +128,18 @@ def validate(cfg: RunConfig) -> None:
     if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
         raise ConfigError(f"data.alphabet='{da.alphabet}' must be distinct characters without '='.")
     if not 1 <= da.min_len <= da.max_len:
-        raise ConfigError(f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len.")
+        raise ConfigError(
+            f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
+        )
     if ro.max_new_tokens < da.max_len + 1:
         raise ConfigError(
             f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
             f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
         )
     if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
-        raise ConfigError("model.tiny.max_position_embeddings is too short for data.max_len; raise it.")
+        raise ConfigError(
+            "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
+        )
 
     c = cfg.cluster
     _choice("cluster.mode", c.mode, ("local", "ray"))

@@ -42,7 +42,9 @@ class RunProgress:
         self.progress.update(self.task, completed=step, stats=stats)
 
 
-def summary_table(history: list[dict[str, float]], startup_s: float, wall_s: float, outputs: dict[str, str]) -> Table:
+def summary_table(
+    history: list[dict[str, float]], startup_s: float, wall_s: float, outputs: dict[str, str]
+) -> Table:
     """First/last-10-step rewards, mean time per stage, and where the outputs are."""
     table = Table(title="rltrain run summary", show_header=True)
     table.add_column("what")
@@ -57,7 +59,9 @@ def summary_table(history: list[dict[str, float]], startup_s: float, wall_s: flo
     table.add_row("wall time", f"{wall_s:.1f} s")
     stages = sorted({k for r in history for k in r if k.startswith("time/") and k != "time/step"})
     for k in stages:
-        table.add_row(f"{k} (mean per step)", f"{mean(r.get(k, 0.0) for r in history) * 1000:.1f} ms")
+        table.add_row(
+            f"{k} (mean per step)", f"{mean(r.get(k, 0.0) for r in history) * 1000:.1f} ms"
+        )
     if history:
         table.add_row("time/step (mean)", f"{mean(r['time/step'] for r in history) * 1000:.1f} ms")
     for name, path in outputs.items():

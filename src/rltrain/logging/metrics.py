@@ -47,9 +47,15 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError as exc:
-                raise ConfigError("logger.wandb=true needs the wandb package: pip install wandb (or set logger.wandb=false).") from exc
+                raise ConfigError(
+                    "logger.wandb=true needs the wandb package: pip install wandb (or set logger.wandb=false)."
+                ) from exc
             self._wandb = wandb.init(
-                project=cfg.wandb_project, name=run_name, mode=cfg.wandb_mode, config=config, dir=str(output_dir)
+                project=cfg.wandb_project,
+                name=run_name,
+                mode=cfg.wandb_mode,
+                config=config,
+                dir=str(output_dir),
             )
         self.history: list[dict[str, float]] = []
 

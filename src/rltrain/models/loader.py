@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RunConfig
@@ -21,7 +26,9 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(name)
     except OSError as exc:
-        raise ConfigError(f"model.tokenizer '{name}' could not be loaded ({exc}); give a local folder or HF id.") from exc
+        raise ConfigError(
+            f"model.tokenizer '{name}' could not be loaded ({exc}); give a local folder or HF id."
+        ) from exc
 
 
 def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
@@ -34,7 +41,9 @@ def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=TORCH_DTYPES[dtype])
     except OSError as exc:
-        raise ConfigError(f"model.path '{cfg.model.path}' could not be loaded ({exc}); give a local folder or HF id.") from exc
+        raise ConfigError(
+            f"model.path '{cfg.model.path}' could not be loaded ({exc}); give a local folder or HF id."
+        ) from exc
 
 
 def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -43,6 +52,8 @@ def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> lis
     vocab = tokenizer.get_vocab()
     for tok in cfg.model.blocked_tokens:
         if tok not in vocab:
-            raise ConfigError(f"model.blocked_tokens has '{tok}', which the tokenizer does not know; remove it.")
+            raise ConfigError(
+                f"model.blocked_tokens has '{tok}', which the tokenizer does not know; remove it."
+            )
         ids.append(vocab[tok])
     return ids

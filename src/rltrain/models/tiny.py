@@ -52,7 +52,9 @@ def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast
     )
 
 
-def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+def build_tiny_model(
+    shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int
+) -> Qwen2ForCausalLM:
     """Randomly initialised tiny Qwen2; the same seed gives the same weights everywhere."""
     config = tiny_qwen2_config(shape, tokenizer)
     config._attn_implementation = "sdpa"

@@ -52,7 +52,10 @@ class RefitManifest:
 
 
 def plan_buckets(
-    shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: str, bucket_bytes: int, num_buffers: int = 2
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    dtype: str,
+    bucket_bytes: int,
+    num_buffers: int = 2,
 ) -> RefitManifest:
     """Greedy in-order packing into buckets of at most ``bucket_bytes``.
 
@@ -95,7 +98,9 @@ class RefitStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+def pack_bucket(
+    bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
     """Copy the bucket's tensors (cast to ``out.dtype``) into ``out[:bucket.numel]``."""
     for slot in bucket.slots:
         out[slot.offset : slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))

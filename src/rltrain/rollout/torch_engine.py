@@ -32,7 +32,9 @@ def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 class TorchEngine:
     """One rollout replica. ``generate`` is called by the controller; refit by the refit group."""
 
-    def __init__(self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0, num_threads: int = 0):
+    def __init__(
+        self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0, num_threads: int = 0
+    ):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = cfg
@@ -41,8 +43,12 @@ class TorchEngine:
         self.dtype = TORCH_DTYPES[cfg.precision.rollout_dtype]
         self.model = load_model(cfg, cfg.precision.rollout_dtype).to(self.device).eval()
         self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
-        self.blocked = torch.tensor(blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device)
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        )
+        self.blocked = torch.tensor(
+            blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
+        )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.seed * 1000 + replica_index + 1)
         self._version = 0
@@ -73,8 +79,12 @@ class TorchEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
 
-        out_tokens = torch.full((B, sampling.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
-        out_logprobs = torch.zeros((B, sampling.max_new_tokens), dtype=torch.float32, device=self.device)
+        out_tokens = torch.full(
+            (B, sampling.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device
+        )
+        out_logprobs = torch.zeros(
+            (B, sampling.max_new_tokens), dtype=torch.float32, device=self.device
+        )
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         past = None
@@ -89,7 +99,9 @@ class TorchEngine:
                 logits_to_keep=1,
             )
             past = out.past_key_values
-            logp = torch.log_softmax(scale_logits(out.logits[:, -1], sampling.temperature, self.blocked), dim=-1)
+            logp = torch.log_softmax(
+                scale_logits(out.logits[:, -1], sampling.temperature, self.blocked), dim=-1
+            )
             probs = top_p_filter(logp.exp(), sampling.top_p)
             tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
@@ -101,7 +113,9 @@ class TorchEngine:
                 break
             step_ids = tok[:, None]
             step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            mask = torch.cat(
+                [mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1
+            )
 
         tokens, logprobs, n = out_tokens.tolist(), out_logprobs.tolist(), lengths.tolist()
         finished = done.tolist()
@@ -115,40 +129,53 @@ class TorchEngine:
         )
 
     # -- refit --------------------------------------------------------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> int:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> int:
         """Copy (name, tensor) pairs into the model; returns the number of tensors loaded."""
         n = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._params.get(name)
                 if param is None:
-                    raise KeyError(f"rollout engine has no parameter '{name}' (refit manifest mismatch)")
+                    raise KeyError(
+                        f"rollout engine has no parameter '{name}' (refit manifest mismatch)"
+                    )
                 param.copy_(tensor)
                 n += 1
         self._version = weight_version
         return n
 
-    def init_refit(self, manifest: RefitManifest, host: str, port: int, rank: int, world_size: int) -> None:
+    def init_refit(
+        self, manifest: RefitManifest, host: str, port: int, rank: int, world_size: int
+    ) -> None:
         """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy."""
         from rltrain.refit.gloo import GlooRefitReceiver
 
         missing = [s.name for b in manifest.buckets for s in b.slots if s.name not in self._params]
         if missing:
-            raise KeyError(f"rollout engine has no parameters {missing[:3]}... named in the refit manifest")
-        self.refit_receiver = GlooRefitReceiver(manifest, host, port, rank, world_size, self.cfg.refit.timeout_s)
+            raise KeyError(
+                f"rollout engine has no parameters {missing[:3]}... named in the refit manifest"
+            )
+        self.refit_receiver = GlooRefitReceiver(
+            manifest, host, port, rank, world_size, self.cfg.refit.timeout_s
+        )
 
     def refit_receive(self) -> RefitStats:
         """Receive one refit and load it; the weight version comes from the sender."""
         if self.refit_receiver is None:
             raise RuntimeError("refit_receive before init_refit")
         t0 = time.perf_counter()
-        stream = self.refit_receiver.receive()
-        version = self._version
+        versions = set()
         n = 0
         with torch.no_grad():
-            for version, name, tensor in stream:
+            for sent_version, name, tensor in self.refit_receiver.receive():
                 self._params[name].copy_(tensor)
+                versions.add(sent_version)
                 n += 1
+        (version,) = versions  # one header per refit: every tensor carries the same version
         self._version = version
         m = self.refit_receiver.manifest
-        return RefitStats(version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)})
+        return RefitStats(
+            version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)}
+        )

@@ -34,7 +34,12 @@ class TrainBatch:
         """Rows [start, end) of every field."""
         return replace(
             self,
-            **{f.name: (getattr(self, f.name)[start:end] if getattr(self, f.name) is not None else None) for f in fields(self)},
+            **{
+                f.name: (
+                    getattr(self, f.name)[start:end] if getattr(self, f.name) is not None else None
+                )
+                for f in fields(self)
+            },
         )
 
     def split(self, size: int) -> list[TrainBatch]:
@@ -43,7 +48,12 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> TrainBatch:
         return replace(
             self,
-            **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None) for f in fields(self)},
+            **{
+                f.name: (
+                    getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None
+                )
+                for f in fields(self)
+            },
         )
 
 
@@ -55,7 +65,9 @@ def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id:
     attn = torch.zeros((B, T), dtype=torch.long)
     resp = torch.zeros((B, T), dtype=torch.float32)
     elp = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(zip(rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, strict=True)):
+    for i, (p, r, lp) in enumerate(
+        zip(rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, strict=True)
+    ):
         n, m = len(p), len(r)
         ids[i, : n + m] = torch.tensor(p + r, dtype=torch.long)
         attn[i, : n + m] = 1

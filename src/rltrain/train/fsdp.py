@@ -28,13 +28,19 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList; FSDP2 wrapping needs one")
+        raise TypeError(
+            f"{type(model).__name__} has no model.layers ModuleList; FSDP2 wrapping needs one"
+        )
     return layers
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     """Megatron-style TP of each decoder block: q/k/v/gate/up column-, o/down row-parallel."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     cfg = model.config
     tp = tp_mesh.size()
@@ -94,13 +100,19 @@ class FSDPTrainer:
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.tokenizer = load_tokenizer(cfg)
-        self.blocked = torch.tensor(blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device)
+        self.blocked = torch.tensor(
+            blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
+        )
         torch.manual_seed(cfg.seed)
         self.model = self._shard(load_model(cfg, "float32"))  # fp32 master weights
         self.hf_config = self.model.config
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            self.model.parameters(),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
         )
         gs = cfg.precision.grad_scaler
         self.scaler = None
@@ -124,12 +136,16 @@ class FSDPTrainer:
         if d.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"])
         if d.activation_checkpointing and trainable:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
 
             layers = decoder_layers(model)
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
-        mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype])
+        mp = MixedPrecisionPolicy(
+            param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
+        )
         kwargs = {"mesh": self.mesh["dp"], "mp_policy": mp}
         if d.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -152,8 +168,12 @@ class FSDPTrainer:
         return out.to(values.device)
 
     # -- forward ------------------------------------------------------------------
-    def forward_logits(self, model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
+    def forward_logits(
+        self, model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+    ) -> torch.Tensor:
+        return model(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+        ).logits
 
     # -- optimizer step ---------------------------------------------------------
     def optimizer_step(self) -> dict[str, float]:
@@ -180,7 +200,11 @@ class FSDPTrainer:
         else:
             stepped = 0.0  # a non-finite grad never reaches the weights
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"grad_norm": norm, "optimizer_step_taken": stepped, "lr": self.optimizer.param_groups[0]["lr"]}
+        out = {
+            "grad_norm": norm,
+            "optimizer_step_taken": stepped,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
@@ -210,7 +234,10 @@ class FSDPTrainer:
         path = Path(path)
         if self.is_rank0:
             path.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+            save_file(
+                {k: v.cpu().contiguous() for k, v in tensors.items()},
+                str(path / "model.safetensors"),
+            )
             self.hf_config.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
             if metadata:

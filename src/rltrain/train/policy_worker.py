@@ -34,7 +34,9 @@ class PolicyWorker(FSDPTrainer):
         self.temperature = cfg.rollout.temperature
         a = cfg.algorithm
         rollout_batch = a.prompts_per_step * a.samples_per_prompt
-        self.micro_batch = cfg.train.micro_batch_size or (cfg.train.mini_batch_size or rollout_batch) // self.dp
+        self.micro_batch = (
+            cfg.train.micro_batch_size or (cfg.train.mini_batch_size or rollout_batch) // self.dp
+        )
         self.manifest: RefitManifest | None = None
         self.sender = None
 
@@ -44,13 +46,17 @@ class PolicyWorker(FSDPTrainer):
         """Token-aligned logprobs_BT of this rank's rows under the current (or reference) policy."""
         model = self.reference if reference else self.model
         if model is None:
-            raise RuntimeError("reference logprobs asked for, but algorithm.kl_coef=0 built no reference model")
+            raise RuntimeError(
+                "reference logprobs asked for, but algorithm.kl_coef=0 built no reference model"
+            )
         model.eval()
         out = []
         for micro in batch.split(self.micro_batch):
             micro = micro.to(self.device)
             logits = self.forward_logits(model, micro.input_ids_BT, micro.attention_mask_BT)
-            lp, _ = token_logprobs(logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT)
+            lp, _ = token_logprobs(
+                logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT
+            )
             out.append(lp.cpu())
         return torch.cat(out, dim=0)
 
@@ -86,9 +92,16 @@ class PolicyWorker(FSDPTrainer):
                     micro = micro.to(self.device)
                     # Reduce-scatter gradients only on the last micro batch.
                     self.model.set_requires_gradient_sync(i == len(micros) - 1)
-                    logits = self.forward_logits(self.model, micro.input_ids_BT, micro.attention_mask_BT)
+                    logits = self.forward_logits(
+                        self.model, micro.input_ids_BT, micro.attention_mask_BT
+                    )
                     lp, ent = token_logprobs(
-                        logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT, with_entropy=True
+                        logits,
+                        micro.input_ids_BT,
+                        self.temperature,
+                        self.blocked,
+                        micro.response_mask_BT,
+                        with_entropy=True,
                     )
                     if fuse_old:
                         # On-policy, one optimizer step: the weights that sampled are the
@@ -117,7 +130,13 @@ class PolicyWorker(FSDPTrainer):
                     sums["tokens"] += float(micro.response_mask_BT.sum())
                 steps.append(self.optimizer_step())
         keys = sorted(sums)
-        totals = dict(zip(keys, self.dp_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist(), strict=True))
+        totals = dict(
+            zip(
+                keys,
+                self.dp_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist(),
+                strict=True,
+            )
+        )
         n_tok = max(totals["tokens"], 1.0)
         n_steps = len(steps)
         metrics = {
@@ -141,7 +160,9 @@ class PolicyWorker(FSDPTrainer):
     def refit_manifest(self) -> RefitManifest:
         """Names, shapes and bucket layout of every refit (same on all ranks)."""
         r = self.cfg.refit
-        self.manifest = plan_buckets(self.param_shapes(), self.cfg.precision.refit_dtype, r.bucket_bytes, r.num_buffers)
+        self.manifest = plan_buckets(
+            self.param_shapes(), self.cfg.precision.refit_dtype, r.bucket_bytes, r.num_buffers
+        )
         return self.manifest
 
     def refit_endpoint(self) -> tuple[str, int]:
@@ -155,7 +176,9 @@ class PolicyWorker(FSDPTrainer):
         if self.is_rank0:
             from rltrain.refit.gloo import GlooRefitSender
 
-            self.sender = GlooRefitSender(self.manifest, host, port, world_size, self.cfg.refit.timeout_s)
+            self.sender = GlooRefitSender(
+                self.manifest, host, port, world_size, self.cfg.refit.timeout_s
+            )
 
     def refit_send(self, weight_version: int) -> RefitStats | None:
         """Gather full weights bucket by bucket (all ranks) and broadcast them (rank 0)."""
