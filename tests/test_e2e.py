@@ -32,7 +32,13 @@ def _metrics(out: Path) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_cli_run_writes_every_output(tmp_path):
     out = tmp_path / "run"
-    proc = _run_cli("grpo", "max_steps=4", f"output_dir={out}", "logger.progress=false")
+    proc = _run_cli(
+        "grpo",
+        "max_steps=4",
+        f"output_dir={out}",
+        "logger.progress=false",
+        "checkpoint.every_n_steps=2",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rltrain run summary" in proc.stdout
     rows = _metrics(out)
@@ -67,6 +73,11 @@ def test_cli_run_writes_every_output(tmp_path):
 
     from rltrain.models.loader import load_model
 
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert (
+        json.loads((out / "checkpoints" / "step_000002" / "rltrain_meta.json").read_text())["step"]
+        == 2
+    )
     ckpt = out / "checkpoints" / "step_000004"
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     tok = AutoTokenizer.from_pretrained(ckpt)
