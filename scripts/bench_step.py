@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 from statistics import mean
 
@@ -39,60 +38,10 @@ def ray_run(steps: int, out_dir: Path) -> dict[str, float]:
 
 
 def in_process(steps: int) -> dict[str, float]:
-    import torch
+    from inprocess import embedded_default, run_in_process
 
-    from rltrain.algorithms.advantages import grpo_advantages
-    from rltrain.config.compose import compose
-    from rltrain.data import build_task
-    from rltrain.rollout.base import SamplingParams
-    from rltrain.rollout.torch_engine import TorchEngine
-    from rltrain.train.batch import build_train_batch
-    from rltrain.train.distributed import DistEnv, free_port
-    from rltrain.train.policy_worker import PolicyWorker
-
-    cfg, _ = compose([], algorithm="grpo")
-    threads = os.cpu_count() or 1
-    policy = PolicyWorker(cfg, DistEnv(0, 1, "127.0.0.1", free_port(), "gloo"), num_threads=threads)
-    engine = TorchEngine(cfg, "cpu", 0, num_threads=threads)
-    task, tok, a = build_task(cfg.data, cfg.seed), engine.tokenizer, cfg.algorithm
-    sampling = SamplingParams(
-        cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens
-    )
-    times: dict[str, list[float]] = {"generate": [], "train": [], "refit": [], "step": []}
-    for step in range(steps + 5):
-        t0 = time.perf_counter()
-        items = task.sample(a.prompts_per_step)
-        prompts = [
-            ids
-            for ids in tok([i.prompt for i in items]).input_ids
-            for _ in range(a.samples_per_prompt)
-        ]
-        rollout = engine.generate(prompts, sampling)
-        t1 = time.perf_counter()
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        rewards = torch.tensor(
-            [
-                task.reward(items[i // a.samples_per_prompt], t, f).reward
-                for i, (t, f) in enumerate(zip(texts, rollout.finished, strict=True))
-            ]
-        )
-        batch = build_train_batch(
-            rollout, grpo_advantages(rewards, a.samples_per_prompt), tok.pad_token_id
-        )
-        policy.train(batch)
-        t2 = time.perf_counter()
-        engine.load_weights(policy.full_tensors().items(), step + 1)
-        t3 = time.perf_counter()
-        if step >= 5:
-            for k, v in (
-                ("generate", t1 - t0),
-                ("train", t2 - t1),
-                ("refit", t3 - t2),
-                ("step", t3 - t0),
-            ):
-                times[k].append(v)
-    policy.shutdown()
-    return {f"time/{k}": 1000 * mean(v) for k, v in times.items()}
+    result = run_in_process(embedded_default(), steps - 5, "cpu", num_threads=os.cpu_count() or 1)
+    return {k.replace("ms/", "time/"): v for k, v in result.items() if k.startswith("ms/")}
 
 
 def main() -> None:
