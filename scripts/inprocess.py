@@ -13,7 +13,7 @@ import torch
 
 from rltrain.algorithms.advantages import grpo_advantages
 from rltrain.config.schema import RunConfig
-from rltrain.data import build_task
+from rltrain.data import build_task, encode_groups, score_groups
 from rltrain.rollout.base import SamplingParams
 from rltrain.rollout.torch_engine import TorchEngine
 from rltrain.train.batch import build_train_batch
@@ -58,19 +58,13 @@ def run_in_process(
     for step in range(steps + warmup):
         t0 = time.perf_counter()
         items = task.sample(a.prompts_per_step)
-        prompts = [
-            ids
-            for ids in tok([i.prompt for i in items]).input_ids
-            for _ in range(a.samples_per_prompt)
-        ]
+        prompts = encode_groups(tok, items, a.samples_per_prompt)
         rollout = engine.generate(prompts, sampling)
         sync()
         t1 = time.perf_counter()
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        scored = [
-            task.reward(items[i // a.samples_per_prompt], t, f)
-            for i, (t, f) in enumerate(zip(texts, rollout.finished, strict=True))
-        ]
+        scored = score_groups(
+            task, tok, items, rollout.response_ids, rollout.finished, a.samples_per_prompt
+        )
         rewards = torch.tensor([s.reward for s in scored])
         batch = build_train_batch(
             rollout, grpo_advantages(rewards, a.samples_per_prompt), tok.pad_token_id

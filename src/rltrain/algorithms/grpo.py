@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from rltrain.algorithms.advantages import grpo_advantages
+from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import SamplingParams
 from rltrain.train.batch import build_train_batch
@@ -43,21 +44,18 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 1: prompts, each repeated samples_per_prompt times (one GRPO group)
         items = task.sample(a.prompts_per_step)
-        encoded = tok([it.prompt for it in items]).input_ids
-        prompt_ids = [ids for ids in encoded for _ in range(a.samples_per_prompt)]
+        prompt_ids = encode_groups(tok, items, a.samples_per_prompt)
 
         # step 2: generate with the engines' current weights (version = weight_version)
         with timer("generate"):
             rollout = workers.generate(prompt_ids, sampling)
         assert rollout.weight_version == weight_version, "rollout used stale weights"
 
-        # step 3: reward (decode without EOS/special tokens; 'finished' = stopped at EOS)
+        # step 3: reward (decoded without special tokens; 'finished' = stopped at EOS)
         with timer("reward"):
-            texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
-            scored = [
-                task.reward(items[i // a.samples_per_prompt], text, fin)
-                for i, (text, fin) in enumerate(zip(texts, rollout.finished, strict=True))
-            ]
+            scored = score_groups(
+                task, tok, items, rollout.response_ids, rollout.finished, a.samples_per_prompt
+            )
             rewards = torch.tensor([s.reward for s in scored])
             exact = torch.tensor([s.exact_match for s in scored])
 

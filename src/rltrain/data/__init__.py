@@ -1,5 +1,12 @@
 """Prompt sources and rewards."""
 
-from rltrain.data.task import PromptItem, RewardResult, Task, build_task
+from rltrain.data.task import (
+    PromptItem,
+    RewardResult,
+    Task,
+    build_task,
+    encode_groups,
+    score_groups,
+)
 
-__all__ = ["PromptItem", "RewardResult", "Task", "build_task"]
+__all__ = ["PromptItem", "RewardResult", "Task", "build_task", "encode_groups", "score_groups"]

@@ -40,3 +40,28 @@ def build_task(cfg: DataConfig, seed: int) -> Task:
 
         return CopyTask(cfg, seed)
     raise ConfigError(f"data.task={cfg.task} is not a known task; use data.task=copy.")
+
+
+def encode_groups(tokenizer, items: list[PromptItem], samples_per_prompt: int) -> list[list[int]]:
+    """Prompt token ids, each prompt repeated ``samples_per_prompt`` times (one GRPO group)."""
+    encoded = tokenizer([it.prompt for it in items]).input_ids
+    return [ids for ids in encoded for _ in range(samples_per_prompt)]
+
+
+def score_groups(
+    task: Task,
+    tokenizer,
+    items: list[PromptItem],
+    response_ids: list[list[int]],
+    finished: list[bool],
+    samples_per_prompt: int,
+) -> list[RewardResult]:
+    """Reward of every response; response i answers prompt i // samples_per_prompt.
+
+    Responses are decoded without special tokens; ``finished`` says the response stopped at EOS.
+    """
+    texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    return [
+        task.reward(items[i // samples_per_prompt], text, fin)
+        for i, (text, fin) in enumerate(zip(texts, finished, strict=True))
+    ]
