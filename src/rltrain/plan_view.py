@@ -47,9 +47,9 @@ def plan_tree(plan: RunPlan) -> Tree:
     prec = tree.add(f"precision {p['name']}")
     prec.add(f"policy: {p['policy']}")
     prec.add(f"rollout: {p['rollout']}, refit: {p['refit']}")
-    r = plan.refit
+    rf = plan.refit
     tree.add(
-        f"refit: {r['transport']}, buckets of {_fmt_bytes(r['bucket_bytes'])}, {r['num_buffers']} buffers in flight, {r['dtype']}"
+        f"refit: {rf['transport']}, buckets of {_fmt_bytes(rf['bucket_bytes'])}, {rf['num_buffers']} buffers in flight, {rf['dtype']}"
     )
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():

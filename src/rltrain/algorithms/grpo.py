@@ -86,6 +86,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 8: metrics and checkpoint
         step_s = time.perf_counter() - t_step
+        assert batch.old_logprobs_BT is not None
         groups = rewards.view(-1, a.samples_per_prompt)
         n_tokens = float(batch.response_mask_BT.sum())
         metrics = {

@@ -48,7 +48,6 @@ def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
     )
 
 

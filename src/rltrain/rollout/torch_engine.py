@@ -15,6 +15,7 @@ from rltrain.algorithms.logprobs import scale_logits
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit.base import RefitManifest, RefitStats
+from rltrain.refit.gloo import GlooRefitReceiver
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 
@@ -53,7 +54,7 @@ class TorchEngine:
         self.generator.manual_seed(cfg.seed * 1000 + replica_index + 1)
         self._version = 0
         self._params = dict(self.model.named_parameters())
-        self.refit_receiver = None
+        self.refit_receiver: GlooRefitReceiver | None = None
 
     # -- engine interface -------------------------------------------------
     def weight_version(self) -> int:
@@ -150,8 +151,6 @@ class TorchEngine:
         self, manifest: RefitManifest, host: str, port: int, rank: int, world_size: int
     ) -> None:
         """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy."""
-        from rltrain.refit.gloo import GlooRefitReceiver
-
         missing = [s.name for b in manifest.buckets for s in b.slots if s.name not in self._params]
         if missing:
             raise KeyError(

@@ -16,6 +16,7 @@ from rltrain.algorithms.logprobs import token_logprobs
 from rltrain.algorithms.losses import clipped_pg_loss
 from rltrain.config.schema import RunConfig
 from rltrain.refit.base import Bucket, RefitManifest, RefitStats, plan_buckets
+from rltrain.refit.gloo import GlooRefitSender
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, free_port, node_ip
 from rltrain.train.fsdp import FSDPTrainer
@@ -38,7 +39,7 @@ class PolicyWorker(FSDPTrainer):
             cfg.train.micro_batch_size or (cfg.train.mini_batch_size or rollout_batch) // self.dp
         )
         self.manifest: RefitManifest | None = None
-        self.sender = None
+        self.sender: GlooRefitSender | None = None
 
     # -- inference ------------------------------------------------------------------
     @torch.no_grad()
@@ -171,13 +172,10 @@ class PolicyWorker(FSDPTrainer):
 
     def init_refit(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the refit group as its root; other ranks only help gather."""
-        if self.manifest is None:
-            self.refit_manifest()
+        manifest = self.manifest or self.refit_manifest()
         if self.is_rank0:
-            from rltrain.refit.gloo import GlooRefitSender
-
             self.sender = GlooRefitSender(
-                self.manifest, host, port, world_size, self.cfg.refit.timeout_s
+                manifest, host, port, world_size, self.cfg.refit.timeout_s
             )
 
     def refit_send(self, weight_version: int) -> RefitStats | None:
