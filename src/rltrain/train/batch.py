@@ -74,8 +74,3 @@ def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id:
         resp[i, n : n + m] = 1.0
         elp[i, n : n + m] = torch.tensor(lp, dtype=torch.float32)
     return TrainBatch(ids, attn, resp, advantages_B.float(), elp)
-
-
-def concat_logprobs(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate per-rank logprob shards (same T) along the batch."""
-    return torch.cat(parts, dim=0)
