@@ -69,6 +69,9 @@ class RunPlan:
     colocated: bool
     memory: dict[str, object]
     choices: dict[str, str]
+    # role -> node of each rank ("ip (node id)"): forecast by `rltrain plan`,
+    # then what Ray actually chose once a run has started.
+    placement: dict[str, list[str]] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)

@@ -51,6 +51,10 @@ def plan_tree(plan: RunPlan) -> Tree:
     tree.add(
         f"refit: {rf['transport']}, buckets of {_fmt_bytes(rf['bucket_bytes'])}, {rf['num_buffers']} buffers in flight, {rf['dtype']}"
     )
+    if plan.placement:
+        nodes = tree.add("placement (node of each rank)")
+        for role, labels in plan.placement.items():
+            nodes.add(f"{role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(labels)))
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rltrain.cluster.placement import NodeInfo
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import ClusterConfig
 from rltrain.plan import Resources
@@ -31,6 +33,35 @@ def cluster_resources() -> Resources:
 
     res = ray.cluster_resources()
     return Resources(num_cpus=int(res.get("CPU", 0)), num_gpus=int(res.get("GPU", 0)))
+
+
+def local_nodes(cfg: ClusterConfig) -> list[NodeInfo]:
+    """The one node a local cluster will have (no Ray started)."""
+    from rltrain.train.distributed import node_ip
+
+    res = local_resources(cfg)
+    return [NodeInfo("local", node_ip(), {"CPU": float(res.num_cpus), "GPU": float(res.num_gpus)})]
+
+
+def cluster_nodes() -> list[NodeInfo]:
+    """The live nodes of the Ray cluster this process is connected to, head first."""
+    import ray
+
+    return [
+        NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+def read_cluster_nodes(cfg: ClusterConfig) -> list[NodeInfo]:
+    """Attach to the cluster of ``cfg`` just long enough to list its nodes (``rltrain plan``)."""
+    import ray
+
+    if ray.is_initialized():
+        return cluster_nodes()
+    with ray_cluster(cfg):
+        return cluster_nodes()
 
 
 @contextmanager
@@ -59,6 +90,7 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
             )
         else:
             address = cfg.address or "auto"
+            check_reachable(cfg)
             try:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             except (ConnectionError, RuntimeError) as exc:
@@ -70,3 +102,53 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
     finally:
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of 'host:port' or 'ray://host:port'; None when there is no port to probe."""
+    bare = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = bare.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def resolve_address(address: str) -> str:
+    """The host:port ``address`` stands for ('auto' = the cluster `ray start` recorded here)."""
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+    except ImportError:  # Ray moved its helper: let ray.init resolve it
+        return address
+    try:
+        return canonicalize_bootstrap_address_or_die("auto")
+    except (ConnectionError, ValueError) as exc:
+        raise ConfigError(
+            "cluster.mode=ray with cluster.address=auto found no running Ray cluster on this machine; "
+            "start one with 'ray start --head' (then 'ray start --address=<head-ip>:6379' on the other "
+            "nodes), give cluster.address=<head-ip>:6379, or use cluster=local."
+        ) from exc
+
+
+def check_reachable(cfg: ClusterConfig) -> None:
+    """Fail within cluster.connect_timeout_s when nothing answers at the cluster's address.
+
+    ray.init would otherwise retry the connection for minutes. Only a TCP
+    connect is tried; it starts nothing and holds no resources.
+    """
+    address = resolve_address(cfg.address or "auto")
+    target = _host_port(address)
+    if target is None:
+        return
+    try:
+        with socket.create_connection(target, timeout=cfg.connect_timeout_s):
+            return
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(
+            f"no Ray cluster answers at cluster.address={address} within "
+            f"cluster.connect_timeout_s={cfg.connect_timeout_s:g}s ({reason}); start one with "
+            "'ray start --head' on the head node (then 'ray start --address=<head-ip>:6379' on the others), "
+            "fix cluster.address, or use cluster=local."
+        ) from exc

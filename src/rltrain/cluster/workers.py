@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rltrain.cluster.placement import RoleBundles, role_bundles
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitStats
@@ -39,6 +42,14 @@ class WorkerHost:
 
         return node_ip(), free_port()
 
+    def where(self) -> dict[str, Any]:
+        """Node id, node IP and process id of this actor (for the placement report)."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+
     def build(self, class_path: str, *args: Any) -> bool:
         module, _, name = class_path.rpartition(".")
         self.worker = getattr(importlib.import_module(module), name)(*args)
@@ -52,29 +63,33 @@ RemoteHost = ray.remote(WorkerHost)
 
 
 def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
-    """ray.get that names the stuck or dead worker instead of hanging or dumping a trace."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except GetTimeoutError as exc:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        stuck = [n for r, n in zip(refs, names, strict=True) if r not in ready]
-        raise WorkerError(f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s") from exc
-    except RayActorError as exc:
-        dead = _first_failed(refs, names)
-        raise WorkerError(f"{what}: {dead} died ({str(exc).splitlines()[0]})") from exc
-    except RayTaskError as exc:
-        failed = _first_failed(refs, names)
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        raise WorkerError(f"{what}: {failed} failed: {type(cause).__name__}: {cause}") from exc
+    """ray.get that names the stuck or dead worker instead of hanging or dumping a trace.
 
-
-def _first_failed(refs: list, names: list[str]) -> str:
-    for ref, name in zip(refs, names, strict=True):
+    Results are taken as they arrive, so the first worker that dies or fails
+    ends the wait at once, even while its peers are still blocked in a
+    collective with it (they are torn down by :meth:`Workers.shutdown`).
+    ``timeout_s`` bounds the whole wait; None waits without a bound.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            stuck = [n for r, n in zip(refs, names, strict=True) if r in pending]
+            raise WorkerError(f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s")
+        ref = ready[0]
+        name = names[refs.index(ref)]
         try:
             ray.get(ref, timeout=0)
-        except Exception:  # noqa: BLE001 - probing which one failed
-            return name
-    return "a worker"
+        except RayActorError as exc:
+            raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})") from exc
+        except RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise WorkerError(f"{what}: {name} failed: {type(cause).__name__}: {cause}") from exc
+        except GetTimeoutError:  # cannot happen for a ready ref; keep waiting if it does
+            pending.append(ref)
+    return ray.get(refs)
 
 
 @dataclass
@@ -96,48 +111,61 @@ class Workers:
     """Every actor of a run: the policy gang and the rollout pool, plus the refit wiring."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
+        self.pgs: list = []
+        self.policy = Gang("policy", [])
+        self.rollout = Gang("rollout", [])
+        try:
+            self._start(cfg, plan)
+        except BaseException:
+            # A start that failed half way frees what it took (actors, reservations).
+            self.failed = True
+            self.shutdown()
+            raise
+
+    def _start(self, cfg: RunConfig, plan: RunPlan) -> None:
         self.cfg = cfg
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
+        self.call_timeout = cfg.cluster.call_timeout_s
+        self.failed = False  # set when a call failed: shutdown then kills without waiting
         policy, rollout = plan.role("policy"), plan.role("rollout")
-        bundles = [dict(policy.bundle) for _ in range(policy.world_size)] + [
-            dict(rollout.bundle) for _ in range(rollout.world_size)
-        ]
-        bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
-        self.pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=self.timeout)
-        except GetTimeoutError as exc:
-            raise WorkerError(
-                f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
-                f"{bundles[-1]} for rollout) within {self.timeout}s; it offers {ray.cluster_resources()}"
-            ) from exc
+        policy_pg, rollout_pg = (
+            self._placement_group(rb) for rb in role_bundles(plan, cfg.cluster)
+        )
 
-        def spawn(bundle_index: int, bundle: dict[str, float]):
+        def spawn(pg, bundle_index: int):
+            bundle = pg.bundle_specs[bundle_index]
             return RemoteHost.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=bundle_index
+                    pg, placement_group_bundle_index=bundle_index
                 ),
             ).remote()
 
-        self.policy = Gang("policy", [spawn(i, bundles[i]) for i in range(policy.world_size)])
-        self.rollout = Gang(
-            "rollout",
-            [
-                spawn(policy.world_size + i, bundles[policy.world_size + i])
-                for i in range(rollout.world_size)
-            ],
+        self.policy = Gang("policy", [spawn(policy_pg, i) for i in range(policy.world_size)])
+        self.rollout = Gang("rollout", [spawn(rollout_pg, i) for i in range(rollout.world_size)])
+        # Where each process landed (role, rank, node, pid): printed at start, kept in plan.json.
+        where = wait(
+            [a.where.remote() for a in self.policy.actors + self.rollout.actors],
+            self.policy.names() + self.rollout.names(),
+            self.timeout,
+            "start-up",
         )
+        ranks = [(g.role, i) for g in (self.policy, self.rollout) for i in range(len(g.actors))]
+        self.placement: list[dict[str, Any]] = [
+            {"role": role, "rank": rank, **w} for (role, rank), w in zip(ranks, where, strict=True)
+        ]
         host, port = wait(
             [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
         )[0]
+        collective_s = cfg.cluster.collective_timeout_s
         builds = [
             a.build.remote(
                 "rltrain.train.policy_worker.PolicyWorker",
                 cfg,
-                DistEnv(rank, policy.world_size, host, port, policy.backend, cfg.refit.timeout_s),
+                DistEnv(rank, policy.world_size, host, port, policy.backend, collective_s),
                 policy.threads,
             )
             for rank, a in enumerate(self.policy.actors)
@@ -150,6 +178,28 @@ class Workers:
         ]
         wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
         self._init_refit()
+
+    def _placement_group(self, rb: RoleBundles):
+        """Reserve one role's bundles; a reservation that cannot be met ends in a WorkerError."""
+        pg = placement_group(rb.bundles, strategy=rb.strategy, name=f"rltrain-{rb.role}")
+        self.pgs.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=self.timeout)
+        except GetTimeoutError as exc:
+            raise WorkerError(
+                f"the cluster could not place the {rb.role} role ({len(rb.bundles)} x {rb.bundles[0]}, "
+                f"{rb.strategy}) within cluster.startup_timeout_s={self.timeout:g}s; free now: "
+                f"{ray.available_resources()} (other jobs may hold the rest)"
+            ) from exc
+        return pg
+
+    def _wait(self, refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
+        """:func:`wait`, remembering a failure so that shutdown does not wait on stuck peers."""
+        try:
+            return wait(refs, names, timeout_s, what)
+        except WorkerError:
+            self.failed = True
+            raise
 
     # -- refit wiring -----------------------------------------------------------------------
     def _init_refit(self) -> None:
@@ -181,7 +231,7 @@ class Workers:
         """Push the policy's weights to every replica, stamped ``weight_version``."""
         send = self.policy.call_all("refit_send", weight_version)
         recv = self.rollout.call_all("refit_receive")
-        out = wait(
+        out = self._wait(
             send + recv,
             self.policy.names() + self.rollout.names(),
             self.cfg.refit.timeout_s * 2,
@@ -207,8 +257,8 @@ class Workers:
             for a, c in zip(self.rollout.actors, chunks, strict=True)
             if c
         ]
-        parts: list[RolloutBatch] = wait(
-            refs, self.rollout.names(list(range(len(refs)))), None, "generate"
+        parts: list[RolloutBatch] = self._wait(
+            refs, self.rollout.names(list(range(len(refs)))), self.call_timeout, "generate"
         )
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
@@ -233,8 +283,11 @@ class Workers:
             a.call.remote("compute_logprobs", s, reference)
             for a, s in zip(self.policy.actors, shards, strict=True)
         ]
-        out = wait(
-            refs, self.policy.names(), None, "reference logprobs" if reference else "logprobs"
+        out = self._wait(
+            refs,
+            self.policy.names(),
+            self.call_timeout,
+            "reference logprobs" if reference else "logprobs",
         )
         tp = self.cfg.dtensor.tp
         return torch.cat(out[::tp], dim=0)
@@ -244,24 +297,35 @@ class Workers:
         when ``batch.old_logprobs_BT`` was None, the old logprobs the training forward computed."""
         shards = self._shards(batch)
         refs = [a.call.remote("train", s) for a, s in zip(self.policy.actors, shards, strict=True)]
-        out = wait(refs, self.policy.names(), None, "train")
+        out = self._wait(refs, self.policy.names(), self.call_timeout, "train")
         metrics, old = out[0]
         if old is None:
             return metrics, None
         return metrics, torch.cat([o for _, o in out[:: self.cfg.dtensor.tp]], dim=0)
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        return wait(
+        return self._wait(
             self.policy.call_all("export_hf", path, metadata),
             self.policy.names(),
-            None,
+            self.call_timeout,
             "checkpoint",
         )[0]
 
     def shutdown(self) -> None:
-        """Tear the process groups down, then kill the actors and free the placement group."""
-        with contextlib.suppress(Exception):  # best effort on the way out
-            ray.get(self.policy.call_all("shutdown"), timeout=10)
+        """Tear the process groups down, then kill the actors and free the placement groups.
+
+        After a failed call the surviving ranks may sit in a collective with a
+        dead peer and would never answer: they are killed without waiting.
+        Otherwise they get cluster.failure_timeout_s to leave their groups.
+        """
+        if not self.failed and self.policy.actors:
+            with contextlib.suppress(Exception):  # best effort on the way out
+                ray.get(
+                    self.policy.call_all("shutdown"), timeout=self.cfg.cluster.failure_timeout_s
+                )
         for a in self.policy.actors + self.rollout.actors:
-            ray.kill(a)
-        remove_placement_group(self.pg)
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        for pg in self.pgs:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)

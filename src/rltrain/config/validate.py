@@ -149,3 +149,41 @@ def validate(cfg: RunConfig) -> None:
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
+    _validate_faults(cfg)
+
+
+def _validate_faults(cfg: RunConfig) -> None:
+    """Timeouts, placement and the overflow-storm limit."""
+    c = cfg.cluster
+    for key in ("connect_timeout_s", "call_timeout_s", "failure_timeout_s", "collective_timeout_s"):
+        value = getattr(c, key)
+        if value <= 0:
+            raise ConfigError(f"cluster.{key}={value} must be > 0 (seconds).")
+    _choice("cluster.placement", c.placement, ("pack", "spread"))
+    for role in ("policy", "rollout"):
+        for name, amount in getattr(c, f"{role}_resources").items():
+            if amount <= 0 or name in ("CPU", "GPU", "memory"):
+                raise ConfigError(
+                    f"cluster.{role}_resources.{name}={amount}: give a custom node resource "
+                    "(not CPU/GPU/memory) with an amount > 0."
+                )
+    skips = cfg.precision.grad_scaler.max_consecutive_skips
+    if skips < 0:
+        raise ConfigError(
+            f"precision.grad_scaler.max_consecutive_skips={skips} must be >= 0 (0 = never stop)."
+        )
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """File-system checks of the inputs a run reads (model and tokenizer folders).
+
+    Separate from :func:`validate` because it touches disk (and, for an HF id,
+    the hub or its local cache); the CLI runs it before the plan and before
+    any cluster starts.
+    """
+    from rltrain.models.source import check_model_source, check_tokenizer_source
+
+    if cfg.model.path is not None:
+        check_model_source(cfg.model.path, "model.path")
+    if cfg.model.tokenizer is not None:
+        check_tokenizer_source(cfg.model.tokenizer, "model.tokenizer")
