@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -131,24 +133,80 @@ def resolve_address(address: str) -> str:
         ) from exc
 
 
-def check_reachable(cfg: ClusterConfig) -> None:
-    """Fail within cluster.connect_timeout_s when nothing answers at the cluster's address.
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Point file descriptor 2 at /dev/null for the block (C++ logs bypass sys.stderr)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
-    ray.init would otherwise retry the connection for minutes. Only a TCP
-    connect is tried; it starts nothing and holds no resources.
+
+def _gcs_handshake(address: str, timeout_s: float) -> str | None:
+    """None when Ray's GCS answers at ``address`` within ``timeout_s``, else why not.
+
+    Asks for the cluster id, the first thing ray.init asks, in a helper thread
+    so that the wait stays bounded whatever the other end does.
+    """
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:  # Ray moved its client: leave the check to ray.init
+        return None
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            GcsClient(address=address)
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not a usable Ray head"
+            outcome.append(exc)
+
+    thread = threading.Thread(target=ask, name="rltrain-gcs-probe", daemon=True)
+    with _quiet_stderr():  # the C++ client logs each failed attempt; the error sentence says it all
+        thread.start()
+        thread.join(max(0.1, timeout_s))
+    if not outcome:
+        return "a port is open there but no Ray head answered"
+    exc = outcome[0]
+    if exc is None or "auth" in str(exc).lower():  # a Ray head that wants a token: ray.init tells
+        return None
+    return f"a port is open there but it is not a Ray head: {str(exc).splitlines()[0]}"
+
+
+def check_reachable(cfg: ClusterConfig) -> None:
+    """Fail within cluster.connect_timeout_s unless Ray's GCS answers at the cluster's address.
+
+    ray.init would otherwise retry the connection for minutes. A TCP connect
+    names a refused or unreachable port at once; a GCS handshake then tells a
+    Ray head from a port that merely accepts connections (a proxy, another
+    service). It starts nothing and holds no resources.
     """
     address = resolve_address(cfg.address or "auto")
     target = _host_port(address)
     if target is None:
         return
+    timeout = cfg.connect_timeout_s
+    t0 = time.monotonic()
+    reason = None
     try:
-        with socket.create_connection(target, timeout=cfg.connect_timeout_s):
-            return
+        with socket.create_connection(target, timeout=timeout):
+            pass
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
+    if reason is None:
+        reason = _gcs_handshake(f"{target[0]}:{target[1]}", timeout - (time.monotonic() - t0))
+    if reason is not None:
         raise ConfigError(
             f"no Ray cluster answers at cluster.address={address} within "
-            f"cluster.connect_timeout_s={cfg.connect_timeout_s:g}s ({reason}); start one with "
+            f"cluster.connect_timeout_s={timeout:g}s ({reason}); start one with "
             "'ray start --head' on the head node (then 'ray start --address=<head-ip>:6379' on the others), "
             "fix cluster.address, or use cluster=local."
-        ) from exc
+        )
