@@ -60,6 +60,7 @@ def read_cluster_nodes(cfg: ClusterConfig) -> list[NodeInfo]:
     """Attach to the cluster of ``cfg`` just long enough to list its nodes (``rltrain plan``)."""
     import ray
 
+    check_reachable(cfg)
     if ray.is_initialized():
         return cluster_nodes()
     with ray_cluster(cfg):
