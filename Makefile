@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rltrain-installed
 ARGS ?=
 
-.PHONY: setup run test test-fast lint format typecheck bench clean
+.PHONY: setup run test test-fast lint format typecheck bench bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,9 @@ typecheck: setup
 
 bench: setup  ## per-step cost of the embedded default across actors
 	$(PY) scripts/bench_step.py
+
+bench-memory: setup  ## RSS slope of driver + actors over 300 steps of the embedded default
+	$(PY) scripts/bench_memory.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache
