@@ -83,7 +83,7 @@ def plan(
 
     c = cfg.cluster
     try:
-        check_inputs(cfg)
+        check_inputs(cfg, hub_ids=False)  # plan a hub model without downloading it
         if c.mode == "local":
             resources = local_resources(c)
             nodes = local_nodes(c)

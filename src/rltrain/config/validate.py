@@ -174,16 +174,18 @@ def _validate_faults(cfg: RunConfig) -> None:
         )
 
 
-def check_inputs(cfg: RunConfig) -> None:
+def check_inputs(cfg: RunConfig, hub_ids: bool = True) -> None:
     """File-system checks of the inputs a run reads (model and tokenizer folders).
 
     Separate from :func:`validate` because it touches disk (and, for an HF id,
-    the hub or its local cache); the CLI runs it before the plan and before
-    any cluster starts.
+    the hub or its local cache); runs before the plan and before any cluster
+    starts. ``hub_ids=False`` checks local paths only: ``rltrain plan`` must
+    explain a run on a machine that has not downloaded its model.
     """
-    from rltrain.models.source import check_model_source, check_tokenizer_source
+    from rltrain.models.source import check_model_source, check_tokenizer_source, looks_local
 
-    if cfg.model.path is not None:
-        check_model_source(cfg.model.path, "model.path")
+    path = cfg.model.path
+    if path is not None and (hub_ids or looks_local(path)):
+        check_model_source(path, "model.path")
     if cfg.model.tokenizer is not None:
         check_tokenizer_source(cfg.model.tokenizer, "model.tokenizer")
