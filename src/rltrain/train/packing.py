@@ -35,7 +35,7 @@ class MicroBatch:
     ``seq_id_RS`` numbers the sequences of this micro batch 0..n-1 per token
     (-1 = padding position). Sequence ``i`` came from row ``rows[i]`` of the
     source batch and sits at ``[seq_row[i], seq_start[i] : seq_start[i] + seq_len[i]]``.
-    An empty micro batch (no rows) carries one padding token so a rank with
+    An empty micro batch (no rows) carries two padding tokens so a rank with
     fewer micro batches can still run the forward/backward collectives.
     """
 
@@ -128,17 +128,17 @@ def pack(
 
     packed: one row of sum(lengths) tokens (rounded up to ``row_multiple``
     with padding). padded: one row per sequence, trimmed to the longest.
-    ``rows=[]`` gives the empty micro batch (one padding token).
+    ``rows=[]`` gives the empty micro batch (two padding tokens, no valid target).
     """
     lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
     if packed:
         total = sum(lengths)
-        S = max(-(-max(total, 1) // row_multiple) * row_multiple, 1)
+        S = -(-max(total, 2) // row_multiple) * row_multiple
         R = 1
         seq_row = [0] * len(rows)
         seq_start = [sum(lengths[:i]) for i in range(len(rows))]
     else:
-        R, S = max(len(rows), 1), max(lengths, default=1)
+        R, S = max(len(rows), 1), max(lengths, default=2)
         seq_row = list(range(len(rows)))
         seq_start = [0] * len(rows)
 
@@ -159,7 +159,9 @@ def pack(
         pos[row, start : start + n] = torch.arange(n)
         adv[row, start : start + n] = batch.advantages_B[r].float()
     if not rows:
-        seq_id[0, 0] = 0  # the lone padding token attends to itself (no fully masked row)
+        # Two padding tokens in one causal "sequence": one predicted position, so the
+        # backward reaches every parameter (with zero gradients) like a real micro batch.
+        seq_id[0, :2] = 0
     return MicroBatch(
         input_ids_RS=ids,
         position_ids_RS=pos,
