@@ -147,3 +147,45 @@ def atomic_folder(final: Path):
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+
+
+# -- the checkpoint folders of a run --------------------------------------------------
+# <output_dir>/checkpoints/step_<n>/ holds the HF export of the policy, trainer/<role>/
+# (one trainer checkpoint per gang) and run_state.json (step, weight version, data
+# order). The step folder is renamed into place last, so a step_<n> folder that
+# exists is complete; a kill during a save leaves only a step_<n>.tmp behind.
+
+RUN_STATE = "run_state.json"
+
+
+def step_folder(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"step_{step:06d}"
+
+
+def complete_checkpoints(checkpoints: Path) -> list[Path]:
+    """Complete step folders under ``checkpoints``, oldest first."""
+    if not checkpoints.is_dir():
+        return []
+    found = [
+        p
+        for p in checkpoints.glob("step_*")
+        if is_complete(p) and (p / RUN_STATE).is_file() and p.name[5:].isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune_checkpoints(checkpoints: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all); returns the deleted."""
+    done = complete_checkpoints(checkpoints)
+    doomed = done[:-keep_last] if keep_last > 0 else []
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+def remove_partial(checkpoints: Path) -> list[Path]:
+    """Delete the temp folders a killed save left behind; returns them."""
+    partial = list(checkpoints.glob(f"*{TMP_SUFFIX}")) if checkpoints.is_dir() else []
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
