@@ -64,6 +64,11 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    # Learning-rate schedule over the run's optimizer steps (max_steps x optimizer
+    # steps per rollout): constant | linear_warmup | cosine (after the warm-up).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.0  # cosine: the last step's lr as a fraction of lr
 
 
 @dataclass
@@ -194,10 +199,11 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints: HF safetensors export of the policy."""
+    """Checkpoints: sharded trainer state (DCP) plus an HF safetensors export of the policy."""
 
     every_n_steps: int = 0  # 0 = only the final checkpoint
     save_final: bool = True
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 = keep all
 
 
 @dataclass
@@ -220,6 +226,9 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # null = a fresh run; "auto" = continue from the newest complete checkpoint
+    # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
+    resume: str | None = None
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -14,6 +14,7 @@ TRANSPORTS = ("auto", "gloo")
 ALGORITHMS = ("grpo",)
 TASKS = ("copy",)
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -57,6 +58,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
     if o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0.")
+    _choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    if o.warmup_steps and o.lr_schedule == "constant":
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} has no effect with optim.lr_schedule=constant; "
+            "use optim.lr_schedule=linear_warmup or cosine."
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
 
     p = cfg.precision
     for key in ("param_dtype", "reduce_dtype", "rollout_dtype", "refit_dtype"):
@@ -154,3 +165,10 @@ def validate(cfg: RunConfig) -> None:
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
+    if cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.keep_last must be >= 0 (0 = keep every checkpoint).")
+    if cfg.resume == "auto" and cfg.output_dir is None and cfg.run_name is None:
+        raise ConfigError(
+            "resume=auto looks for checkpoints in the run's output folder; "
+            "set output_dir (or run_name) to the run to continue."
+        )

@@ -31,9 +31,7 @@ class PolicyWorker(FSDPTrainer):
         super().__init__(cfg, env, num_threads)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            from rltrain.models.loader import load_model
-
-            self.reference = self._shard(load_model(cfg, "float32"), trainable=False).eval()
+            self.reference = self.load_sharded_model(trainable=False).eval()
         self.temperature = cfg.rollout.temperature
         self.manifest: RefitManifest | None = None
         self.sender: GlooRefitSender | None = None
