@@ -92,10 +92,14 @@ class DTensorConfig:
 class RefitConfig:
     """Weight transport from trainer to rollout engines after every step."""
 
-    transport: str = "auto"  # auto | gloo
+    transport: str = (
+        "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
+    )
     bucket_bytes: int = 64 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0
+    # Compare a checksum of every bucket on both sides after each refit.
+    verify: bool = False
 
 
 @dataclass

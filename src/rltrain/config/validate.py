@@ -10,7 +10,7 @@ from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, RunConfig
 
 ENGINES = ("torch",)
-TRANSPORTS = ("auto", "gloo")
+TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo",)
 TASKS = ("copy",)
 
@@ -85,8 +85,15 @@ def validate(cfg: RunConfig) -> None:
 
     r = cfg.refit
     _choice("refit.transport", r.transport, TRANSPORTS)
-    _positive("refit.bucket_bytes", r.bucket_bytes, 1024)
-    _positive("refit.num_buffers", r.num_buffers)
+    if r.bucket_bytes < 2**20:
+        raise ConfigError(
+            f"refit.bucket_bytes={r.bucket_bytes} is below 1 MiB, which makes a refit thousands of "
+            "tiny transfers; set refit.bucket_bytes>=1048576."
+        )
+    if r.num_buffers < 1:
+        raise ConfigError(
+            f"refit.num_buffers={r.num_buffers} leaves no buffer to send from; set refit.num_buffers>=1."
+        )
     if r.timeout_s <= 0:
         raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
 

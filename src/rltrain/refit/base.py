@@ -7,8 +7,9 @@ refit dtype, so a bucket is one flat tensor of that dtype.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -111,3 +112,123 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
     """Views of each tensor inside a received bucket."""
     for slot in bucket.slots:
         yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+# -- transport contract ------------------------------------------------------------------
+
+FillBucket = Callable[[Bucket, torch.Tensor], None]
+"""Writes a bucket's full tensors, cast, into ``out[:bucket.numel]`` (the sender's pack step)."""
+
+
+class RefitError(RuntimeError):
+    """A refit that failed, timed out or arrived corrupted; the message names the side and rank."""
+
+
+class RefitSender(Protocol):
+    """The trainer's sending end of one transport (policy rank 0)."""
+
+    manifest: RefitManifest
+
+    def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
+        """Pack every bucket with ``fill`` and deliver it to every replica, stamped ``weight_version``."""
+        ...
+
+
+class RefitReceiver(Protocol):
+    """A rollout replica's end of one transport."""
+
+    manifest: RefitManifest
+
+    def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """Make ``params`` views into the receiver's bucket storage (zero-copy landing).
+
+        Returns False when the transport cannot (then the consumer copies).
+        """
+        ...
+
+    def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """Yield (weight_version, name, tensor) for every tensor of one refit.
+
+        A yielded tensor may be a view into a reused buffer: the consumer copies
+        it before asking for the next one (unless :meth:`bind` returned True,
+        when the tensor already is the bound parameter's storage).
+        """
+        ...
+
+
+def fill_from(tensors: Mapping[str, torch.Tensor]) -> FillBucket:
+    """A :data:`FillBucket` over a name -> full tensor mapping."""
+
+    def fill(bucket: Bucket, out: torch.Tensor) -> None:
+        pack_bucket(bucket, tensors, out)
+
+    return fill
+
+
+# -- landing and verification ------------------------------------------------------------
+
+
+def bind_bucket_storage(
+    manifest: RefitManifest, params: Mapping[str, torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """One flat tensor per bucket; every named parameter becomes a view into it.
+
+    The current values are copied over once, and ``param.data`` is re-pointed,
+    so modules that share a parameter (tied embeddings) keep sharing it.
+    Returns None (nothing changed) when a parameter's dtype or device differs
+    from the bucket's, or a manifest name is missing.
+    """
+    dtype = manifest.torch_dtype
+    names = [s.name for b in manifest.buckets for s in b.slots]
+    if not names or any(n not in params for n in names):
+        return None
+    device = params[names[0]].device
+    if any(params[n].dtype != dtype or params[n].device != device for n in names):
+        return None
+    storage = [torch.empty(b.numel, dtype=dtype, device=device) for b in manifest.buckets]
+    with torch.no_grad():
+        for bucket, flat in zip(manifest.buckets, storage, strict=True):
+            for name, view in unpack_bucket(bucket, flat):
+                view.copy_(params[name])
+                params[name].data = view
+    return storage
+
+
+_CHECKSUM_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bucket_checksum(flat: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Two int64 sums over the raw bits of ``flat``: plain and position-weighted.
+
+    Bitwise: a flipped bit or two swapped elements change it. Returns a [2]
+    int64 tensor on ``flat``'s device. Works in chunks to bound memory.
+    """
+    words = flat.reshape(-1).view(_CHECKSUM_INTS[flat.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), chunk):
+        w = words[start : start + chunk].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=flat.device) % 65521 + 1
+        total[0] += w.sum()
+        total[1] += (w * pos).sum()
+    return total
+
+
+def check_checksums(
+    sent: torch.Tensor, got: torch.Tensor, weight_version: int, replica: int
+) -> None:
+    """Compare per-bucket checksums ([buckets, 2]) of both sides; raise naming the first bad bucket."""
+    bad = (sent.cpu() != got.cpu()).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise RefitError(
+            f"refit v{weight_version}: bucket {bad[0]} (of {len(bad)} bad) on rollout replica "
+            f"{replica} differs from what policy rank 0 sent (checksum mismatch); "
+            "the bytes changed between the trainer and the engine; check the link or use another refit.transport"
+        )
+
+
+def cuda_device(device: torch.device | str) -> torch.device:
+    """``device`` with an explicit index (bare "cuda" means the current device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
