@@ -133,8 +133,9 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
         mlp = 3 * h * inter
         per_layer = attn + mlp + 2 * h
-        v = vocab_size(cfg.data.alphabet)
-        return v * h * 2 + L * per_layer + h  # untied embedding + lm_head, final norm
+        v = ti.vocab_size or vocab_size(cfg.data.alphabet)
+        embeddings = 1 if ti.tie_word_embeddings else 2
+        return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
         return None

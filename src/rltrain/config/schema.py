@@ -125,6 +125,9 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 64
+    # null = the tokenizer's size; larger pads the embedding (real-model shapes, benchmarks).
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
 
 @dataclass

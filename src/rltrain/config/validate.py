@@ -120,6 +120,14 @@ def validate(cfg: RunConfig) -> None:
             f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder."
         )
     ti = m.tiny
+    if ti.vocab_size is not None:
+        from rltrain.models.vocab import vocab_size
+
+        if ti.vocab_size < vocab_size(cfg.data.alphabet):
+            raise ConfigError(
+                f"model.tiny.vocab_size={ti.vocab_size} is smaller than the embedded tokenizer's "
+                f"{vocab_size(cfg.data.alphabet)} tokens; raise it or set it to null."
+            )
     if ti.hidden_size % ti.num_heads or ti.num_heads % ti.num_kv_heads:
         raise ConfigError(
             "model.tiny: hidden_size must be divisible by num_heads, and num_heads by num_kv_heads."
