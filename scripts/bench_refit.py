@@ -194,7 +194,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         else:
             ref = torch.empty(manifest.total_numel, dtype=dtype, device=device)
             broadcast(group, ref).wait()
-            got = _engine_flat(engine, manifest)
+            got = _engine_flat(engine, manifest).to(device)
             if not torch.equal(got.view(torch.int16), ref.view(torch.int16)):
                 bad = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
                 raise AssertionError(f"engine weights differ from the trainer's in {bad} elements")
@@ -246,7 +246,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
 
     measure.calls = 0
     default = RefitConfig()
-    sizes = [1 * MiB, 4 * MiB] if tiny else [64 * MiB, 256 * MiB, 1024 * MiB]
+    sizes = [1 * MiB, 4 * MiB] if tiny else [64 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB]
     grid = [measure(b, n) for n in (1, 2, 4) for b in sizes]
     default_row = next(
         (
@@ -256,6 +256,26 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         ),
         None,
     ) or measure(default.bucket_bytes, default.num_buffers)
+
+    # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
+    pack_s = None
+    if rank == 0:
+        manifest = plan_buckets(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        gatherer = BucketGatherer(params, manifest)
+        out = torch.empty(max(b.numel for b in manifest.buckets), dtype=dtype, device=device)
+        runs = []
+        for _ in range(args.repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(device)
+            tp = time.perf_counter()
+            for b in manifest.buckets:
+                gatherer.pack(b, out)
+            if cuda:
+                torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - tp)
+        pack_s = statistics.median(runs[1:])
+        del out
+        log(f"gather + cast + pack alone {pack_s * 1e3:.2f} ms")
 
     # 3. IPC: the engine on the trainer's GPU (GPU 0), one device copy as the raw figure.
     ipc = None
@@ -317,6 +337,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 "num_buffers": default.num_buffers,
                 **default_row,
             },
+            "pack_only_seconds_default": pack_s,
             "grid": grid,
             "ipc": ipc,
             "summary": {

@@ -178,10 +178,13 @@ class BucketGatherer:
                     out[slot.offset : slot.offset + slot.numel].copy_(full.reshape(-1))  # type: ignore[index]
         parts = self._parts[bucket.index]
         if self.world == 1:
-            for part in parts[0]:
-                local = _local(self.params[part.name])
-                n = local.numel()
-                out[part.slot_offset : part.slot_offset + n].copy_(local.reshape(-1))  # type: ignore[index]
+            if not parts[0]:
+                return
+            # One fused call per bucket: hundreds of per-tensor copy_ calls from Python
+            # would cost more CPU time than the GPU needs to broadcast the bucket.
+            dsts = [out[p.slot_offset : p.slot_offset + _numel(p.shape)] for p in parts[0]]  # type: ignore[index]
+            srcs = [_local(self.params[p.name]).reshape(-1) for p in parts[0]]
+            torch._foreach_copy_(dsts, srcs)
             return
         chunk = self._chunk_numel[bucket.index]
         if chunk == 0:

@@ -54,7 +54,9 @@ def make_nccl_group(
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    opts.is_high_priority_stream = False
+    # A high-priority NCCL stream gets SMs first when the pack kernels of the next
+    # bucket fill the GPU, so the broadcast is not delayed behind them.
+    opts.is_high_priority_stream = True
     device = cuda_device(device)
     torch.cuda.set_device(device)
     group = dist.ProcessGroupNCCL(
