@@ -39,7 +39,7 @@ from rltrain.refit.base import (
     cuda_device,
     unpack_bucket,
 )
-from rltrain.refit.gloo import broadcast, wait
+from rltrain.refit.gloo import broadcast
 
 
 def make_nccl_group(
@@ -65,6 +65,24 @@ def make_nccl_group(
     if hasattr(group, "eager_connect_single_device"):
         group.eager_connect_single_device(device)
     return group
+
+
+def wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    """Block the CPU until ``work`` completed, at most ``timeout_s``; the error names ``what``.
+
+    ``Work.wait(timeout)`` on NCCL polls with millisecond sleeps, which adds up
+    to a millisecond per wait to a refit that takes about ten; polling
+    ``is_completed`` keeps the same bound without that granularity.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RefitError(
+                f"{what} did not complete within refit.timeout_s={timeout_s}s; "
+                "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
+            )
+        time.sleep(0)  # yield the core, stay responsive
+    work.wait()  # orders the current stream after it and raises a communicator error
 
 
 def _replicas(world_size: int) -> str:
@@ -105,7 +123,8 @@ class NcclRefitSender:
         header = torch.tensor(
             [weight_version, self.manifest.total_numel], dtype=torch.int64, device=self.device
         )
-        wait(broadcast(self.group, header), self.timeout_s, f"{who} (header)")
+        # No CPU wait for the header: a missing replica shows in the final, bounded waits.
+        broadcast(self.group, header)
         main = torch.cuda.current_stream(self.device)
         for s in self.streams:  # the weights were last written on the main stream (optimizer step)
             s.wait_stream(main)
