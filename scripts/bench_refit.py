@@ -115,7 +115,7 @@ def run(rank: int, args, ports: list[int], out_dir: str) -> None:
 
 
 def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
-    from rltrain.refit.base import plan_buckets
+    from rltrain.refit.base import plan_refit
     from rltrain.refit.gather import BucketGatherer
     from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, broadcast, make_group
     from rltrain.train.fsdp import _hf_name
@@ -126,6 +126,8 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # two processes on a small CPU machine
     cfg = model_config(tiny)
     timeout = cfg.refit.timeout_s
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -200,7 +202,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 raise AssertionError(f"engine weights differ from the trainer's in {bad} elements")
 
     def measure(bucket_bytes: int, num_buffers: int) -> dict:
-        manifest = plan_buckets(shapes, "bfloat16", bucket_bytes, num_buffers)
+        manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers)
         if cuda:
             sender = (
                 NcclRefitSender(manifest, HOST, 0, 2, timeout, device, group=group)
@@ -260,7 +262,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
     pack_s = None
     if rank == 0:
-        manifest = plan_buckets(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
         gatherer = BucketGatherer(params, manifest)
         out = torch.empty(max(b.numel for b in manifest.buckets), dtype=dtype, device=device)
         runs = []
@@ -283,7 +285,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
 
         dev0 = torch.device("cuda", 0)
-        manifest = plan_buckets(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
         if rank == 0:
             src = torch.ones(num_params, dtype=dtype, device=dev0)
             dst = torch.empty_like(src)

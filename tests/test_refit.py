@@ -72,7 +72,7 @@ def _perturb(worker, seed: int) -> None:
 
 def _engine_refit(rank: int, ports: list[int], out_dir: str) -> None:
     """Ranks 0-1: dp=2 policy; rank 2: torch engine. Gloo refit with verify, landing in place."""
-    from rltrain.refit.base import plan_buckets
+    from rltrain.refit.base import plan_refit
 
     over = {"refit.bucket_bytes": 2**20, "refit.num_buffers": 2, "refit.verify": True}
     if rank < 2:
@@ -96,7 +96,7 @@ def _engine_refit(rank: int, ports: list[int], out_dir: str) -> None:
         cfg = tiny_config(**over)
         engine = TorchEngine(cfg, "cpu", 0, num_threads=1)
         names = [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()]
-        manifest = plan_buckets(names, "float32", 2**20, 2)
+        manifest = plan_refit(names, "float32", 2**20, 2)
         engine.init_refit(manifest, HOST, ports[2], 1, 2, "gloo")
         assert engine.refit_in_place  # fp32 engine, fp32 refit: the weights are the buckets
         stats = engine.refit_receive()

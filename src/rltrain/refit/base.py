@@ -57,10 +57,15 @@ def plan_buckets(
     dtype: str,
     bucket_bytes: int,
     num_buffers: int = 2,
+    first_bucket_bytes: int | None = None,
 ) -> RefitManifest:
     """Greedy in-order packing into buckets of at most ``bucket_bytes``.
 
-    A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own. With
+    ``first_bucket_bytes``, the first bucket takes, in order, only the tensors
+    that fit in that smaller size (the others keep their order after it): in a
+    pipelined refit nothing is on the wire while the first bucket is packed, so
+    a small first bucket starts the broadcast early.
     """
     elem = DTYPE_BYTES[getattr(torch, dtype)]
     cap = max(1, bucket_bytes // elem)
@@ -68,6 +73,20 @@ def plan_buckets(
     cur: list[TensorSlot] = []
     used = 0
     total = 0
+    shapes = list(shapes)
+    if first_bucket_bytes is not None:
+        first_cap, first, rest, taken = max(1, first_bucket_bytes // elem), [], [], 0
+        for name, shape in shapes:
+            n = _numel(shape)
+            if taken + n <= first_cap:
+                first.append((name, shape))
+                taken += n
+            else:
+                rest.append((name, shape))
+        shapes = first + rest
+        first_len = len(first)
+    else:
+        first_len = 0
 
     def close() -> None:
         nonlocal cur, used
@@ -75,17 +94,30 @@ def plan_buckets(
             buckets.append(Bucket(len(buckets), used, tuple(cur)))
         cur, used = [], 0
 
-    for name, shape in shapes:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        if used and used + numel > cap:
+    for i, (name, shape) in enumerate(shapes):
+        numel = _numel(shape)
+        if used and (used + numel > cap or i == first_len):
             close()
         cur.append(TensorSlot(name, tuple(int(s) for s in shape), used, numel))
         used += numel
         total += numel
     close()
     return RefitManifest(dtype, tuple(buckets), total, bucket_bytes, num_buffers)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def plan_refit(
+    shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: str, bucket_bytes: int, num_buffers: int
+) -> RefitManifest:
+    """The manifest every refit of a run uses: buckets of ``bucket_bytes``, a first bucket of
+    an eighth of that (it is packed while nothing is on the wire yet)."""
+    return plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8)
 
 
 @dataclass

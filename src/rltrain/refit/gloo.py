@@ -146,12 +146,18 @@ class GlooRefitReceiver:
             torch.empty(max_numel, dtype=manifest.torch_dtype) for _ in range(manifest.num_buffers)
         ]
         self.landing: list[torch.Tensor] | None = None
+        self._views: list[list[tuple[str, torch.Tensor]]] = []
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Receive straight into ``params`` (CPU tensors of the refit dtype); see RefitReceiver."""
         self.landing = bind_bucket_storage(self.manifest, params)
         if self.landing is not None:
-            self.buffers = []  # the bound storage replaces the reused buffers
+            self.buffers = []
+            # Fixed views of the bound storage: a refit then yields without building any.
+            self._views = [
+                list(unpack_bucket(b, flat))
+                for b, flat in zip(self.manifest.buckets, self.landing, strict=True)
+            ]  # the bound storage replaces the reused buffers
         return self.landing is not None
 
     def _target(self, k: int) -> torch.Tensor:
@@ -185,7 +191,8 @@ class GlooRefitReceiver:
         for k, bucket in enumerate(buckets):
             wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
             flat = self._target(k)
-            for name, tensor in unpack_bucket(bucket, flat):
+            views = self._views[k] if self.landing is not None else unpack_bucket(bucket, flat)
+            for name, tensor in views:
                 yield version, name, tensor
             if self.verify:  # what the engine now holds (bound) or has just copied
                 got.append(bucket_checksum(flat))

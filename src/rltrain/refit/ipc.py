@@ -58,6 +58,16 @@ def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, what: str) 
         ) from exc
 
 
+def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
+    try:
+        return store.get(key)
+    except RuntimeError as exc:  # the store's timeout (refit.timeout_s) expired
+        raise RefitError(
+            f"{what} did not complete within refit.timeout_s={timeout_s}s ({exc}); "
+            "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
+        ) from exc
+
+
 class IpcRefitSender:
     """Trainer rank 0's end, on the GPU it shares with the replicas."""
 
@@ -179,14 +189,14 @@ class IpcRefitReceiver:
         version = -1
         for bucket in self.manifest.buckets:
             k = bucket.index
-            key = f"{n}/ready/{k}"
-            _wait_keys(
+            # get() blocks until the key exists (bounded by the store's timeout_s): one round trip.
+            value = _get(
                 self.store,
-                [key],
+                f"{n}/ready/{k}",
                 self.timeout_s,
                 f"rollout replica {replica} waiting for policy rank 0 (refit #{n}, bucket {k})",
             )
-            version, total = (int(x) for x in self.store.get(key).decode().split(","))
+            version, total = (int(x) for x in value.decode().split(","))
             if total != self.manifest.total_numel:
                 raise RefitError(
                     f"refit v{version}: policy rank 0 sends {total} elements but rollout replica "

@@ -184,12 +184,18 @@ class NcclRefitReceiver:
             for _ in range(manifest.num_buffers)
         ]
         self.landing: list[torch.Tensor] | None = None
+        self._views: list[list[tuple[str, torch.Tensor]]] = []
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Receive straight into ``params`` (see RefitReceiver.bind)."""
         self.landing = bind_bucket_storage(self.manifest, params)
         if self.landing is not None:
             self.buffers = []
+            # Fixed views of the bound storage: a refit then yields without building any.
+            self._views = [
+                list(unpack_bucket(b, flat))
+                for b, flat in zip(self.manifest.buckets, self.landing, strict=True)
+            ]
         return self.landing is not None
 
     def _target(self, k: int) -> torch.Tensor:
@@ -208,13 +214,7 @@ class NcclRefitReceiver:
         replica = self.rank - 1
         who = f"rollout replica {replica} waiting for policy rank 0"
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        wait(broadcast(self.group, header), self.timeout_s, f"{who} (refit header)")
-        version, total = (int(x) for x in header.tolist())
-        if total != self.manifest.total_numel:
-            raise RefitError(
-                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica {replica} "
-                f"expects {self.manifest.total_numel}; the manifests differ"
-            )
+        header_work = broadcast(self.group, header)
         buckets = self.manifest.buckets
         ahead = len(buckets) if self.landing is not None else self.manifest.num_buffers
         posted: dict[int, dist.Work] = {}
@@ -224,12 +224,22 @@ class NcclRefitReceiver:
             if k < len(buckets):
                 posted[k] = broadcast(self.group, self._target(k))
 
+        # Post the first receives before reading the header, so the sender's first
+        # bucket does not wait for this CPU to parse it.
         for k in range(min(ahead, len(buckets))):
             post(k)
+        wait(header_work, self.timeout_s, f"{who} (refit header)")
+        version, total = (int(x) for x in header.tolist())
+        if total != self.manifest.total_numel:
+            raise RefitError(
+                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica {replica} "
+                f"expects {self.manifest.total_numel}; the manifests differ"
+            )
         for k, bucket in enumerate(buckets):
             wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
             flat = self._target(k)
-            for name, tensor in unpack_bucket(bucket, flat):
+            views = self._views[k] if self.landing is not None else unpack_bucket(bucket, flat)
+            for name, tensor in views:
                 yield version, name, tensor
             if self.verify:
                 got.append(bucket_checksum(flat))

@@ -16,7 +16,7 @@ from rltrain.algorithms.logprobs import token_logprobs
 from rltrain.algorithms.losses import clipped_pg_loss
 from rltrain.config.schema import RunConfig
 from rltrain.refit import RefitSender, make_refit_sender
-from rltrain.refit.base import RefitManifest, RefitStats, plan_buckets
+from rltrain.refit.base import RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, free_port, node_ip
@@ -163,7 +163,7 @@ class PolicyWorker(FSDPTrainer):
     def refit_manifest(self) -> RefitManifest:
         """Names, shapes and bucket layout of every refit (same on all ranks)."""
         r = self.cfg.refit
-        self.manifest = plan_buckets(
+        self.manifest = plan_refit(
             self.param_shapes(), self.cfg.precision.refit_dtype, r.bucket_bytes, r.num_buffers
         )
         return self.manifest
