@@ -168,9 +168,12 @@ class Workers:
             "refit set-up",
         )[0]
         world = 1 + len(self.rollout.actors)
-        refs = [a.call.remote("init_refit", host, port, world) for a in self.policy.actors]
+        transport = str(self.plan.refit["transport"])  # auto already resolved by the plan
+        refs = [
+            a.call.remote("init_refit", host, port, world, transport) for a in self.policy.actors
+        ]
         refs += [
-            a.call.remote("init_refit", manifest, host, port, i + 1, world)
+            a.call.remote("init_refit", manifest, host, port, i + 1, world, transport)
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(

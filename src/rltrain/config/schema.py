@@ -112,10 +112,16 @@ class DTensorConfig:
 class RefitConfig:
     """Weight transport from trainer to rollout engines after every step."""
 
-    transport: str = "auto"  # auto | gloo
-    bucket_bytes: int = 64 * 2**20
+    transport: str = (
+        "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
+    )
+    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 256 MiB x 2 was
+    # within 1% of the best setting measured, with half the buffer memory of 512 MiB.
+    bucket_bytes: int = 256 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0
+    # Compare a checksum of every bucket on both sides after each refit.
+    verify: bool = False
 
 
 @dataclass
@@ -141,6 +147,9 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 64
+    # null = the tokenizer's size; larger pads the embedding (real-model shapes, benchmarks).
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
 
 @dataclass

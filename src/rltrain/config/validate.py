@@ -10,7 +10,7 @@ from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, RunConfig
 
 ENGINES = ("torch",)
-TRANSPORTS = ("auto", "gloo")
+TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo",)
 TASKS = ("copy",)
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
@@ -101,8 +101,15 @@ def validate(cfg: RunConfig) -> None:
 
     r = cfg.refit
     _choice("refit.transport", r.transport, TRANSPORTS)
-    _positive("refit.bucket_bytes", r.bucket_bytes, 1024)
-    _positive("refit.num_buffers", r.num_buffers)
+    if r.bucket_bytes < 2**20:
+        raise ConfigError(
+            f"refit.bucket_bytes={r.bucket_bytes} is below 1 MiB, which makes a refit thousands of "
+            "tiny transfers; set refit.bucket_bytes>=1048576."
+        )
+    if r.num_buffers < 1:
+        raise ConfigError(
+            f"refit.num_buffers={r.num_buffers} leaves no buffer to send from; set refit.num_buffers>=1."
+        )
     if r.timeout_s <= 0:
         raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
 
@@ -129,6 +136,14 @@ def validate(cfg: RunConfig) -> None:
             f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder."
         )
     ti = m.tiny
+    if ti.vocab_size is not None:
+        from rltrain.models.vocab import vocab_size
+
+        if ti.vocab_size < vocab_size(cfg.data.alphabet):
+            raise ConfigError(
+                f"model.tiny.vocab_size={ti.vocab_size} is smaller than the embedded tokenizer's "
+                f"{vocab_size(cfg.data.alphabet)} tokens; raise it or set it to null."
+            )
     if ti.hidden_size % ti.num_heads or ti.num_heads % ti.num_kv_heads:
         raise ConfigError(
             "model.tiny: hidden_size must be divisible by num_heads, and num_heads by num_kv_heads."
