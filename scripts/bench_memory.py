@@ -56,8 +56,13 @@ def _rss_mb(pid: int) -> float | None:
         return None
 
 
-def sample_run(steps: int, out: Path, interval_s: float) -> tuple[list[dict], float, int]:
-    """Run the embedded default and sample RSS until it ends; returns samples, wall time, exit code."""
+def sample_run(
+    steps: int, out: Path, interval_s: float, max_wall_s: float
+) -> tuple[list[dict], float, int | None]:
+    """Run the embedded default and sample RSS until it ends (or is stopped after ``max_wall_s``).
+
+    Returns the samples, the wall time and the exit code (None: stopped early).
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -74,6 +79,10 @@ def sample_run(steps: int, out: Path, interval_s: float) -> tuple[list[dict], fl
     pids: dict[str, int] = {}
     while proc.poll() is None:
         time.sleep(interval_s)
+        if time.perf_counter() - t0 > max_wall_s:  # a busy machine: keep what was sampled
+            proc.terminate()
+            proc.wait(timeout=120)
+            return samples, time.perf_counter() - t0, None
         step = _step(out)
         if not pids or len(pids) < 2:
             pids = _actor_pids(out)
@@ -103,14 +112,15 @@ def main() -> None:
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--out", default="scripts/results/bench_memory-cpu2.json")
     parser.add_argument("--run-dir", default="outputs/bench_memory_run")
+    parser.add_argument("--max-wall-s", type=float, default=3600.0)
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
-    samples, wall_s, code = sample_run(args.steps, run_dir, args.interval_s)
-    if code != 0:
+    samples, wall_s, code = sample_run(args.steps, run_dir, args.interval_s, args.max_wall_s)
+    if code not in (0, None):
         raise SystemExit(f"the run failed with exit code {code}")
     steady = [s for s in samples if s["step"] >= args.from_step]
     if len(steady) < 3:
@@ -121,6 +131,7 @@ def main() -> None:
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_average_1m_at_end": os.getloadavg()[0],
         "command": f"rltrain grpo max_steps={args.steps} (embedded default)",
+        "stopped_early": code is None,
         "summary": {
             "rss_slope_mb_per_100_steps": round(slope_per_100(steady, None), 2),
             "rss_start_mb": round(total[0], 1),
