@@ -271,22 +271,35 @@ def _popen(*args: str) -> subprocess.Popen:
     )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+def _policy_pid(out: Path, rank: int) -> int:
+    where = json.loads((out / "plan.json").read_text())["placement"]["policy"][rank]
+    return int(re.search(r"pid (\d+)", where).group(1))
+
+
+def _checkpoint_steps(out: Path) -> list[int]:
+    folder = out / "checkpoints"
+    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    return sorted(int(n.split("_")[1]) for n in names if re.fullmatch(r"step_\d+", n))
+
+
+def _wait_until(cond, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
+    while not cond():
         if proc.poll() is not None:
             out, err = proc.communicate()
-            pytest.fail(f"run ended before {path.name} appeared:\n{out}\n{err}")
+            pytest.fail(f"run ended while waiting for {what}:\n{out}\n{err}")
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"{path} did not appear within {timeout_s}s")
+            pytest.fail(f"{what} did not happen within {timeout_s}s")
         time.sleep(0.3)
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(500)
-def test_killed_trainer_rank_ends_run_naming_it(tmp_path):
-    """SIGKILL policy rank 1 mid-run: exit 1 within the failure bound, rank named, checkpoints intact."""
+@pytest.mark.timeout(700)
+def test_killed_trainer_rank_restarts_then_ends_run_naming_it(tmp_path):
+    """SIGKILL policy rank 1 twice. cluster.restarts=1: the first kill restarts the run from
+    its last checkpoint; the second ends it with exit 1 within the failure bound, the rank
+    named, and every finished checkpoint intact."""
     out = tmp_path / "run"
     failure_timeout_s = 20
     proc = _popen(
@@ -298,16 +311,28 @@ def test_killed_trainer_rank_ends_run_naming_it(tmp_path):
         "logger.progress=false",
         "logger.tensorboard=false",
         "checkpoint.every_n_steps=2",
+        "cluster.restarts=1",
         f"cluster.failure_timeout_s={failure_timeout_s}",
     )
-    _wait_for(out / "checkpoints" / "step_000002", proc, timeout_s=300)
-    where = json.loads((out / "plan.json").read_text())["placement"]["policy"][1]
-    pid = int(re.search(r"pid (\d+)", where).group(1))
-    os.kill(pid, signal.SIGKILL)
+    _wait_until(lambda: _checkpoint_steps(out), proc, 300, "the first checkpoint")
+    first_pid = _policy_pid(out, 1)
+    os.kill(first_pid, signal.SIGKILL)
+    resumed_from = _checkpoint_steps(out)[-1]
+    # The restarted attempt has new workers and writes a checkpoint past the one it resumed.
+    _wait_until(
+        lambda: _policy_pid(out, 1) != first_pid and _checkpoint_steps(out)[-1] > resumed_from,
+        proc,
+        300,
+        "a restart and a newer checkpoint",
+    )
+    os.kill(_policy_pid(out, 1), signal.SIGKILL)
     t_kill = time.monotonic()
     stdout, stderr = proc.communicate(timeout=180)
     ended_after = time.monotonic() - t_kill
     assert proc.returncode == 1, stdout + stderr
+    said = " ".join(stdout.split())
+    assert said.count("restarting from the last checkpoint after:") == 1, said
+    assert re.search(rf"resumed from \S+step_0*{resumed_from} ", said), said
     message = " ".join(stderr.split())
     assert "Traceback" not in stderr
     assert re.search(r"error: \w[\w ]*: policy rank 1 died", message), message
@@ -315,11 +340,13 @@ def test_killed_trainer_rank_ends_run_naming_it(tmp_path):
     # Ray shutdown and interpreter exit included; the waits themselves end at once.
     assert ended_after < failure_timeout_s + 30, ended_after
 
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))  # resumed rows replaced, none twice
     from transformers import AutoModelForCausalLM
 
-    done = sorted(p for p in (out / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
-    assert done and done[0].name == "step_000002"
-    for ckpt in done:  # every checkpoint a later run could pick up is complete and loadable
-        meta = json.loads((ckpt / "rltrain_meta.json").read_text())
-        assert ckpt.name == f"step_{meta['step']:06d}"
+    done = _checkpoint_steps(out)
+    assert done and done[-1] > resumed_from
+    for step in done:  # every checkpoint a later run could pick up is complete and loadable
+        ckpt = out / "checkpoints" / f"step_{step:06d}"
+        assert json.loads((ckpt / "run_state.json").read_text())["step"] == step
         AutoModelForCausalLM.from_pretrained(ckpt)

@@ -45,10 +45,10 @@ def _train(algorithm: str, overrides: list[str] | None) -> None:
     cfg, choices = _compose(algorithm, overrides)
     from rltrain.cluster.workers import WorkerError
     from rltrain.refit.gloo import RefitError
-    from rltrain.runner import run
+    from rltrain.runner import run_with_restarts
 
     try:
-        run(cfg, choices, console)
+        run_with_restarts(cfg, choices, console)
     except ConfigError as exc:
         _fail(str(exc), 2)
     except (WorkerError, RefitError) as exc:

@@ -219,6 +219,37 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     return summary
 
 
+def run_with_restarts(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
+    """:func:`run`, restarted from the last checkpoint after a machine fault.
+
+    A worker that died or stopped answering (or a refit that timed out) ends
+    the attempt; while ``cluster.restarts`` allows, the run starts again in the
+    same output folder with ``resume=auto``. A worker that raised (a bug, a
+    diverging run) is not retried: it would fail the same way.
+    """
+    from rltrain.cluster.workers import WorkerError
+    from rltrain.refit.base import RefitError
+
+    left = cfg.cluster.restarts
+    if left and cfg.output_dir is None:  # every attempt must find the same checkpoints
+        cfg.output_dir = str(resolve_output_dir(cfg)[1])
+    while True:
+        try:
+            return run(cfg, choices, console)
+        except (WorkerError, RefitError) as exc:
+            if left == 0 or getattr(exc, "fault", "timeout") == "failed":
+                raise
+            left -= 1
+            from rich.markup import escape
+
+            console.print(
+                f"[yellow]restarting from the last checkpoint[/] after: {escape(str(exc))} "
+                f"({left} restart(s) left)",
+                highlight=False,
+            )
+            cfg.resume = "auto"
+
+
 def _report_placement(placement: list[dict], nodes: list, console: Console) -> dict[str, list[str]]:
     """Print which node holds which role; returns role -> "ip (node id) pid N" per rank."""
     labels = {n.node_id: n.label for n in nodes}

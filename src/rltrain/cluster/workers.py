@@ -32,7 +32,16 @@ from rltrain.train.packing import balance_by_tokens, row_lengths
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed or stopped answering; the message names it."""
+    """A worker process failed or stopped answering; the message names it.
+
+    ``fault`` is "died" (the process is gone), "timeout" (it stopped answering)
+    or "failed" (it raised): the first two are faults of the machine, which a
+    restart from the last checkpoint can outlive.
+    """
+
+    def __init__(self, message: str, fault: str = "failed"):
+        super().__init__(message)
+        self.fault = fault
 
 
 class WorkerHost:
@@ -78,13 +87,15 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:
             stuck = [n for r, n in zip(refs, names, strict=True) if r in pending]
-            raise WorkerError(f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s")
+            raise WorkerError(
+                f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s", "timeout"
+            )
         ref = ready[0]
         name = names[refs.index(ref)]
         try:
             ray.get(ref, timeout=0)
         except RayActorError as exc:
-            raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})") from exc
+            raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise WorkerError(f"{what}: {name} failed: {type(cause).__name__}: {cause}") from exc

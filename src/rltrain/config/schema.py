@@ -211,6 +211,9 @@ class ClusterConfig:
     failure_timeout_s: float = 30.0
     # torch.distributed timeout of a gang: rendezvous and every collective.
     collective_timeout_s: float = 600.0
+    # Restart a run whose worker died or stopped answering, from its last
+    # checkpoint (resume=auto), at most this many times; 0 = fail at once.
+    restarts: int = 0
 
 
 @dataclass

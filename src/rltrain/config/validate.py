@@ -205,6 +205,13 @@ def _validate_faults(cfg: RunConfig) -> None:
                     f"cluster.{role}_resources.{name}={amount}: give a custom node resource "
                     "(not CPU/GPU/memory) with an amount > 0."
                 )
+    if c.restarts < 0:
+        raise ConfigError(f"cluster.restarts={c.restarts} must be >= 0 (0 = no restarts).")
+    if c.restarts and not cfg.checkpoint.every_n_steps:
+        raise ConfigError(
+            f"cluster.restarts={c.restarts} restarts from the last checkpoint, but "
+            "checkpoint.every_n_steps=0 writes none before the end; set checkpoint.every_n_steps."
+        )
     skips = cfg.precision.grad_scaler.max_consecutive_skips
     if skips < 0:
         raise ConfigError(
