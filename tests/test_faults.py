@@ -271,9 +271,14 @@ def _popen(*args: str) -> subprocess.Popen:
     )
 
 
-def _policy_pid(out: Path, rank: int) -> int:
-    where = json.loads((out / "plan.json").read_text())["placement"]["policy"][rank]
-    return int(re.search(r"pid (\d+)", where).group(1))
+def _policy_pid(out: Path, rank: int) -> int | None:
+    """The pid of a policy rank once the run reported it (None while plan.json holds the forecast)."""
+    try:
+        where = json.loads((out / "plan.json").read_text())["placement"]["policy"][rank]
+    except (OSError, ValueError, KeyError, IndexError):  # absent or being rewritten
+        return None
+    m = re.search(r"pid (\d+)", where)
+    return int(m.group(1)) if m else None
 
 
 def _checkpoint_steps(out: Path) -> list[int]:
@@ -316,16 +321,22 @@ def test_killed_trainer_rank_restarts_then_ends_run_naming_it(tmp_path):
     )
     _wait_until(lambda: _checkpoint_steps(out), proc, 300, "the first checkpoint")
     first_pid = _policy_pid(out, 1)
+    assert first_pid is not None
     os.kill(first_pid, signal.SIGKILL)
     resumed_from = _checkpoint_steps(out)[-1]
     # The restarted attempt has new workers and writes a checkpoint past the one it resumed.
     _wait_until(
-        lambda: _policy_pid(out, 1) != first_pid and _checkpoint_steps(out)[-1] > resumed_from,
+        lambda: (
+            _policy_pid(out, 1) not in (None, first_pid)
+            and _checkpoint_steps(out)[-1] > resumed_from
+        ),
         proc,
         300,
         "a restart and a newer checkpoint",
     )
-    os.kill(_policy_pid(out, 1), signal.SIGKILL)
+    second_pid = _policy_pid(out, 1)
+    assert second_pid is not None
+    os.kill(second_pid, signal.SIGKILL)
     t_kill = time.monotonic()
     stdout, stderr = proc.communicate(timeout=180)
     ended_after = time.monotonic() - t_kill
