@@ -126,8 +126,10 @@ def write_csv(sweep_dir: Path, record: dict) -> Path:
 
 def plot_rewards(sweep_dir: Path, record: dict) -> Path | None:
     """One PNG with the reward curve (and the sweep metric, if different) of every trial."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the CSV and JSON carry the numbers; the plot needs rltrain[sweep]
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -55,7 +55,10 @@ class OptunaSource(TrialSource):
             direction="maximize" if direction == "max" else "minimize",
             sampler=optuna.samplers.TPESampler(seed=seed),
             pruner=(
-                optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=prune_warmup_steps)
+                # Steps count from 1; Optuna prunes from step n_warmup_steps on.
+                optuna.pruners.MedianPruner(
+                    n_startup_trials=1, n_warmup_steps=prune_warmup_steps + 1
+                )
                 if pruner == "median"
                 else optuna.pruners.NopPruner()
             ),
@@ -143,6 +146,12 @@ def _param_value(dist, text: str):
 
 def check_search_args(n_trials: int | None, pruner: str, direction: str) -> int:
     """Validate the search options; returns the number of trials."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "--search optuna needs the optuna package: pip install 'rltrain[sweep]'."
+        ) from exc
     if n_trials is None or n_trials < 1:
         raise ConfigError("--search optuna needs --trials N (N >= 1): how many trials to sample.")
     if pruner not in PRUNERS:
