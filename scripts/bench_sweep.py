@@ -74,9 +74,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    runs = [
-        sweep(out.parent / f"bench_sweep-{stamp}-p{n}", n, args.steps) for n in args.parallel
-    ]
+    runs = [sweep(out.parent / f"bench_sweep-{stamp}-p{n}", n, args.steps) for n in args.parallel]
     result = {
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "command": f"rltrain sweep grpo optim.lr=1e-3,3e-3 seed=0,1 max_steps={args.steps}",
