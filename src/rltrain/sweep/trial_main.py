@@ -36,7 +36,9 @@ def main(trial_dir: str) -> int:
     error_path = out / ERROR_FILE
 
     def fail(message: str, code: int) -> int:
-        error_path.write_text(message.strip().splitlines()[0] + "\n")
+        # One line for sweep.json / sweep.csv; the whole trace stays in trial.log.
+        one_line = " ".join(message.split())
+        error_path.write_text((one_line[:497] + "..." if len(one_line) > 500 else one_line) + "\n")
         print(f"error: {message}", file=sys.stderr)
         return code
 
