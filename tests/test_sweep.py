@@ -269,3 +269,47 @@ def test_optuna_search_of_three_trials(tmp_path):
     best = max(trials, key=lambda t: t["last10"]["reward/mean"])
     assert record["search"] == "optuna" and record["best_trial"] == best["name"]
     assert len(_csv(out)) == 3 and (out / "reward_curves.png").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_trials_and_resume_continues_from_checkpoint(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "sweep"
+    args = [
+        "sweep",
+        "grpo",
+        "seed=0",
+        "max_steps=60",
+        "checkpoint.every_n_steps=5",
+        "logger.tensorboard=false",
+        f"output_dir={out}",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    proc = subprocess.Popen(
+        [*RLTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    first_ckpt = out / "trial_000" / "checkpoints" / "step_000005" / "run_state.json"
+    deadline = time.monotonic() + 400
+    while not first_ckpt.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends the sweep
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 130, stdout + stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    record = json.loads((out / "sweep.json").read_text())
+    (trial,) = record["trials"]
+    assert record["status"] == "interrupted" and trial["status"] == "interrupted"
+    assert 5 <= trial["steps"] < 60
+    assert (out / "sweep.csv").is_file()
+
+    # --resume continues the interrupted trial from its newest checkpoint, not from step 1.
+    proc = _run_cli(*args, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (trial,) = _trials(out).values()
+    assert trial["status"] == "completed"
+    steps = [json.loads(line)["step"] for line in (out / "trial_000" / "metrics.jsonl").open()]
+    assert steps == list(range(1, 61))
+    assert "resumed from" in (out / "trial_000" / "trial.log").read_text()

@@ -280,6 +280,7 @@ def _states_and_source(
             if old is not None and old["status"] == "completed":
                 state.status, state.resumed, state.wall_s = "completed", True, old.get("wall_s")
                 state.rows = results.read_metrics(out / spec.name)
+            state.continue_run = old is not None and old["status"] == "interrupted"
             states.append(state)
         return states, GridSource(states)
 

@@ -47,6 +47,7 @@ class TrialState:
     started: float | None = None
     pruning: bool = False
     resumed: bool = False  # completed in an earlier invocation (--resume)
+    continue_run: bool = False  # interrupted earlier: continue from its last checkpoint if any
     search_trial: object | None = None  # the Optuna trial, for a search
 
     @property
@@ -86,25 +87,38 @@ class GridSource(TrialSource):
 
 
 def start_trial(state: TrialState, algorithm: str, address: str, share: Resources) -> None:
-    """Write trial.json and start the trial's process in its own process group."""
+    """Write trial.json and start the trial's process in its own process group.
+
+    An interrupted trial with a complete checkpoint continues from its newest
+    one (``resume=<path>``: the runner truncates metrics.jsonl to that step);
+    any other earlier attempt is removed and the trial starts clean.
+    """
     import shutil
 
+    from rltrain.train.checkpoint import complete_checkpoints
+
     out = state.dir
-    if out.exists():  # a failed or interrupted earlier attempt: start clean
+    overrides = list(state.spec.overrides)
+    checkpoints = complete_checkpoints(out / "checkpoints") if state.continue_run else []
+    if checkpoints:
+        overrides.append(f"resume='{checkpoints[-1].resolve()}'")
+        for stale in (out / ERROR_FILE, out / TRIAL_FILE):
+            stale.unlink(missing_ok=True)
+    elif out.exists():
         shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / TRIAL_FILE).write_text(
         json.dumps(
             {
                 "algorithm": algorithm,
-                "overrides": state.spec.overrides,
+                "overrides": overrides,
                 "address": address,
                 "share": {"num_cpus": share.num_cpus, "num_gpus": share.num_gpus},
             },
             indent=2,
         )
     )
-    log = (out / LOG_FILE).open("w")
+    log = (out / LOG_FILE).open("a")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     state.proc = subprocess.Popen(
         [sys.executable, "-m", "rltrain.sweep.trial_main", str(out)],
