@@ -112,6 +112,10 @@ class VLLMEngine:
             "max_model_len": v.max_model_len,
             "disable_log_stats": True,
         }
+        if ro.tp > 1:
+            # Workers as subprocesses of this actor, on the GPUs Ray gave it (a Ray executor
+            # would try to place its own workers in the run's placement group).
+            kwargs["distributed_executor_backend"] = "mp"
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * GIB)
         else:
@@ -210,8 +214,11 @@ class VLLMEngine:
                 yield name, tensor.detach().clone()
 
         self.wake_up()
+        # In-process (tp=1) vLLM consumes the iterator while later buckets arrive; tensor-parallel
+        # workers live in other processes, so they get the whole list (each loads its shard).
+        weights = copies() if self.cfg.rollout.tp == 1 else list(copies())
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": copies(), "is_checkpoint_format": True}
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
         # KV blocks cached for a prompt prefix were computed with the old weights.
         self.llm.reset_prefix_cache()
