@@ -16,13 +16,15 @@ from rltrain.rollout.base import SamplingParams
 from rltrain.train.distributed import free_port
 
 BLOCKED = ["<pad>", "<bos>", "<unk>"]
-# One prompt longer than a KV block (16 tokens) so a stale prefix cache would show after a refit.
-PROMPTS = ["a=", "abc=", "dd=", "bcad=", "c=", "abcdabcdabcdabcdabcdab="]
+# One prompt longer than a KV block (128 tokens on CPU): vLLM caches its first block, so a
+# prefix cache kept across a refit would show as stale logprobs.
+PROMPTS = ["a=", "abc=", "dd=", "bcad=", "c=", "abcd" * 35 + "="]
 
 
 def _cfg() -> RunConfig:
     cfg = RunConfig()
     cfg.model.blocked_tokens = list(BLOCKED)
+    cfg.model.tiny.max_position_embeddings = 192
     cfg.rollout.vllm.cpu_kv_cache_gib = 0.25
     return cfg
 
