@@ -155,6 +155,9 @@ class VLLMEngine:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_new_tokens,
+                # Stop at the tokenizer's EOS only, as the torch engine does (vLLM would
+                # otherwise add generation_config's extra EOS ids).
+                ignore_eos=True,
                 stop_token_ids=[self.eos_id],
                 seed=seed,
                 logprobs=0,  # the sampled token's own logprob only
