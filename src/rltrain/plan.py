@@ -124,7 +124,7 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
 def estimate_num_params(cfg: RunConfig) -> int | None:
     """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
     if cfg.model.path is None:
-        from rltrain.models.vocab import vocab_size
+        from rltrain.models.vocab import tiny_alphabet, vocab_size
 
         ti = cfg.model.tiny
         h, inter, L = ti.hidden_size, ti.intermediate_size, ti.num_layers
@@ -133,7 +133,7 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
         mlp = 3 * h * inter
         per_layer = attn + mlp + 2 * h
-        v = vocab_size(cfg.data.alphabet)
+        v = vocab_size(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
         return v * h * 2 + L * per_layer + h  # untied embedding + lm_head, final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():

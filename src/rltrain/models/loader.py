@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -11,7 +13,7 @@ from transformers import (
 )
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, TinyModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,8 +22,9 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
     """The run's tokenizer: the embedded character tokenizer or the model's own."""
     if cfg.model.path is None:
         from rltrain.models.tiny import build_tokenizer
+        from rltrain.models.vocab import tiny_alphabet
 
-        return build_tokenizer(cfg.data.alphabet)
+        return build_tokenizer(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
     name = cfg.model.tokenizer or cfg.model.path
     try:
         return AutoTokenizer.from_pretrained(name)
@@ -31,12 +34,29 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
         ) from exc
 
 
+def tiny_shape(cfg: RunConfig) -> TinyModelConfig:
+    """The embedded model's shape, its context widened to hold a dataset's prompts.
+
+    For data.task=dataset the context is at least data.max_prompt_tokens plus
+    the longest generation. RoPE weights do not depend on the declared
+    length, so this only changes the limit engines read (vLLM's max_model_len).
+    """
+    shape = cfg.model.tiny
+    if cfg.data.task == "copy" or cfg.data.max_prompt_tokens is None:
+        return shape
+    gen = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    need = cfg.data.max_prompt_tokens + gen
+    return dataclasses.replace(
+        shape, max_position_embeddings=max(shape.max_position_embeddings, need)
+    )
+
+
 def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
     """The initial policy weights, identical on every process that calls this."""
     if cfg.model.path is None:
         from rltrain.models.tiny import build_tiny_model
 
-        model = build_tiny_model(cfg.model.tiny, load_tokenizer(cfg), seed=cfg.seed)
+        model = build_tiny_model(tiny_shape(cfg), load_tokenizer(cfg), seed=cfg.seed)
         return model.to(TORCH_DTYPES[dtype])
     try:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=TORCH_DTYPES[dtype])
