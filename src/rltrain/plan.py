@@ -69,6 +69,8 @@ class RunPlan:
     colocated: bool
     memory: dict[str, object]
     choices: dict[str, str]
+    # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
+    inputs: dict[str, object] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -280,4 +282,43 @@ def make_plan(
         colocated=ro.colocated,
         memory=memory,
         choices=dict(choices or {}),
+        inputs=plan_inputs(cfg),
     )
+
+
+def plan_inputs(cfg: RunConfig) -> dict[str, object]:
+    """Model, data and reward the run will read (not checked here: planning needs no local files)."""
+    m, da, ev = cfg.model, cfg.data, cfg.eval
+    model = {
+        "name": m.name,
+        "path": m.path or "embedded tiny model",
+        "tokenizer": m.tokenizer or m.path or "embedded",
+    }
+    if da.task == "copy":
+        data: dict[str, object] = {"name": da.name, "task": "copy", "alphabet": da.alphabet}
+        reward = cfg.reward.fn or "rltrain.rewards.copy:score"
+    else:
+        data = {
+            "name": da.name,
+            "task": da.task,
+            "source": da.path or f"{da.hf_name}:{da.split}",
+            "fields": {"prompt": da.prompt_field, "answer": da.answer_field},
+            "max_prompt_tokens": da.max_prompt_tokens,
+            "validation": da.val_path
+            or (
+                f"{da.hf_name}:{da.val_split}"
+                if da.val_split
+                else f"{da.val_fraction:.0%} of train"
+            ),
+        }
+        reward = cfg.reward.fn or "rltrain.rewards.math:score"
+    return {
+        "model": model,
+        "data": data,
+        "reward": {
+            "fn": reward,
+            "timeout_s": cfg.reward.timeout_s,
+            "on_error": cfg.reward.on_error,
+        },
+        "eval": {"every_n_steps": ev.every_n_steps, "samples_per_prompt": ev.samples_per_prompt},
+    }
