@@ -117,7 +117,7 @@ def build_items(
         prompt, answer = row.get(cfg.prompt_field), row.get(cfg.answer_field)
         if prompt is None or answer is None:
             missing = cfg.prompt_field if prompt is None else cfg.answer_field
-            bad(i, f"missing field '{missing}'", f"no field '{missing}' (keys: {', '.join(row)})")
+            bad(i, f"missing field '{missing}'", f"the field '{missing}' is missing")
         elif not str(prompt).strip():
             bad(i, "empty prompt", f"the field '{cfg.prompt_field}' is empty")
         else:
