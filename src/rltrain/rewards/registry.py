@@ -6,18 +6,20 @@ keyword parameters in :data:`CONTEXT_ARGS` (e.g. ``finished``: the response
 stopped at EOS); they are passed only when declared.
 
 Per-sample timeout: in the main thread (the controller, ``rltrain eval``) a
-``SIGALRM`` interval timer interrupts a slow call; off the main thread signals
-cannot be used, so the call runs in a helper thread and is abandoned (scored
-as a timeout) when it overruns.
+``SIGALRM`` interval timer interrupts a slow call. Off the main thread signals
+cannot be used, and a helper thread would not do: a pathological answer such
+as ``\\boxed{9^{9^{9}}}`` makes sympy compute a huge power inside one C call
+that holds the GIL, so nothing in the process runs until it ends. There the
+calls go to a child process, killed and restarted when one overruns.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import inspect
 import logging
 import math
+import multiprocessing
 import signal
 import threading
 from collections.abc import Callable
@@ -129,7 +131,7 @@ class RewardFunction:
         self.errors = 0
         self.timeouts = 0
         self._reported = False
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._child: _ChildRunner | None = None
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, default: str, **bound: Any) -> RewardFunction:
@@ -178,17 +180,15 @@ class RewardFunction:
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
-        # Off the main thread: a helper thread we can stop waiting for (not kill).
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
-        future = self._pool.submit(self.fn, response, reference, **kwargs)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            # The stuck call keeps its thread; later calls get a fresh one.
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-            raise RewardTimeout from None
+        if self._child is None or not self._child.alive:
+            self._child = _ChildRunner(self.fn)
+        return self._child.call((response, reference), kwargs, self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the child process, if one was started."""
+        if self._child is not None:
+            self._child.close()
+            self._child = None
 
     def _failed(self, what: str, response: str, reference: str, exc: BaseException | None) -> float:
         if self.on_error == "fail":
@@ -213,3 +213,60 @@ class RewardFunction:
             response[:80],
             reference[:40],
         )
+
+
+class _ChildRunner:
+    """A child process that runs reward calls (off the main thread); killed and restarted on a timeout.
+
+    ``spawn`` keeps the child free of the parent's threads and locks (Ray,
+    torch). Start-up (imports) is waited for separately, so it never counts
+    against a call's timeout.
+    """
+
+    STARTUP_TIMEOUT_S = 120.0
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.alive = True
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_end = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child_end, self.fn), daemon=True)
+        self.proc.start()
+        child_end.close()
+        if not self.conn.poll(self.STARTUP_TIMEOUT_S):
+            self.close()
+            raise RuntimeError("the reward child process did not start")
+        self.conn.recv()  # "ready"
+
+    def call(self, args: tuple, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        self.conn.send((args, kwargs))
+        if not self.conn.poll(timeout_s):
+            self.close()  # the next call starts a fresh child
+            raise RewardTimeout
+        ok, value = self.conn.recv()
+        if ok:
+            return value
+        raise value
+
+    def close(self) -> None:
+        self.alive = False
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def _serve(conn, fn: Callable[..., Any]) -> None:
+    """Child process body: answer (args, kwargs) requests with (ok, value or exception)."""
+    conn.send("ready")
+    while True:
+        try:
+            args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send((True, fn(*args, **kwargs)))
+        except Exception as exc:  # noqa: BLE001 - sent back to the caller, which applies on_error
+            try:
+                conn.send((False, exc))
+            except Exception:  # noqa: BLE001 - an exception that cannot be pickled
+                conn.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
