@@ -132,13 +132,34 @@ def test_plan_json_of_recipe_needs_no_local_model(recipe, algorithm, tmp_path, m
     assert "vllm" in " ".join(plan["roles"][1]["notes"]).lower()
 
 
-def _fake_hf_cache(root: Path, repo: str) -> None:
+def _fake_hf_cache(root: Path, repo: str, config: dict | None = None) -> None:
     """The layout huggingface_hub's cache uses: refs/main -> snapshots/<rev>/config.json."""
     folder = root / f"models--{repo.replace('/', '--')}"
     (folder / "refs").mkdir(parents=True)
     (folder / "refs" / "main").write_text("0123abc")
     (folder / "snapshots" / "0123abc").mkdir(parents=True)
-    (folder / "snapshots" / "0123abc" / "config.json").write_text("{}")
+    (folder / "snapshots" / "0123abc" / "config.json").write_text(json.dumps(config or {}))
+
+
+def test_plan_reads_the_model_size_from_the_hf_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    qwen15 = {
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "vocab_size": 151936,
+        "intermediate_size": 8960,
+        "tie_word_embeddings": True,
+    }
+    _fake_hf_cache(tmp_path, "Qwen/Qwen2.5-1.5B-Instruct", qwen15)
+    args = ["recipe=qwen1.5b-gsm8k"] + ([] if VLLM_LANDED else ["rollout=torch"])
+    result = runner.invoke(app, ["plan", "grpo", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    # The plan's estimate: embeddings (tied) + 28 x (attention 4h^2 + MLP 3 h x inter).
+    assert json.loads(result.stdout)["memory"]["num_params"] == 151936 * 1536 + 28 * (
+        4 * 1536**2 + 3 * 1536 * 8960
+    )
 
 
 def test_model_availability_check(tmp_path, monkeypatch):

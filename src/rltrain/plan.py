@@ -139,6 +139,8 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return v * h * 2 + L * per_layer + h  # untied embedding + lm_head, final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
+        config_json = _cached_hf_config(cfg.model.path)
+    if config_json is None:
         return None
     c = json.loads(config_json.read_text())
     try:
@@ -152,6 +154,17 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return None
     tied = c.get("tie_word_embeddings", False)
     return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
+
+
+def _cached_hf_config(repo_id: str) -> Path | None:
+    """config.json of an HF hub id from the local cache (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - not an HF id: unknown size
+        return None
+    return Path(hit) if isinstance(hit, str) else None
 
 
 def make_plan(

@@ -117,12 +117,12 @@ def _write_report(out: Path, console: Console) -> None:
     from rltrain.logging.report import plot_run
 
     try:
-        paths = plot_run(out)
+        paths = plot_run(out, panels=False)
     except Exception as exc:  # noqa: BLE001 - the run itself succeeded
         console.print(f"[yellow]report plots were not written: {type(exc).__name__}: {exc}[/]")
         return
     if paths:
-        console.print(f"report: {len(paths)} plots in {paths[0].parent}")
+        console.print(f"report: {paths[0]} (rltrain report {out} draws each plot on its own)")
 
 
 def _algorithm_loop(name: str):
