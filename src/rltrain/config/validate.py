@@ -12,7 +12,7 @@ from rltrain.config.schema import DTYPES, RunConfig
 ENGINES = ("torch", "vllm")
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo",)
-TASKS = ("copy",)
+TASKS = ("copy", "dataset")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
@@ -165,21 +165,27 @@ def validate(cfg: RunConfig) -> None:
 
     da = cfg.data
     _choice("data.task", da.task, TASKS)
-    if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
-        raise ConfigError(f"data.alphabet='{da.alphabet}' must be distinct characters without '='.")
-    if not 1 <= da.min_len <= da.max_len:
-        raise ConfigError(
-            f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
-        )
-    if ro.max_new_tokens < da.max_len + 1:
-        raise ConfigError(
-            f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
-            f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
-        )
-    if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
-        raise ConfigError(
-            "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
-        )
+    if da.task == "copy":
+        if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
+            raise ConfigError(
+                f"data.alphabet='{da.alphabet}' must be distinct characters without '='."
+            )
+        if not 1 <= da.min_len <= da.max_len:
+            raise ConfigError(
+                f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
+            )
+        if ro.max_new_tokens < da.max_len + 1:
+            raise ConfigError(
+                f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
+                f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
+            )
+        if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
+            raise ConfigError(
+                "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
+            )
+    else:
+        validate_dataset(cfg)
+    validate_reward_eval(cfg)
 
     c = cfg.cluster
     _choice("cluster.mode", c.mode, ("local", "ray"))
@@ -228,3 +234,66 @@ def _validate_vllm(cfg: RunConfig) -> None:
             f"rollout.vllm.max_model_len={v.max_model_len} leaves no room for a prompt and "
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it or set it to null."
         )
+
+
+def validate_dataset(cfg: RunConfig) -> None:
+    """data.task=dataset: one source, a usable template, a validation split that is well defined."""
+    da, m = cfg.data, cfg.model
+    if (da.path is None) == (da.hf_name is None):
+        raise ConfigError(
+            "data.task=dataset reads exactly one source: set data.path=/path/to/file.jsonl "
+            "or data.hf_name=NAME (and the other to null)."
+        )
+    try:
+        da.prompt_template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' is not a format string with only "
+            f"{{prompt}} ({type(exc).__name__}: {exc}); double literal braces as {{{{ }}}}."
+        ) from exc
+    if "{prompt}" not in da.prompt_template:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' never uses {{prompt}}; put {{prompt}} where the question goes."
+        )
+    if da.val_split is not None and da.hf_name is None:
+        raise ConfigError(
+            "data.val_split picks a split of data.hf_name; for a local file use data.val_path=/path/to/val.jsonl."
+        )
+    if da.val_path is not None and da.val_split is not None:
+        raise ConfigError("set one of data.val_path and data.val_split, not both.")
+    if not 0.0 <= da.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={da.val_fraction} must be in [0, 1).")
+    if da.val_fraction > 0 and (da.val_path is not None or da.val_split is not None):
+        raise ConfigError(
+            "data.val_fraction holds out training rows, but data.val_path/val_split already names a "
+            "validation split; set data.val_fraction=0 or drop the other."
+        )
+    if da.max_prompt_tokens is not None:
+        _positive("data.max_prompt_tokens", da.max_prompt_tokens)
+    if m.path is None and da.max_prompt_tokens is None:
+        # The embedded model's context is sized from the longest prompt (models.loader.tiny_shape).
+        raise ConfigError(
+            "data.task=dataset with the embedded tiny model needs data.max_prompt_tokens "
+            "(e.g. data.max_prompt_tokens=512) to size its context."
+        )
+
+
+def validate_reward_eval(cfg: RunConfig) -> None:
+    """The reward and eval nodes (the reward function itself is imported at start-up)."""
+    rw, ev = cfg.reward, cfg.eval
+    if rw.fn is not None and (":" not in rw.fn or rw.fn.startswith(":") or rw.fn.endswith(":")):
+        raise ConfigError(
+            f"reward.fn='{rw.fn}' is not an import path; write it as package.module:function "
+            "(e.g. reward.fn=rltrain.rewards.math:score)."
+        )
+    if rw.timeout_s < 0:
+        raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
+    _choice("reward.on_error", rw.on_error, ("zero", "fail"))
+    if ev.every_n_steps < 0:
+        raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
+    _positive("eval.samples_per_prompt", ev.samples_per_prompt)
+    _positive("eval.batch_size", ev.batch_size)
+    if ev.max_prompts is not None:
+        _positive("eval.max_prompts", ev.max_prompts)
+    if ev.max_new_tokens is not None:
+        _positive("eval.max_new_tokens", ev.max_new_tokens)
