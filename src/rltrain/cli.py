@@ -186,6 +186,65 @@ def recipes() -> None:
     console.print(table)
 
 
+@app.command()
+def report(
+    run_dir: Annotated[str, typer.Argument(help="Output folder of a run (holds metrics.jsonl).")],
+    out: Annotated[
+        str | None, typer.Option("--out", help="Folder for the PNGs (default RUN_DIR/report).")
+    ] = None,
+) -> None:
+    """Plot a run's metrics (reward, accuracy, loss, KL, entropy, lengths, step time) as PNGs and print a summary."""
+    from rltrain.config.errors import ConfigError
+    from rltrain.logging.report import load_metrics, plot_run, summary_table
+
+    try:
+        history = load_metrics(run_dir)
+        paths = plot_run(run_dir, out)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    console.print(summary_table(history, title=f"rltrain report: {run_dir}"))
+    console.print(f"{len(paths)} plots in {paths[0].parent}: " + ", ".join(p.name for p in paths))
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="A checkpoint folder written by a run (RUN_DIR/checkpoints/step_N), or an HF model folder / id."
+        ),
+    ],
+    overrides: Overrides = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+) -> None:
+    """Greedy accuracy (eval.samples_per_prompt>1: pass@k) of a model on the validation split.
+
+    Pass the run's data overrides (e.g. data=gsm8k data.path=...); model.path is set to MODEL.
+    """
+    from rltrain.config.errors import ConfigError
+
+    cfg, _ = _compose("grpo", [*(overrides or []), f"model.path={model}"])
+    from rltrain.algorithms.evaluate import evaluate_model
+
+    try:
+        metrics = evaluate_model(cfg)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    if as_json:
+        import json
+
+        sys.stdout.write(json.dumps(metrics, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title=f"rltrain eval: {model}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.4g}")
+    console.print(table)
+
+
 def main() -> None:
     app()
 
