@@ -150,16 +150,21 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         place(role_bundles(plan, cfg.cluster), local_nodes(cfg.cluster))
     if cfg.cluster.mode == "ray":
         check_reachable(cfg.cluster)
+    # Inputs next (model on disk, data rows, reward.fn importable): exit 2 before Ray starts.
+    from rltrain.data import build_task
+    from rltrain.models.loader import check_model_available, load_tokenizer
+
+    check_model_available(cfg)
+    tokenizer = load_tokenizer(cfg)
+    task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     run_name, out = resolve_output_dir(cfg)
     resume_from = find_resume(cfg, out)
     prepare_output_dir(out)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
     from rltrain.cluster.workers import Workers
-    from rltrain.data import build_task
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
-    from rltrain.models.loader import load_tokenizer
 
     with ray_cluster(cfg.cluster, resources) as cluster_res:
         if plan is None:
@@ -189,6 +194,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             ctx = RunContext(
                 cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
             )
+
+            ctx = RunContext(cfg, plan, workers, task, tokenizer, out)
             if resume_from is not None:
                 ctx.restore(resume_from)
                 console.print(
@@ -216,6 +223,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     console.print(summary_table(logger.history, startup_s, wall_s, outputs))
     summary = _summary(logger.history, startup_s, wall_s, outputs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_report(out, console)
     return summary
 
 
@@ -260,6 +268,19 @@ def _report_placement(placement: list[dict], nodes: list, console: Console) -> d
     for role, where in rows.items():
         console.print(f"  {role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(where)))
     return rows
+
+
+def _write_report(out: Path, console: Console) -> None:
+    """PNG plots of the run (report/); a plotting failure must not fail a finished run."""
+    from rltrain.logging.report import plot_run
+
+    try:
+        paths = plot_run(out, panels=False)
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded
+        console.print(f"[yellow]report plots were not written: {type(exc).__name__}: {exc}[/]")
+        return
+    if paths:
+        console.print(f"report: {paths[0]} (rltrain report {out} draws each plot on its own)")
 
 
 def _algorithm_loop(name: str):

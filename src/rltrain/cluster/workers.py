@@ -30,6 +30,12 @@ from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.packing import balance_by_tokens, row_lengths
 
+# rollout.engine -> the plain engine class each replica's actor builds.
+ENGINE_CLASSES = {
+    "torch": "rltrain.rollout.torch_engine.TorchEngine",
+    "vllm": "rltrain.rollout.vllm_engine.VLLMEngine",
+}
+
 
 class WorkerError(RuntimeError):
     """A worker process failed or stopped answering; the message names it.
@@ -183,9 +189,7 @@ class Workers:
             for rank, a in enumerate(self.policy.actors)
         ]
         builds += [
-            a.build.remote(
-                "rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i, rollout.threads
-            )
+            a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
@@ -193,7 +197,7 @@ class Workers:
 
     def _placement_group(self, rb: RoleBundles):
         """Reserve one role's bundles; a reservation that cannot be met ends in a WorkerError."""
-        pg = placement_group(rb.bundles, strategy=rb.strategy, name=f"rltrain-{rb.role}")
+        pg = placement_group(rb.bundles, strategy=rb.strategy)
         self.pgs.append(pg)
         try:
             ray.get(pg.ready(), timeout=self.timeout)
@@ -244,6 +248,8 @@ class Workers:
 
     def refit(self, weight_version: int) -> RefitStats:
         """Push the policy's weights to every replica, stamped ``weight_version``."""
+        if self.cfg.rollout.colocated:  # weights land in GPU memory the engines gave back
+            wait(self.rollout.call_all("wake_up"), self.rollout.names(), None, "rollout wake-up")
         send = self.policy.call_all("refit_send", weight_version)
         recv = self.rollout.call_all("refit_receive")
         out = self._wait(
@@ -280,6 +286,8 @@ class Workers:
         parts: list[RolloutBatch] = self._wait(
             refs, self.rollout.names(list(range(len(refs)))), self.call_timeout, "generate"
         )
+        if self.cfg.rollout.colocated:  # free the GPU memory for the trainer until the refit
+            wait(self.rollout.call_all("sleep"), self.rollout.names(), None, "rollout sleep")
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -392,11 +400,13 @@ class Workers:
         dead peer and would never answer: they are killed without waiting.
         Otherwise they get cluster.failure_timeout_s to leave their groups.
         """
+        grace = self.cfg.cluster.failure_timeout_s
         if not self.failed and self.policy.actors:
             with contextlib.suppress(Exception):  # best effort on the way out
-                ray.get(
-                    self.policy.call_all("shutdown"), timeout=self.cfg.cluster.failure_timeout_s
-                )
+                ray.get(self.policy.call_all("shutdown"), timeout=grace)
+        if not self.failed and self.rollout.actors and self.cfg.rollout.engine == "vllm":
+            with contextlib.suppress(Exception):  # frees the engine and its model folder
+                ray.get(self.rollout.call_all("shutdown"), timeout=grace)
         for a in self.policy.actors + self.rollout.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)
