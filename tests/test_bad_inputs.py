@@ -42,6 +42,8 @@ class Case:
     subprocess: bool = False
     usage: bool = False  # a CLI usage error: Typer's usage box instead of one 'error:' line
     skip_output_dir: bool = False  # the case sets output_dir itself
+    # A line that may come before the error: the per-row skip notice of a data file.
+    notice: str = ""
 
 
 def _folder(tmp: Path, name: str, config: object | bytes) -> None:
@@ -51,7 +53,19 @@ def _folder(tmp: Path, name: str, config: object | bytes) -> None:
     (path / "config.json").write_bytes(data)
 
 
+def _jsonl(tmp: Path, name: str, rows: list[dict]) -> None:
+    (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 SETUPS = {
+    "empty_jsonl": lambda tmp: (tmp / "empty.jsonl").write_bytes(b""),
+    "non_utf8_jsonl": lambda tmp: (tmp / "latin.jsonl").write_bytes(
+        b'{"question": "caf\xe9"}\n\xff\xfe'
+    ),
+    "wrong_fields": lambda tmp: _jsonl(tmp, "rows.jsonl", [{"q": "1+1", "a": "2"}] * 3),
+    "huge_prompts": lambda tmp: _jsonl(
+        tmp, "huge.jsonl", [{"question": "many words " * 2000, "answer": "1"}] * 3
+    ),
     "file": lambda tmp: (tmp / "afile").write_text("not a folder"),
     "empty_dir": lambda tmp: (tmp / "empty").mkdir(),
     "classifier": lambda tmp: _folder(
@@ -65,6 +79,7 @@ SETUPS = {
 }
 
 C, F, M, R, U = "config", "files and folders", "model paths", "cluster", "CLI usage"
+D, W = "data", "reward plug-ins"
 CASES = [
     # -- config -----------------------------------------------------------------------------
     Case("unknown-key", C, ["grpo", "dtensor.tpp=2"], ["dtensor.tpp", "did you mean 'dtensor.tp'"],
@@ -153,6 +168,38 @@ CASES = [
     Case("tokenizer-folder-empty", M, ["grpo", "model.path={tmp}/qwen", "model.tokenizer={tmp}/empty"],
          ["model.tokenizer=", "no tokenizer.json"], "names the folder without tokenizer files",
          setup="causal_and_empty"),
+    # -- data ------------------------------------------------------------------------------------
+    Case("data-file-missing", D, ["grpo", "data=gsm8k", "data.path={tmp}/none.jsonl"],
+         ["data file", "none.jsonl' does not exist"], "names the file and both ways to give data"),
+    Case("data-file-empty", D, ["grpo", "data=gsm8k", "data.path={tmp}/empty.jsonl"],
+         ["empty.jsonl' is empty"], "names the empty file", setup="empty_jsonl"),
+    Case("data-file-not-utf8", D, ["grpo", "data=gsm8k", "data.path={tmp}/latin.jsonl"],
+         ["latin.jsonl' could not be read as json", "fix the file"],
+         "names the unreadable file (the datasets library's own log line is silenced)",
+         setup="non_utf8_jsonl", subprocess=True),
+    Case("data-missing-fields", D, ["grpo", "data=gsm8k", "data.path={tmp}/rows.jsonl"],
+         ["no usable rows", "the field 'question' is missing", "data.prompt_field=question"],
+         "every row skipped (one notice line), then the error names the field",
+         setup="wrong_fields", notice="data: skipped 3 of 3 rows"),
+    Case("data-huge-prompts", D,
+         ["grpo", "data=gsm8k", "data.path={tmp}/huge.jsonl", "data.max_prompt_tokens=64"],
+         ["no usable rows", "more than data.max_prompt_tokens=64"],
+         "every row too long (one notice line), then the error names the limit",
+         setup="huge_prompts", notice="data: skipped 3 of 3 rows"),
+    Case("data-template-without-prompt", D, ["grpo", "data=gsm8k", "data.prompt_template=Solve."],
+         ["data.prompt_template='Solve.'", "{prompt}"], "says where {prompt} goes"),
+    # -- reward plug-ins ---------------------------------------------------------------------------
+    Case("reward-import-error", W, ["grpo", "reward.fn=tests.fixtures.rewards.broken_module:fn"],
+         ["reward.fn='tests.fixtures.rewards.broken_module:fn'", "a_package_that_does_not_exist"],
+         "names the module that failed to import"),
+    Case("reward-missing-function", W, ["grpo", "reward.fn=tests.fixtures.rewards.user_rewards:missing"],
+         ["has no attribute 'missing'"], "names the missing attribute"),
+    Case("reward-wrong-signature", W,
+         ["grpo", "reward.fn=tests.fixtures.rewards.user_rewards:one_argument"],
+         ["has the signature (response", "fn(response: str, reference: str)"],
+         "shows the signature it needs"),
+    Case("reward-not-an-import-path", W, ["grpo", "reward.fn=rltrain.rewards.math.score"],
+         ["is not an import path", "package.module:function"], "shows the module:function form"),
     # -- cluster ---------------------------------------------------------------------------------
     Case("ray-address-refused", R, ["grpo", "cluster=ray", "cluster.address=127.0.0.1:1"],
          ["cluster.address=127.0.0.1:1", "ray start --head"],
@@ -189,6 +236,9 @@ def _check_message(case: Case, code: int, stderr: str, stdout: str) -> None:
         return
     assert stdout.strip() == "", stdout
     lines = [line for line in stderr.splitlines() if line.strip()]
+    if case.notice and len(lines) == 2:
+        assert lines[0].startswith(case.notice), lines[0]
+        lines = lines[1:]
     assert len(lines) == 1, f"expected one line, got {stderr!r}"
     assert lines[0].startswith("error: ") and lines[0].rstrip().endswith((".", "?")), lines[0]
 
@@ -236,7 +286,7 @@ def test_bad_input(case: Case, tmp_path, no_cluster):
 def test_the_table_has_every_area_and_enough_cases():
     assert len(CASES) >= 25
     assert len({c.id for c in CASES}) == len(CASES)
-    assert {c.area for c in CASES} == {C, F, M, R, U}
+    assert {c.area for c in CASES} == {C, F, M, R, U, D, W}
 
 
 def render_table() -> str:
@@ -257,7 +307,22 @@ def render_table() -> str:
         argv = " ".join(c.argv).replace("|", "\\|")
         needles = "; ".join(f"`{n}`" for n in c.needles).replace("|", "\\|")
         lines.append(f"| {c.area} | `rltrain {argv}` | exit 2: {c.behaviour} | {needles} |")
+    lines += ["", "Inputs that only show while a run is going, tested where they are handled:", ""]
+    lines += [f"- {row}" for row in RUNTIME_ROWS]
     return "\n".join(lines) + "\n"
+
+
+RUNTIME_ROWS = [
+    "a data file with some bad rows (missing field, empty prompt, prompt over "
+    "`data.max_prompt_tokens`): those rows are skipped and counted, one notice line; "
+    "`data.strict=true` stops instead (`tests/test_data.py`)",
+    "a reward that raises or returns NaN: scores 0 and is counted (`reward.on_error=zero`), or stops "
+    "the run with one sentence (`reward.on_error=fail`); one that runs past `reward.timeout_s` "
+    "scores 0 (`tests/test_rewards.py`)",
+    "an fp16 overflow storm: exit 1 after `precision.grad_scaler.max_consecutive_skips` skipped "
+    "steps; a trainer rank or rollout replica that dies: exit 1 naming role and rank, or a "
+    "restart from the last checkpoint with `cluster.restarts` (`tests/test_faults.py`)",
+]
 
 
 def test_doc_table_in_step_with_cases():
