@@ -79,7 +79,7 @@ SETUPS = {
 }
 
 C, F, M, R, U = "config", "files and folders", "model paths", "cluster", "CLI usage"
-D, W = "data", "reward plug-ins"
+D, W, S = "data", "reward plug-ins", "sweep"
 CASES = [
     # -- config -----------------------------------------------------------------------------
     Case("unknown-key", C, ["grpo", "dtensor.tpp=2"], ["dtensor.tpp", "did you mean 'dtensor.tp'"],
@@ -135,6 +135,16 @@ CASES = [
          "asks for buckets of at least 1 MiB"),
     Case("warmup-without-schedule", C, ["grpo", "optim.warmup_steps=10"],
          ["optim.warmup_steps=10", "optim.lr_schedule=linear_warmup"], "says which schedule uses it"),
+    # -- sweep values ------------------------------------------------------------------------------
+    Case("sweep-value-wrong-type", S, ["sweep", "grpo", "optim.lr=fast,1e-4", "output_dir={tmp}/sweep"],
+         ["'optim.lr'", "fast"], "every trial's config is composed before anything runs",
+         skip_output_dir=True),
+    Case("sweep-unknown-key", S, ["sweep", "grpo", "optim.lrr=1e-4,3e-4", "output_dir={tmp}/sweep"],
+         ["'optim.lrr'", "did you mean 'optim.lr'"], "names the key and the closest valid key",
+         skip_output_dir=True),
+    Case("sweep-optuna-without-trials", S,
+         ["sweep", "grpo", "optim.lr=1e-4,3e-4", "--search", "optuna", "output_dir={tmp}/sweep"],
+         ["--search optuna needs --trials"], "asks for the number of trials", skip_output_dir=True),
     # -- files and folders ---------------------------------------------------------------------
     Case("output-dir-uncreatable", F, ["grpo", "output_dir=/proc/nope"],
          ["output_dir=/proc/nope", "cannot be created or written"], "asks for a writable folder",
@@ -286,7 +296,7 @@ def test_bad_input(case: Case, tmp_path, no_cluster):
 def test_the_table_has_every_area_and_enough_cases():
     assert len(CASES) >= 25
     assert len({c.id for c in CASES}) == len(CASES)
-    assert {c.area for c in CASES} == {C, F, M, R, U, D, W}
+    assert {c.area for c in CASES} == {C, F, M, R, U, D, W, S}
 
 
 def render_table() -> str:
