@@ -51,6 +51,11 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     _choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
+    if t.attention == "flex" and cfg.cluster.device == "cpu":
+        raise ConfigError(
+            "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+            "use train.attention=sdpa or auto on cluster.device=cpu."
+        )
     _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
     o = cfg.optim
     if o.lr <= 0:

@@ -170,6 +170,11 @@ class FSDPTrainer:
         choice = self.cfg.train.attention
         if choice == "auto":
             choice = "flex" if self.device.type == "cuda" else "sdpa"
+        if choice == "flex" and self.device.type != "cuda":
+            raise ValueError(
+                "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+                "use train.attention=sdpa or auto"
+            )
         self.attention = choice
         model.set_attn_implementation("flex_attention" if choice == "flex" else "sdpa")
 
