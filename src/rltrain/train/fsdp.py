@@ -346,7 +346,7 @@ class FSDPTrainer:
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self._step.add_counts(float(micro.response_mask_RS.sum()), micro.num_sequences)
+        self._step.add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
         for name, (metric_kind, value) in metrics.items():
             self._step.add(name, metric_kind, value)
         return token_out if micro.num_sequences else None
@@ -404,12 +404,16 @@ class FSDPTrainer:
                 mini = batch.slice(start, start + n_rows)
                 self.begin_train_step()
                 try:
+                    outs = []
                     for rows in self.plan_micro_batches(mini):
                         micro = self.make_micro_batch(mini, rows)
                         out = self.train_microbatch(micro)
                         if token_out_BT is not None and epoch == 0 and out is not None:
-                            unpack(out, micro, token_out_BT[start : start + n_rows])
+                            outs.append((out, micro))
                     steps.append(self.finish_train_step())
+                    # Read back after the step: a copy per micro batch would stall the queue.
+                    for out, micro in outs:
+                        unpack(out, micro, token_out_BT[start : start + n_rows])
                 except BaseException:
                     self.abort_train_step()
                     raise

@@ -62,10 +62,20 @@ class MicroBatch:
         return (self.seq_id_RS >= 0).long()
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        """Every tensor on ``device``; host-to-GPU copies go through pinned memory
+        without blocking, so queueing the next micro batch never waits for the GPU."""
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if cuda and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
         return replace(
             self,
             **{
-                f.name: getattr(self, f.name).to(device)
+                f.name: move(getattr(self, f.name))
                 for f in fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
@@ -195,5 +205,6 @@ def per_sequence_sum(values_RS: torch.Tensor, micro: MicroBatch) -> torch.Tensor
     """Sum of ``values_RS`` over the tokens of each sequence: shape [num_sequences] (>= 1)."""
     seq = micro.seq_id_RS.to(values_RS.device)
     valid = seq >= 0
+    # Padding adds 0 to sequence 0: no boolean indexing, so no host sync.
     out = torch.zeros(max(micro.num_sequences, 1), dtype=values_RS.dtype, device=values_RS.device)
-    return out.index_add(0, seq[valid], values_RS[valid])
+    return out.index_add(0, seq.clamp(min=0).flatten(), (values_RS * valid).flatten())
