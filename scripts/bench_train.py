@@ -7,7 +7,8 @@ single-GPU phases run two at a time, one per GPU):
 
 * ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch)
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
-* ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed vs padded
+* ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
+  (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
 * ``policy_fp16``  - as policy_full with precision fp16 (sharded grad scaler)
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows
 
@@ -389,9 +390,9 @@ def main() -> None:
                 "warmup": 1,
                 "steps": 2,
                 "variants": [
-                    policy("packed"),
+                    policy("packed", tokens=2 * max_tokens),
                     policy("padded", packing=False, micro=2, attention="sdpa"),
-                    policy("packed_2x", tokens=2 * max_tokens),
+                    policy("packed_1x"),
                 ],
             },
             {
