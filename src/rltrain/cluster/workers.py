@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -26,6 +26,12 @@ from rltrain.rollout.base import RolloutBatch, SamplingParams
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.packing import balance_by_tokens, row_lengths
+
+# rollout.engine -> the plain engine class each replica's actor builds.
+ENGINE_CLASSES = {
+    "torch": "rltrain.rollout.torch_engine.TorchEngine",
+    "vllm": "rltrain.rollout.vllm_engine.VLLMEngine",
+}
 
 
 class WorkerError(RuntimeError):
@@ -144,9 +150,7 @@ class Workers:
             for rank, a in enumerate(self.policy.actors)
         ]
         builds += [
-            a.build.remote(
-                "rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i, rollout.threads
-            )
+            a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
@@ -168,9 +172,12 @@ class Workers:
             "refit set-up",
         )[0]
         world = 1 + len(self.rollout.actors)
-        refs = [a.call.remote("init_refit", host, port, world) for a in self.policy.actors]
+        transport = str(self.plan.refit["transport"])  # auto already resolved by the plan
+        refs = [
+            a.call.remote("init_refit", host, port, world, transport) for a in self.policy.actors
+        ]
         refs += [
-            a.call.remote("init_refit", manifest, host, port, i + 1, world)
+            a.call.remote("init_refit", manifest, host, port, i + 1, world, transport)
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(
@@ -180,6 +187,8 @@ class Workers:
 
     def refit(self, weight_version: int) -> RefitStats:
         """Push the policy's weights to every replica, stamped ``weight_version``."""
+        if self.cfg.rollout.colocated:  # weights land in GPU memory the engines gave back
+            wait(self.rollout.call_all("wake_up"), self.rollout.names(), None, "rollout wake-up")
         send = self.policy.call_all("refit_send", weight_version)
         recv = self.rollout.call_all("refit_receive")
         out = wait(
@@ -203,14 +212,21 @@ class Workers:
         chunks = [
             prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
         ]
+        # A seeded call gives each replica its own stream, derived from the call's seed.
+        seeded = [
+            sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
+            for i in range(n)
+        ]
         refs = [
-            a.call.remote("generate", c, sampling)
-            for a, c in zip(self.rollout.actors, chunks, strict=True)
+            a.call.remote("generate", c, sp)
+            for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
             if c
         ]
         parts: list[RolloutBatch] = wait(
             refs, self.rollout.names(list(range(len(refs)))), None, "generate"
         )
+        if self.cfg.rollout.colocated:  # free the GPU memory for the trainer until the refit
+            wait(self.rollout.call_all("sleep"), self.rollout.names(), None, "rollout sleep")
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -291,10 +307,35 @@ class Workers:
             "checkpoint",
         )[0]
 
+    # -- trainer checkpoints ----------------------------------------------------------------
+    def trainer_gangs(self) -> list[Gang]:
+        """Every gang whose workers are FSDPTrainers (their state is checkpointed)."""
+        return [g for g in (self.policy, getattr(self, "value", None)) if g is not None]
+
+    def save_state(self, path: str) -> list[str]:
+        """Sharded checkpoint of every trainer gang into ``<path>/<role>`` (all ranks of each)."""
+        refs, names = [], []
+        for gang in self.trainer_gangs():
+            refs += gang.call_all("save_state", f"{path}/{gang.role}")
+            names += gang.names()
+        wait(refs, names, None, "saving trainer state")
+        return [g.role for g in self.trainer_gangs()]
+
+    def load_state(self, path: str) -> None:
+        """Load ``<path>/<role>`` into every trainer gang (the gangs may have another dp size)."""
+        refs, names = [], []
+        for gang in self.trainer_gangs():
+            refs += gang.call_all("load_state", f"{path}/{gang.role}")
+            names += gang.names()
+        wait(refs, names, None, f"loading trainer state from {path}")
+
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement group."""
         with contextlib.suppress(Exception):  # best effort on the way out
             ray.get(self.policy.call_all("shutdown"), timeout=10)
+        if self.cfg.rollout.engine == "vllm":  # frees the engine and its model folder
+            with contextlib.suppress(Exception):
+                ray.get(self.rollout.call_all("shutdown"), timeout=10)
         for a in self.policy.actors + self.rollout.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
