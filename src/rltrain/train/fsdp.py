@@ -201,6 +201,10 @@ class FSDPTrainer:
         ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
         state dict) are broadcast too, so every rank ends with rank 0's weights.
         """
+        if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
+            # Offloaded shards live on CPU, which an NCCL broadcast cannot fill:
+            # every rank reads the weights itself, as before.
+            return self._shard(load_model(self.cfg, "float32"), trainable)
         full_sd: dict[str, torch.Tensor] = {}
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
