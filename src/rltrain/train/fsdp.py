@@ -542,15 +542,14 @@ class FSDPTrainer:
         else:
             stepped = 0.0  # a non-finite grad never reaches the weights
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
+        self.lr_scheduler.step()
+        self.optimizer_steps += 1
         out = {
             "grad_norm": norm,
             "optimizer_step_taken": stepped,
-            "lr": self.optimizer.param_groups[0]["lr"],  # the lr this step used
+            "lr": lr,
         }
-        scheduler = getattr(self, "lr_scheduler", None)
-        if scheduler is not None:
-            scheduler.step()
-        self.optimizer_steps += 1
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
