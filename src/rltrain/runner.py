@@ -157,7 +157,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 ctx.restore(resume_from)
                 console.print(
                     f"resumed from {resume_from} (step {ctx.start_step}, "
-                    f"weight version {ctx.weight_version})"
+                    f"weight version {ctx.weight_version})",
+                    soft_wrap=True,
                 )
             startup_s = time.perf_counter() - t0
             with RunProgress(cfg.max_steps, cfg.logger.progress, console) as progress:
