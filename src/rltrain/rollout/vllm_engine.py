@@ -229,9 +229,23 @@ class VLLMEngine:
         return count
 
     def init_refit(
-        self, manifest: RefitManifest, host: str, port: int, rank: int, world_size: int
+        self,
+        manifest: RefitManifest,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        transport: str = "gloo",
     ) -> None:
-        """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy."""
+        """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy.
+
+        vLLM's parameters are fused (qkv, gate_up) so they cannot be views of the
+        HF-named buckets: every refit is copied in through ``load_weights``.
+        """
+        if transport != "gloo":
+            raise ValueError(
+                f"refit transport '{transport}' is not wired into the vLLM engine; use refit=gloo"
+            )
         self.refit_receiver = GlooRefitReceiver(
             manifest, host, port, rank, world_size, self.cfg.refit.timeout_s
         )
