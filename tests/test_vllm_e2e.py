@@ -32,6 +32,8 @@ def test_cli_grpo_with_vllm_learns_on_policy(tmp_path):
             "logger.progress=false",
             "logger.tensorboard=false",
             "checkpoint.save_final=false",
+            # Importing and building vLLM takes minutes on a busy 2-core machine.
+            "cluster.startup_timeout_s=600",
         ],
         capture_output=True,
         text=True,
