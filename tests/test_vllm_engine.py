@@ -10,7 +10,7 @@ import torch
 from rltrain.algorithms.logprobs import token_logprobs
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import load_model
-from rltrain.refit.base import plan_buckets
+from rltrain.refit.base import fill_from, plan_buckets
 from rltrain.refit.gloo import GlooRefitSender
 from rltrain.rollout.base import SamplingParams
 from rltrain.train.distributed import free_port
@@ -164,9 +164,7 @@ def test_refit_through_gloo_replaces_weights(engine, trainer_model):
     t.join()
 
     def send(version: int, result: dict) -> None:
-        result["stats"] = sender["s"].send(
-            lambda b: {s.name: params[s.name] for s in b.slots}, weight_version=version
-        )
+        result["stats"] = sender["s"].send(fill_from(params), weight_version=version)
 
     for version in (1, 2):
         result: dict = {}

@@ -69,6 +69,8 @@ class RunPlan:
     colocated: bool
     memory: dict[str, object]
     choices: dict[str, str]
+    # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
+    inputs: dict[str, object] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -124,7 +126,7 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
 def estimate_num_params(cfg: RunConfig) -> int | None:
     """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
     if cfg.model.path is None:
-        from rltrain.models.vocab import vocab_size
+        from rltrain.models.vocab import tiny_alphabet, vocab_size
 
         ti = cfg.model.tiny
         h, inter, L = ti.hidden_size, ti.intermediate_size, ti.num_layers
@@ -133,10 +135,13 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
         mlp = 3 * h * inter
         per_layer = attn + mlp + 2 * h
-        v = vocab_size(cfg.data.alphabet)
-        return v * h * 2 + L * per_layer + h  # untied embedding + lm_head, final norm
+        v = ti.vocab_size or vocab_size(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
+        embeddings = 1 if ti.tie_word_embeddings else 2
+        return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
+        config_json = _cached_hf_config(cfg.model.path)
+    if config_json is None:
         return None
     c = json.loads(config_json.read_text())
     try:
@@ -150,6 +155,45 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return None
     tied = c.get("tie_word_embeddings", False)
     return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
+
+
+def _cached_hf_config(repo_id: str) -> Path | None:
+    """config.json of an HF hub id from the local cache (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - not an HF id: unknown size
+        return None
+    return Path(hit) if isinstance(hit, str) else None
+
+
+def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tuple[str, str]:
+    """The refit transport a run uses and why (``refit.transport=auto`` picks by placement).
+
+    Raises ConfigError for a transport the placement cannot run (nccl/ipc on CPU).
+    """
+    if transport == "auto":
+        if device == "cpu":
+            return "gloo", "auto: a CPU run moves weights over gloo"
+        if colocated:
+            return "ipc", "auto: engines share the trainer's GPUs, so CUDA IPC handles"
+        return "nccl", "auto: engines on their own GPUs, so an NCCL broadcast group"
+    if transport in ("nccl", "ipc") and device == "cpu":
+        raise ConfigError(
+            f"refit.transport={transport} needs GPUs but this run is on CPU; use refit=gloo or refit=auto."
+        )
+    if transport == "ipc" and not colocated:
+        raise ConfigError(
+            "refit.transport=ipc shares GPU memory and needs the engines on the trainer's GPUs; "
+            "set rollout.colocated=true or use refit=nccl."
+        )
+    if transport == "nccl" and colocated:
+        raise ConfigError(
+            "refit.transport=nccl cannot join two processes on one GPU (rollout.colocated=true); "
+            "use refit=ipc or refit=auto."
+        )
+    return transport, f"refit.transport={transport} (set explicitly)"
 
 
 def model_head_dim(cfg: RunConfig) -> int | None:
@@ -240,9 +284,7 @@ def make_plan(
         trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
-    transport = cfg.refit.transport
-    if transport == "auto":
-        transport = "gloo"
+    transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, ro.colocated)
     mesh = {"dp": dp, "tp": d.tp, "cp": d.cp}
     trainer_notes = [
         f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
@@ -300,6 +342,8 @@ def make_plan(
             "num_buffers": cfg.refit.num_buffers,
             "dtype": p.refit_dtype,
             "timeout_s": cfg.refit.timeout_s,
+            "reason": transport_reason,
+            "verify": cfg.refit.verify,
         },
         precision={
             "name": p.name,
@@ -316,4 +360,43 @@ def make_plan(
         colocated=ro.colocated,
         memory=memory,
         choices=dict(choices or {}),
+        inputs=plan_inputs(cfg),
     )
+
+
+def plan_inputs(cfg: RunConfig) -> dict[str, object]:
+    """Model, data and reward the run will read (not checked here: planning needs no local files)."""
+    m, da, ev = cfg.model, cfg.data, cfg.eval
+    model = {
+        "name": m.name,
+        "path": m.path or "embedded tiny model",
+        "tokenizer": m.tokenizer or m.path or "embedded",
+    }
+    if da.task == "copy":
+        data: dict[str, object] = {"name": da.name, "task": "copy", "alphabet": da.alphabet}
+        reward = cfg.reward.fn or "rltrain.rewards.copy:score"
+    else:
+        data = {
+            "name": da.name,
+            "task": da.task,
+            "source": da.path or f"{da.hf_name}:{da.split}",
+            "fields": {"prompt": da.prompt_field, "answer": da.answer_field},
+            "max_prompt_tokens": da.max_prompt_tokens,
+            "validation": da.val_path
+            or (
+                f"{da.hf_name}:{da.val_split}"
+                if da.val_split
+                else f"{da.val_fraction:.0%} of train"
+            ),
+        }
+        reward = cfg.reward.fn or "rltrain.rewards.math:score"
+    return {
+        "model": model,
+        "data": data,
+        "reward": {
+            "fn": reward,
+            "timeout_s": cfg.reward.timeout_s,
+            "on_error": cfg.reward.on_error,
+        },
+        "eval": {"every_n_steps": ev.every_n_steps, "samples_per_prompt": ev.samples_per_prompt},
+    }

@@ -64,6 +64,11 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    # Learning-rate schedule over the run's optimizer steps (max_steps x optimizer
+    # steps per rollout): constant | linear_warmup | cosine (after the warm-up).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.0  # cosine: the last step's lr as a fraction of lr
 
 
 @dataclass
@@ -107,10 +112,16 @@ class DTensorConfig:
 class RefitConfig:
     """Weight transport from trainer to rollout engines after every step."""
 
-    transport: str = "auto"  # auto | gloo
-    bucket_bytes: int = 64 * 2**20
+    transport: str = (
+        "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
+    )
+    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 256 MiB x 2 was
+    # within 1% of the best setting measured, with half the buffer memory of 512 MiB.
+    bucket_bytes: int = 256 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0
+    # Compare a checksum of every bucket on both sides after each refit.
+    verify: bool = False
 
 
 @dataclass
@@ -152,6 +163,9 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 64
+    # null = the tokenizer's size; larger pads the embedding (real-model shapes, benchmarks).
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
 
 @dataclass
@@ -178,6 +192,53 @@ class DataConfig:
     max_len: int = 3
     # Reward of a wrong answer = partial_credit x fraction of matching positions.
     partial_credit: float = 0.5
+    # --- data.task=dataset: prompts and references from a file or a HF dataset ---
+    # Local .jsonl/.json/.parquet file; null = use data.hf_name.
+    path: str | None = None
+    hf_name: str | None = None  # Hugging Face `datasets` name (read from the local cache)
+    hf_config: str | None = None  # its config / subset name (e.g. "main" for gsm8k)
+    split: str = "train"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    # Python format string; {prompt} is the row's prompt field.
+    prompt_template: str = "{prompt}"
+    # Wrap the templated prompt in the tokenizer's chat template when it has one.
+    use_chat_template: bool = True
+    system_prompt: str | None = None
+    # Rows whose encoded prompt is longer are bad rows; null = no limit.
+    max_prompt_tokens: int | None = None
+    # Bad rows (missing field, empty prompt, too long) stop the run instead of being skipped.
+    strict: bool = False
+    # Validation split: a separate file, or a held-out fraction of the training rows.
+    val_path: str | None = None
+    val_split: str | None = None  # with hf_name: the split to evaluate on (e.g. "test")
+    val_fraction: float = 0.0
+    shuffle: bool = True  # reshuffle the training rows every epoch (seeded)
+
+
+@dataclass
+class RewardConfig:
+    """Reward function: a ``module:function`` import path, checked at start-up."""
+
+    # fn(response: str, reference: str) -> float. null = the task's default:
+    # the copy scorer for data.task=copy, rltrain.rewards.math:score for datasets.
+    fn: str | None = None
+    # Per-sample limit; a reward that runs longer scores 0 (and is counted).
+    timeout_s: float = 5.0
+    # An exception or NaN from the reward: "zero" scores 0 and counts it, "fail" stops the run.
+    on_error: str = "zero"
+
+
+@dataclass
+class EvalConfig:
+    """Greedy evaluation on the validation split (``val/*`` metrics)."""
+
+    every_n_steps: int = 0  # 0 = never during training
+    max_prompts: int | None = None  # null = the whole validation split
+    # Samples per prompt; 1 = greedy accuracy, >1 = pass@k with the rollout temperature.
+    samples_per_prompt: int = 1
+    max_new_tokens: int | None = None  # null = rollout.max_new_tokens
+    batch_size: int = 64  # prompts per generate call
 
 
 @dataclass
@@ -210,10 +271,11 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints: HF safetensors export of the policy."""
+    """Checkpoints: sharded trainer state (DCP) plus an HF safetensors export of the policy."""
 
     every_n_steps: int = 0  # 0 = only the final checkpoint
     save_final: bool = True
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 = keep all
 
 
 @dataclass
@@ -236,6 +298,11 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # null = a fresh run; "auto" = continue from the newest complete checkpoint
+    # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
+    resume: str | None = None
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -10,10 +10,11 @@ from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, RunConfig
 
 ENGINES = ("torch", "vllm")
-TRANSPORTS = ("auto", "gloo")
+TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo",)
-TASKS = ("copy",)
+TASKS = ("copy", "dataset")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -57,6 +58,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
     if o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0.")
+    _choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    if o.warmup_steps and o.lr_schedule == "constant":
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} has no effect with optim.lr_schedule=constant; "
+            "use optim.lr_schedule=linear_warmup or cosine."
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
 
     p = cfg.precision
     for key in ("param_dtype", "reduce_dtype", "rollout_dtype", "refit_dtype"):
@@ -90,8 +101,15 @@ def validate(cfg: RunConfig) -> None:
 
     r = cfg.refit
     _choice("refit.transport", r.transport, TRANSPORTS)
-    _positive("refit.bucket_bytes", r.bucket_bytes, 1024)
-    _positive("refit.num_buffers", r.num_buffers)
+    if r.bucket_bytes < 2**20:
+        raise ConfigError(
+            f"refit.bucket_bytes={r.bucket_bytes} is below 1 MiB, which makes a refit thousands of "
+            "tiny transfers; set refit.bucket_bytes>=1048576."
+        )
+    if r.num_buffers < 1:
+        raise ConfigError(
+            f"refit.num_buffers={r.num_buffers} leaves no buffer to send from; set refit.num_buffers>=1."
+        )
     if r.timeout_s <= 0:
         raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
 
@@ -127,6 +145,14 @@ def validate(cfg: RunConfig) -> None:
             f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder."
         )
     ti = m.tiny
+    if ti.vocab_size is not None:
+        from rltrain.models.vocab import vocab_size
+
+        if ti.vocab_size < vocab_size(cfg.data.alphabet):
+            raise ConfigError(
+                f"model.tiny.vocab_size={ti.vocab_size} is smaller than the embedded tokenizer's "
+                f"{vocab_size(cfg.data.alphabet)} tokens; raise it or set it to null."
+            )
     if ti.hidden_size % ti.num_heads or ti.num_heads % ti.num_kv_heads:
         raise ConfigError(
             "model.tiny: hidden_size must be divisible by num_heads, and num_heads by num_kv_heads."
@@ -139,21 +165,27 @@ def validate(cfg: RunConfig) -> None:
 
     da = cfg.data
     _choice("data.task", da.task, TASKS)
-    if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
-        raise ConfigError(f"data.alphabet='{da.alphabet}' must be distinct characters without '='.")
-    if not 1 <= da.min_len <= da.max_len:
-        raise ConfigError(
-            f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
-        )
-    if ro.max_new_tokens < da.max_len + 1:
-        raise ConfigError(
-            f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
-            f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
-        )
-    if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
-        raise ConfigError(
-            "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
-        )
+    if da.task == "copy":
+        if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
+            raise ConfigError(
+                f"data.alphabet='{da.alphabet}' must be distinct characters without '='."
+            )
+        if not 1 <= da.min_len <= da.max_len:
+            raise ConfigError(
+                f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
+            )
+        if ro.max_new_tokens < da.max_len + 1:
+            raise ConfigError(
+                f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
+                f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
+            )
+        if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
+            raise ConfigError(
+                "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
+            )
+    else:
+        validate_dataset(cfg)
+    validate_reward_eval(cfg)
 
     c = cfg.cluster
     _choice("cluster.mode", c.mode, ("local", "ray"))
@@ -163,6 +195,13 @@ def validate(cfg: RunConfig) -> None:
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
+    if cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.keep_last must be >= 0 (0 = keep every checkpoint).")
+    if cfg.resume == "auto" and cfg.output_dir is None and cfg.run_name is None:
+        raise ConfigError(
+            "resume=auto looks for checkpoints in the run's output folder; "
+            "set output_dir (or run_name) to the run to continue."
+        )
 
 
 def _validate_vllm(cfg: RunConfig) -> None:
@@ -195,3 +234,66 @@ def _validate_vllm(cfg: RunConfig) -> None:
             f"rollout.vllm.max_model_len={v.max_model_len} leaves no room for a prompt and "
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it or set it to null."
         )
+
+
+def validate_dataset(cfg: RunConfig) -> None:
+    """data.task=dataset: one source, a usable template, a validation split that is well defined."""
+    da, m = cfg.data, cfg.model
+    if (da.path is None) == (da.hf_name is None):
+        raise ConfigError(
+            "data.task=dataset reads exactly one source: set data.path=/path/to/file.jsonl "
+            "or data.hf_name=NAME (and the other to null)."
+        )
+    try:
+        da.prompt_template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' is not a format string with only "
+            f"{{prompt}} ({type(exc).__name__}: {exc}); double literal braces as {{{{ }}}}."
+        ) from exc
+    if "{prompt}" not in da.prompt_template:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' never uses {{prompt}}; put {{prompt}} where the question goes."
+        )
+    if da.val_split is not None and da.hf_name is None:
+        raise ConfigError(
+            "data.val_split picks a split of data.hf_name; for a local file use data.val_path=/path/to/val.jsonl."
+        )
+    if da.val_path is not None and da.val_split is not None:
+        raise ConfigError("set one of data.val_path and data.val_split, not both.")
+    if not 0.0 <= da.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={da.val_fraction} must be in [0, 1).")
+    if da.val_fraction > 0 and (da.val_path is not None or da.val_split is not None):
+        raise ConfigError(
+            "data.val_fraction holds out training rows, but data.val_path/val_split already names a "
+            "validation split; set data.val_fraction=0 or drop the other."
+        )
+    if da.max_prompt_tokens is not None:
+        _positive("data.max_prompt_tokens", da.max_prompt_tokens)
+    if m.path is None and da.max_prompt_tokens is None:
+        # The embedded model's context is sized from the longest prompt (models.loader.tiny_shape).
+        raise ConfigError(
+            "data.task=dataset with the embedded tiny model needs data.max_prompt_tokens "
+            "(e.g. data.max_prompt_tokens=512) to size its context."
+        )
+
+
+def validate_reward_eval(cfg: RunConfig) -> None:
+    """The reward and eval nodes (the reward function itself is imported at start-up)."""
+    rw, ev = cfg.reward, cfg.eval
+    if rw.fn is not None and (":" not in rw.fn or rw.fn.startswith(":") or rw.fn.endswith(":")):
+        raise ConfigError(
+            f"reward.fn='{rw.fn}' is not an import path; write it as package.module:function "
+            "(e.g. reward.fn=rltrain.rewards.math:score)."
+        )
+    if rw.timeout_s < 0:
+        raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
+    _choice("reward.on_error", rw.on_error, ("zero", "fail"))
+    if ev.every_n_steps < 0:
+        raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
+    _positive("eval.samples_per_prompt", ev.samples_per_prompt)
+    _positive("eval.batch_size", ev.batch_size)
+    if ev.max_prompts is not None:
+        _positive("eval.max_prompts", ev.max_prompts)
+    if ev.max_new_tokens is not None:
+        _positive("eval.max_new_tokens", ev.max_new_tokens)

@@ -8,7 +8,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling for one generate call."""
+    """Sampling for one generate call; ``temperature=0`` means greedy (argmax) decoding."""
 
     temperature: float = 1.0
     top_p: float = 1.0

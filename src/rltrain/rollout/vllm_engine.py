@@ -37,8 +37,8 @@ import torch
 
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
+from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitManifest, RefitStats
-from rltrain.refit.gloo import GlooRefitReceiver
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 GIB = 2**30
@@ -84,7 +84,7 @@ class VLLMEngine:
         self._version = 0
         self._calls = 0
         self._asleep = False
-        self.refit_receiver: GlooRefitReceiver | None = None
+        self.refit_receiver: RefitReceiver | None = None
 
     # -- construction ------------------------------------------------------
     def _save_tiny_model(self) -> str:
@@ -237,17 +237,13 @@ class VLLMEngine:
         world_size: int,
         transport: str = "gloo",
     ) -> None:
-        """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy.
-
-        vLLM's parameters are fused (qkv, gate_up) so they cannot be views of the
-        HF-named buckets: every refit is copied in through ``load_weights``.
-        """
-        if transport != "gloo":
-            raise ValueError(
-                f"refit transport '{transport}' is not wired into the vLLM engine; use refit=gloo"
-            )
-        self.refit_receiver = GlooRefitReceiver(
-            manifest, host, port, rank, world_size, self.cfg.refit.timeout_s
+        """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest
+        comes from the policy. vLLM owns its weight storage and fuses parameters (qkv,
+        gate_up), so they cannot be views of the HF-named buckets: every refit is copied
+        in through ``reload_weights``."""
+        r = self.cfg.refit
+        self.refit_receiver = make_refit_receiver(
+            transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify
         )
 
     def refit_receive(self) -> RefitStats:
