@@ -338,3 +338,88 @@ def test_load_yaml_validates(tmp_path):
     path.write_text("precision:\n  param_dtype: float16\n")
     with pytest.raises(ConfigError, match=r"precision\.param_dtype=float16 without a grad scaler"):
         load_yaml(path)
+
+
+# -- rollout=vllm: what is checked before any cluster starts -----------------------
+
+VLLM_BAD_CASES = [
+    pytest.param(
+        ["rollout=vllm", "rollout.tp=2", "cluster.device=cpu"],
+        ["rollout.tp=2", "needs GPUs", "rollout.tp=1"],
+        id="vllm-tp-on-cpu",
+    ),
+    pytest.param(
+        ["rollout=vllm", "rollout.colocated=true", "cluster.device=cpu"],
+        ["rollout.colocated=true", "needs GPUs", "rollout.colocated=false"],
+        id="vllm-colocated-on-cpu",
+    ),
+    pytest.param(
+        ["rollout=vllm", "rollout.temperature=2.5"],
+        ["rollout.temperature=2.5", "above 2"],
+        id="vllm-temperature",
+    ),
+    pytest.param(
+        ["rollout=vllm", "rollout.vllm.gpu_memory_utilization=1.5"],
+        ["rollout.vllm.gpu_memory_utilization=1.5", "(0, 1]"],
+        id="vllm-memory-fraction",
+    ),
+    pytest.param(
+        ["rollout.colocated=true"], ["rollout.colocated=true", "rollout=vllm"], id="torch-colocated"
+    ),
+    pytest.param(["rollout.tp=2"], ["rollout.tp>1 needs the vllm engine"], id="torch-tp"),
+    pytest.param(["rollout.top_k=4"], ["rollout.top_k", "rollout=vllm"], id="torch-top-k"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "needles"), VLLM_BAD_CASES)
+def test_vllm_bad_config_exits_2_with_one_sentence(overrides, needles):
+    result = runner.invoke(app, ["plan", "grpo", *overrides])
+    _assert_one_line_error(result, needles)
+
+
+def test_vllm_not_installed_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    result = runner.invoke(app, ["plan", "grpo", "rollout=vllm"])
+    _assert_one_line_error(result, ["rollout=vllm", "make setup", "pip install vllm"])
+
+
+def test_vllm_head_dim_below_32_on_cpu(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 100,
+                "intermediate_size": 128,
+            }
+        )
+    )
+    result = runner.invoke(
+        app, ["plan", "grpo", "rollout=vllm", f"model.path={model}", "cluster.device=cpu"]
+    )
+    _assert_one_line_error(result, ["head_dim=16", "below 32", "rollout=torch"])
+
+
+def test_vllm_plan_and_gpu_options():
+    result = runner.invoke(app, ["plan", "grpo", "rollout=vllm", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    rollout = next(r for r in plan["roles"] if r["name"] == "rollout")
+    assert rollout["notes"][0].startswith("vllm engine")
+    # On GPUs tp per replica and colocation are allowed (and placed by the plan).
+    from rltrain.plan import Resources, make_plan
+
+    cfg, _ = compose(["rollout=vllm", "rollout.tp=2", "rollout.replicas=2"])
+    gpu_plan = make_plan(cfg, Resources(num_cpus=16, num_gpus=8))
+    assert gpu_plan.role("rollout").bundle["GPU"] == 2.0
+    assert gpu_plan.role("policy").world_size == 4
+    cfg, _ = compose(["rollout=vllm", "rollout.colocated=true"])
+    assert make_plan(cfg, Resources(num_cpus=16, num_gpus=2)).colocated

@@ -97,6 +97,81 @@ def plan(
 
 
 @app.command()
+def sweep(
+    algorithm: Annotated[str, typer.Argument(help="Algorithm command each trial runs, e.g. grpo.")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Overrides in Hydra's sweep grammar: optim.lr=1e-4,3e-4 seed=range(0,3) "
+            "precision=choice(fp32,bf16); output_dir= is the sweep folder."
+        ),
+    ] = None,
+    max_parallel: Annotated[
+        int,
+        typer.Option(
+            "--max-parallel",
+            help="Trials at once; each is planned on 1/N of the cluster. 0 = as many as fit, each planned on the whole cluster.",
+        ),
+    ] = 0,
+    search: Annotated[
+        str, typer.Option("--search", help="grid (every combination) or optuna.")
+    ] = "grid",
+    trials: Annotated[
+        int | None, typer.Option("--trials", help="optuna: number of trials to sample.")
+    ] = None,
+    metric: Annotated[
+        str, typer.Option("--metric", help="Metric that ranks trials (optuna objective).")
+    ] = "reward/mean",
+    direction: Annotated[str, typer.Option("--direction", help="max or min.")] = "max",
+    pruner: Annotated[
+        str, typer.Option("--pruner", help="optuna: median (stop trials below the median) or none.")
+    ] = "median",
+    prune_warmup_steps: Annotated[
+        int,
+        typer.Option("--prune-warmup-steps", help="optuna: steps before a trial may be pruned."),
+    ] = 10,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Continue the sweep in output_dir=, skipping finished trials."
+        ),
+    ] = False,
+) -> None:
+    """Run a grid or an Optuna search over overrides on one Ray cluster, with a live table."""
+    if algorithm not in ALGORITHMS:
+        _fail(f"unknown algorithm '{algorithm}'; available: {', '.join(ALGORITHMS)}.", 2)
+    from rltrain.config.errors import ConfigError
+    from rltrain.sweep.launch import SweepOptions, run_sweep
+
+    opts = SweepOptions(
+        max_parallel=max_parallel,
+        search=search,
+        trials=trials,
+        metric=metric,
+        direction=direction,
+        pruner=pruner,
+        prune_warmup_steps=prune_warmup_steps,
+        resume=resume,
+    )
+    try:
+        record = run_sweep(algorithm, overrides or [], opts, console)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except KeyboardInterrupt:
+        _fail(
+            "interrupted; running trials were stopped, sweep.json keeps what finished "
+            "(continue with --resume).",
+            130,
+        )
+    failed = [t["name"] for t in record["trials"] if t["status"] == "failed"]
+    if failed:
+        _fail(
+            f"{len(failed)} of {len(record['trials'])} trials failed ({', '.join(failed)}); see sweep.csv.",
+            1,
+        )
+
+
+@app.command()
 def recipes() -> None:
     """List the shipped recipes (use one with recipe=NAME)."""
     from rich.table import Table

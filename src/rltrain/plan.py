@@ -196,6 +196,40 @@ def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tup
     return transport, f"refit.transport={transport} (set explicitly)"
 
 
+def model_head_dim(cfg: RunConfig) -> int | None:
+    """Attention head size of the policy: exact for the tiny model, from config.json for a local path."""
+    if cfg.model.path is None:
+        return cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
+    config_json = Path(cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        return None
+    c = json.loads(config_json.read_text())
+    if c.get("head_dim"):
+        return int(c["head_dim"])
+    if c.get("hidden_size") and c.get("num_attention_heads"):
+        return int(c["hidden_size"]) // int(c["num_attention_heads"])
+    return None
+
+
+def _check_vllm_on_cpu(cfg: RunConfig) -> None:
+    """The vLLM engine on CPU: one process per replica, not colocated, head_dim >= 32."""
+    ro = cfg.rollout
+    if ro.tp > 1:
+        raise ConfigError(
+            f"rollout.tp={ro.tp} needs GPUs (vLLM tensor parallelism); on CPU set rollout.tp=1."
+        )
+    if ro.colocated:
+        raise ConfigError(
+            "rollout.colocated=true needs GPUs (vLLM sleep/wake frees GPU memory); on CPU set rollout.colocated=false."
+        )
+    head_dim = model_head_dim(cfg)
+    if head_dim is not None and head_dim < 32:
+        raise ConfigError(
+            f"the model's head_dim={head_dim} is below 32, which vLLM's CPU attention cannot serve; "
+            "use a model with head_dim >= 32 or rollout=torch."
+        )
+
+
 def make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None
 ) -> RunPlan:
@@ -206,6 +240,8 @@ def make_plan(
             "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
         )
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
+    if ro.engine == "vllm" and device == "cpu":
+        _check_vllm_on_cpu(cfg)
     model_parallel = d.tp * d.cp
     rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
     if device == "cuda":

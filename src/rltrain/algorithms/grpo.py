@@ -42,7 +42,10 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
     a, ro = cfg.algorithm, cfg.rollout
     sampling = SamplingParams(
-        temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        max_new_tokens=ro.max_new_tokens,
+        top_k=ro.top_k,
     )
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
     # A resumed run starts after its checkpoint's step, with the restored weights.

@@ -125,6 +125,20 @@ class RefitConfig:
 
 
 @dataclass
+class VLLMEngineConfig:
+    """Settings of the vLLM engine (rollout.engine=vllm); the torch engine ignores them."""
+
+    # GPU: fraction of the GPU's memory vLLM may take (weights + KV cache).
+    gpu_memory_utilization: float = 0.8
+    # CPU: KV cache size in GiB (vLLM reads it as VLLM_CPU_KVCACHE_SPACE; set from here).
+    cpu_kv_cache_gib: float = 1.0
+    # Eager mode (no CUDA graphs / torch.compile): fast start, required on CPU.
+    enforce_eager: bool = True
+    # Longest prompt + response; null = the model's max_position_embeddings.
+    max_model_len: int | None = None
+
+
+@dataclass
 class RolloutConfig:
     """Inference engines and sampling defaults."""
 
@@ -135,6 +149,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 5
+    top_k: int = 0  # 0 = off; vllm engine only
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
 
 
 @dataclass

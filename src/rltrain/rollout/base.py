@@ -14,6 +14,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int | None = None
+    top_k: int = 0  # 0 = off (engines that support it: vllm)
 
 
 @dataclass
