@@ -252,7 +252,7 @@ def run_sweep(algorithm: str, overrides: list[str], opts: SweepOptions, console:
             outputs = results.write_report(out)
             final = results.load_sweep(out)
             console.print(sweep_table(states, title, opts.metric))
-            _print_outcome(console, final, outputs)
+            print_outcome(console, final, outputs)
     return final
 
 
@@ -323,7 +323,8 @@ def _states_and_source(
     return states, source
 
 
-def _print_outcome(console: Console, record: dict, outputs: dict[str, str]) -> None:
+def print_outcome(console: Console, record: dict, outputs: dict[str, str]) -> None:
+    """Trial counts, failed trials with their errors, the best trial, and where the outputs are."""
     trials = record["trials"]
     counts = {}
     for t in trials:
