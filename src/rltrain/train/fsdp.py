@@ -104,7 +104,7 @@ class FSDPTrainer:
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
         )
         torch.manual_seed(cfg.seed)
-        self.model = self._shard(load_model(cfg, "float32"))  # fp32 master weights
+        self.model = self._shard(self.build_model())  # fp32 master weights
         self.hf_config = self.model.config
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -128,6 +128,10 @@ class FSDPTrainer:
             )
 
     # -- set-up ---------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        """The unsharded fp32 model this trainer optimises (subclasses swap the head)."""
+        return load_model(self.cfg, "float32")
+
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         d, p = self.cfg.dtensor, self.cfg.precision
         model.to(self.device)

@@ -112,7 +112,9 @@ class PolicyWorker(FSDPTrainer):
                     loss, stats = clipped_pg_loss(
                         lp,
                         micro.old_logprobs_BT,
-                        micro.advantages_B,
+                        micro.advantages_BT
+                        if micro.advantages_BT is not None
+                        else micro.advantages_B,
                         micro.response_mask_BT,
                         a.clip_ratio_low,
                         a.clip_ratio_high,
