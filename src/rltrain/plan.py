@@ -193,8 +193,11 @@ def make_plan(
             )
         if d.dp is None and free % model_parallel_auto:
             raise ConfigError(
-                f"dtensor.tp={d.tp} x dtensor.cp={d.cp} does not divide the {free} training GPUs; "
-                f"use a tp x cp that divides {free}."
+                f"dtensor.tp={d.tp} x dtensor.cp={d.cp}"
+                + (f" + value.dtensor.tp={value_per_dp}" if value_per_dp else "")
+                + f" does not divide the {free} training GPUs; "
+                f"use a tp x cp that divides {free}"
+                + (" or set dtensor.dp." if value_per_dp else ".")
             )
     else:
         dp = d.dp if d.dp is not None else 1

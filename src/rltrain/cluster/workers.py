@@ -100,9 +100,12 @@ class Workers:
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
         policy, rollout = plan.role("policy"), plan.role("rollout")
+        value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         bundles = [dict(policy.bundle) for _ in range(policy.world_size)] + [
             dict(rollout.bundle) for _ in range(rollout.world_size)
         ]
+        if value_role is not None:
+            bundles += [dict(value_role.bundle) for _ in range(value_role.world_size)]
         bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
         self.pg = placement_group(bundles, strategy="PACK")
         try:
@@ -130,6 +133,13 @@ class Workers:
                 for i in range(rollout.world_size)
             ],
         )
+        self.value: Gang | None = None
+        if value_role is not None:
+            first = policy.world_size + rollout.world_size
+            self.value = Gang(
+                "value",
+                [spawn(first + i, bundles[first + i]) for i in range(value_role.world_size)],
+            )
         host, port = wait(
             [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
         )[0]
@@ -148,7 +158,30 @@ class Workers:
             )
             for i, a in enumerate(self.rollout.actors)
         ]
-        wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
+        names = self.policy.names() + self.rollout.names()
+        if self.value is not None and value_role is not None:
+            # The critic's own process group: its rank 0 hosts the rendezvous.
+            vhost, vport = wait(
+                [self.value.actors[0].endpoint.remote()], ["value rank 0"], self.timeout, "start-up"
+            )[0]
+            builds += [
+                a.build.remote(
+                    "rltrain.train.value_worker.ValueWorker",
+                    cfg,
+                    DistEnv(
+                        rank,
+                        value_role.world_size,
+                        vhost,
+                        vport,
+                        value_role.backend,
+                        cfg.refit.timeout_s,
+                    ),
+                    value_role.threads,
+                )
+                for rank, a in enumerate(self.value.actors)
+            ]
+            names += self.value.names()
+        wait(builds, names, self.timeout, "building workers")
         self._init_refit()
 
     # -- refit wiring -----------------------------------------------------------------------
@@ -251,17 +284,54 @@ class Workers:
         return metrics, torch.cat([o for _, o in out[:: self.cfg.dtensor.tp]], dim=0)
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        return wait(
+        out = wait(
             self.policy.call_all("export_hf", path, metadata),
             self.policy.names(),
             None,
             "checkpoint",
         )[0]
+        if self.value is not None:  # the critic next to the policy: <path>/value
+            wait(
+                self.value.call_all("export_hf", f"{path}/value", {**metadata, "role": "value"}),
+                self.value.names(),
+                None,
+                "value checkpoint",
+            )
+        return out
+
+    # -- value (PPO's critic) ------------------------------------------------------------------
+    def _value_shards(self, batch: TrainBatch) -> tuple[list[TrainBatch], int]:
+        """Rows per value rank (its own dp x tp mesh, which may differ from the policy's)."""
+        assert self.value is not None, "no value gang: algorithm is not ppo"
+        vb = self.plan.value_batch
+        assert vb is not None
+        dp = vb.dp
+        tp = len(self.value.actors) // dp
+        per = batch.size // dp
+        shards = [batch.slice(d * per, (d + 1) * per) for d in range(dp)]
+        return [shards[rank // tp] for rank in range(len(self.value.actors))], tp
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Right-shifted values_BT of every row (0 outside the response mask)."""
+        assert self.value is not None
+        shards, tp = self._value_shards(batch)
+        refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
+        out = wait(refs, self.value.names(), None, "values")
+        return torch.cat(out[::tp], dim=0)
+
+    def train_value(self, batch: TrainBatch) -> dict[str, float]:
+        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics."""
+        assert self.value is not None
+        shards, _ = self._value_shards(batch)
+        refs = [a.call.remote("train", s) for a, s in zip(self.value.actors, shards, strict=True)]
+        return wait(refs, self.value.names(), None, "value train")[0]
 
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement group."""
-        with contextlib.suppress(Exception):  # best effort on the way out
-            ray.get(self.policy.call_all("shutdown"), timeout=10)
-        for a in self.policy.actors + self.rollout.actors:
+        value_actors = self.value.actors if self.value is not None else []
+        for gang in [self.policy] + ([self.value] if self.value is not None else []):
+            with contextlib.suppress(Exception):  # best effort on the way out
+                ray.get(gang.call_all("shutdown"), timeout=10)
+        for a in self.policy.actors + self.rollout.actors + value_actors:
             ray.kill(a)
         remove_placement_group(self.pg)
