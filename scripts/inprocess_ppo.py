@@ -78,8 +78,10 @@ class LocalContext:
         return ""
 
 
-def run_ppo_in_process(cfg: RunConfig, num_threads: int = 1) -> list[dict[str, float]]:
-    """``cfg.max_steps`` PPO steps; returns one metrics dict per step."""
+def run_ppo_in_process(
+    cfg: RunConfig, num_threads: int = 1, on_step=None
+) -> list[dict[str, float]]:
+    """``cfg.max_steps`` PPO steps; returns one metrics dict per step (``on_step(step, m)`` too)."""
     from rltrain.algorithms.ppo import train_ppo
     from rltrain.data import build_task
 
@@ -88,7 +90,13 @@ def run_ppo_in_process(cfg: RunConfig, num_threads: int = 1) -> list[dict[str, f
     ctx = LocalContext(cfg, plan, workers, build_task(cfg.data, cfg.seed), workers.engine.tokenizer)
     history: list[dict[str, float]] = []
     try:
-        train_ppo(ctx, lambda step, m: history.append({"step": step, **m}))
+
+        def log(step: int, metrics: dict[str, float]) -> None:
+            history.append({"step": step, **metrics})
+            if on_step is not None:
+                on_step(step, metrics)
+
+        train_ppo(ctx, log)
     finally:
         workers.shutdown()
     return history
@@ -102,16 +110,30 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from rltrain.config.compose import compose
 
-    parser = argparse.ArgumentParser(description="One in-process PPO run; prints a line per 10 steps.")
+    parser = argparse.ArgumentParser(
+        description="One in-process PPO run; prints a line per 10 steps."
+    )
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     cfg, _ = compose(args.overrides, algorithm="ppo")
     t0 = time.perf_counter()
-    rows = run_ppo_in_process(cfg, args.threads)
-    for i in range(0, len(rows), 10):
-        chunk = rows[i : i + 10]
-        em = sum(r["reward/exact_match"] for r in chunk) / len(chunk)
-        ev = sum(r["value/explained_variance"] for r in chunk) / len(chunk)
-        print(f"steps {i + 1}-{i + len(chunk)}: exact {em:.3f}  ev {ev:+.3f}")
-    print(json.dumps({"wall_s": time.perf_counter() - t0, "last10": sum(r["reward/exact_match"] for r in rows[-10:]) / 10}))
+    window: list[dict[str, float]] = []
+
+    def report(step: int, m: dict[str, float]) -> None:
+        window.append(m)
+        if step % 10 == 0:
+            em = sum(r["reward/exact_match"] for r in window) / len(window)
+            ev = sum(r["value/explained_variance"] for r in window) / len(window)
+            print(f"steps {step - 9}-{step}: exact {em:.3f}  ev {ev:+.3f}", flush=True)
+            window.clear()
+
+    rows = run_ppo_in_process(cfg, args.threads, report)
+    print(
+        json.dumps(
+            {
+                "wall_s": time.perf_counter() - t0,
+                "last10": sum(r["reward/exact_match"] for r in rows[-10:]) / 10,
+            }
+        )
+    )

@@ -25,7 +25,16 @@ def _ppo(*overrides: str):
 def test_cli_plan_json_shows_value_role_fp16_scaler_tp2():
     env = {**os.environ, "COLUMNS": "120"}
     proc = subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", "plan", "ppo", "precision=fp16", "dtensor.tp=2", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "rltrain.cli",
+            "plan",
+            "ppo",
+            "precision=fp16",
+            "dtensor.tp=2",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -21,7 +21,9 @@ def _cfg(**extra):
     overrides = {
         "algorithm.prompts_per_step": 4,
         "algorithm.samples_per_prompt": 4,
-        "train.micro_batch_size": 3,  # 8 rows per rank -> micro batches of 3, 3, 2
+        # Packed rows of <= 20 tokens: 8 rows of 6-9 tokens per rank -> 3-4 micro batches,
+        # several sequences per row (the right shift must restart at each).
+        "train.max_tokens_per_micro_batch": 20,
         "value.lr": 0.05,
         "value.clip": 0.05,  # tight: some tokens take the clipped branch
         "optim.max_grad_norm": 0.5,
@@ -79,7 +81,7 @@ def _dp2(rank: int, port: int, out_dir: str) -> None:
 
     cfg = _cfg(**{"value.dtensor.dp": 2})
     worker = ValueWorker(cfg, DistEnv(rank, 2, "127.0.0.1", port, "gloo", 60.0), num_threads=1)
-    assert worker.dp == 2 and worker.micro_batch == 3
+    assert worker.dp == 2 and len(worker.plan_micro_batches(_batch().slice(0, 8))) >= 3
     batch = _batch()
     old_full = worker.values(batch)  # same rows on both ranks: the full batch's values
     batch.old_values_BT = old_full
@@ -88,7 +90,9 @@ def _dp2(rank: int, port: int, out_dir: str) -> None:
     params = {k: v.clone() for k, v in worker.full_tensors().items()}
     # The naive estimate (mean of per-micro-batch ratios on this rank) for contrast.
     per_micro = [
-        explained_variance(explained_variance_sums(m.old_values_BT, m.returns_BT, m.response_mask_BT))
+        explained_variance(
+            explained_variance_sums(m.old_values_BT, m.returns_BT, m.response_mask_BT)
+        )
         for m in shard.split(3)
     ]
     if rank == 0:
@@ -103,7 +107,7 @@ def _bf16_head(port: int, out_dir: str) -> None:
     from rltrain.train.distributed import DistEnv
     from rltrain.train.value_worker import ValueWorker
 
-    cfg = _cfg(**{"value.precision": "bf16"})
+    cfg = _cfg(**{"value.precision": "bf16", "train.packing": "false", "train.micro_batch_size": 4})
     worker = ValueWorker(cfg, DistEnv(0, 1, "127.0.0.1", port, "gloo", 60.0), num_threads=1)
     seen: dict[str, tuple] = {}
 

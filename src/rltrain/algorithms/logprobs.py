@@ -7,6 +7,7 @@ blocked tokens), otherwise the importance ratio drifts from 1 on-policy.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 
 def scale_logits(
@@ -47,4 +48,75 @@ def token_logprobs(
             p = logp.exp()
             ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
         entropy_BT = torch.nn.functional.pad(ent, (1, 0))
+    return logprobs_BT, entropy_BT
+
+
+def _chunk_logprobs(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float,
+    blocked_ids: torch.Tensor | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.nn.functional.linear(hidden_NH, weight_VH)
+    logp_all = torch.log_softmax(scale_logits(logits, temperature, blocked_ids), dim=-1)
+    lp = logp_all.gather(-1, targets_N[:, None]).squeeze(-1)
+    if not with_entropy:
+        return lp, torch.zeros_like(lp)
+    with torch.no_grad():  # a metric: keep it out of the autograd graph
+        logp = logp_all.detach()
+        p = logp.exp()
+        ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+    return lp, ent
+
+
+def chunked_token_logprobs(
+    hidden_BTH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    temperature: float,
+    blocked_ids: torch.Tensor | None,
+    mask_BT: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs` from final hidden states, never holding full-vocab logits.
+
+    ``hidden_BTH`` are the final-norm hidden states and ``weight_VH`` the
+    output embedding; the logits are formed ``chunk_tokens`` positions at a
+    time (fp32 log-softmax per chunk). Under autograd each chunk is
+    checkpointed: only its hidden-state slice is kept and the chunk's logits
+    are recomputed in backward. Same alignment, masking and values as
+    :func:`token_logprobs` on ``lm_head(hidden)``.
+    """
+    B, T, H = hidden_BTH.shape
+    hidden = hidden_BTH[:, :-1].reshape(-1, H)
+    targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device)
+    lps, ents = [], []
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight_VH.requires_grad)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, hidden.shape[0])
+        args = (
+            hidden[start:end],
+            weight_VH,
+            targets[start:end],
+            temperature,
+            blocked_ids,
+            with_entropy,
+        )
+        if grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        lps.append(lp)
+        ents.append(ent)
+    lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
+    logprobs_BT = torch.nn.functional.pad(lp.view(B, T - 1), (1, 0))
+    if mask_BT is not None:
+        logprobs_BT = torch.where(mask_BT.bool(), logprobs_BT, torch.zeros_like(logprobs_BT))
+    entropy_BT = None
+    if with_entropy:
+        ent = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
+        entropy_BT = torch.nn.functional.pad(ent.view(B, T - 1), (1, 0))
     return logprobs_BT, entropy_BT

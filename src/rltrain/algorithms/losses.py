@@ -18,7 +18,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def clipped_pg_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
-    advantages: torch.Tensor,
+    advantages_B: torch.Tensor,
     mask_BT: torch.Tensor,
     clip_low: float,
     clip_high: float,
@@ -33,26 +33,64 @@ def clipped_pg_loss(
     the whole optimizer step across data-parallel ranks, so micro-batch losses
     add up to the global token mean. Returns (loss, sums of the metrics), the
     metric sums un-normalised so callers can reduce them across ranks.
-    ``advantages`` is [B] (one per sequence, GRPO) or [B, T] (one per token, PPO's GAE).
     """
     mask = mask_BT.to(logprobs_BT.dtype)
-    adv = (advantages if advantages.dim() == 2 else advantages[:, None]).to(logprobs_BT.dtype)
+    terms = clipped_pg_terms(
+        logprobs_BT,
+        old_logprobs_BT,
+        advantages_B,
+        clip_low,
+        clip_high,
+        ref_logprobs_BT,
+        kl_coef,
+    )
+    stats: dict[str, torch.Tensor] = {
+        "pg_loss_sum": masked_sum(terms["pg"], mask).detach(),
+        "clip_frac_sum": masked_sum(terms["clipped"], mask).detach(),
+        "ratio_sum": masked_sum(terms["ratio"], mask).detach(),
+    }
+    if "kl" in terms:
+        stats["kl_sum"] = masked_sum(terms["kl"], mask).detach()
+    per_token = terms["loss"]
+    loss = masked_sum(per_token, mask) / normalizer
+    return loss, stats
+
+
+def clipped_pg_terms(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Per-token terms of the clipped surrogate, unmasked and unreduced.
+
+    ``advantages`` is per sequence [B] or already per token [B, T] (packed
+    rows carry each sequence's advantage on its tokens). Returns ``loss``
+    (what to minimise: pg + kl_coef * k3), ``pg``, ``ratio``, ``clipped``
+    (1.0 where the clipped branch was taken) and ``kl`` when KL is on; all
+    [B, T], only ``loss`` attached to the graph.
+    """
+    adv = advantages.to(logprobs_BT.dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
     ratio = torch.exp(logprobs_BT - old_logprobs_BT)
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     pg = -torch.minimum(surr1, surr2)
-    per_token = pg
-    stats: dict[str, torch.Tensor] = {
-        "pg_loss_sum": masked_sum(pg, mask).detach(),
-        "clip_frac_sum": masked_sum((surr2 < surr1).to(mask.dtype), mask).detach(),
-        "ratio_sum": masked_sum(ratio, mask).detach(),
+    out = {
+        "loss": pg,
+        "pg": pg.detach(),
+        "ratio": ratio.detach(),
+        "clipped": (surr2 < surr1).to(logprobs_BT.dtype),
     }
     if ref_logprobs_BT is not None and kl_coef > 0:
         kl = kl_k3(logprobs_BT, ref_logprobs_BT)
-        per_token = per_token + kl_coef * kl
-        stats["kl_sum"] = masked_sum(kl, mask).detach()
-    loss = masked_sum(per_token, mask) / normalizer
-    return loss, stats
+        out["loss"] = pg + kl_coef * kl
+        out["kl"] = kl.detach()
+    return out
 
 
 def clipped_value_loss(

@@ -25,6 +25,7 @@ from rltrain.refit.base import RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv
+from rltrain.train.packing import balance_by_tokens, row_lengths
 
 
 class WorkerError(RuntimeError):
@@ -253,15 +254,45 @@ class Workers:
         )
 
     # -- policy -------------------------------------------------------------------------------
-    def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
-        """The rows each policy rank gets: its dp group's contiguous slice (tp ranks share it)."""
+    def _shards(
+        self, batch: TrainBatch
+    ) -> tuple[list[TrainBatch], list[list[int]], list[list[int]]]:
+        """Rows of each policy rank, token-balanced over dp ranks within each mini batch.
+
+        The rollout is cut into consecutive mini batches (``train.mini_batch_size``
+        rows); each one's rows are split over the dp groups by token count
+        (tp ranks of a dp group share the rows). Returns, per rank, its
+        TrainBatch, the global row index of each of its rows (to put results
+        back in rollout order) and its row count per mini batch.
+        """
         dp, tp = self.plan.batch.dp, self.cfg.dtensor.tp
-        per = batch.size // dp
-        shards = [batch.slice(d * per, (d + 1) * per) for d in range(dp)]
-        return [shards[rank // tp] for rank in range(len(self.policy.actors))]
+        mini = self.plan.batch.mini_batch
+        lengths = row_lengths(batch)
+        index: list[list[int]] = [[] for _ in range(dp)]
+        counts: list[list[int]] = [[] for _ in range(dp)]
+        for start in range(0, batch.size, mini):
+            groups = balance_by_tokens(lengths[start : start + mini], dp)
+            for d, group in enumerate(groups):
+                index[d].extend(start + i for i in group)
+                counts[d].append(len(group))
+        shards = [batch.select(rows) for rows in index]
+        ranks = range(len(self.policy.actors))
+        return (
+            [shards[r // tp] for r in ranks],
+            [index[r // tp] for r in ranks],
+            [counts[r // tp] for r in ranks],
+        )
+
+    def _gather_rows(self, parts: list[torch.Tensor], index: list[list[int]], like: torch.Tensor):
+        """Per-rank row results (one per dp group) back into rollout row order."""
+        out = torch.zeros(like.shape, dtype=parts[0].dtype)
+        tp = self.cfg.dtensor.tp
+        for part, rows in zip(parts[::tp], index[::tp], strict=True):
+            out[rows] = part
+        return out
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        shards = self._shards(batch)
+        shards, index, _ = self._shards(batch)
         refs = [
             a.call.remote("compute_logprobs", s, reference)
             for a, s in zip(self.policy.actors, shards, strict=True)
@@ -269,19 +300,21 @@ class Workers:
         out = wait(
             refs, self.policy.names(), None, "reference logprobs" if reference else "logprobs"
         )
-        tp = self.cfg.dtensor.tp
-        return torch.cat(out[::tp], dim=0)
+        return self._gather_rows(out, index, batch.input_ids_BT)
 
     def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
         """Train on the batch; returns rank 0's metrics (already reduced over dp) and,
         when ``batch.old_logprobs_BT`` was None, the old logprobs the training forward computed."""
-        shards = self._shards(batch)
-        refs = [a.call.remote("train", s) for a, s in zip(self.policy.actors, shards, strict=True)]
+        shards, index, counts = self._shards(batch)
+        refs = [
+            a.call.remote("train", s, c)
+            for a, s, c in zip(self.policy.actors, shards, counts, strict=True)
+        ]
         out = wait(refs, self.policy.names(), None, "train")
         metrics, old = out[0]
         if old is None:
             return metrics, None
-        return metrics, torch.cat([o for _, o in out[:: self.cfg.dtensor.tp]], dim=0)
+        return metrics, self._gather_rows([o for _, o in out], index, batch.input_ids_BT)
 
     def export_hf(self, path: str, metadata: dict) -> str:
         out = wait(
@@ -300,30 +333,53 @@ class Workers:
         return out
 
     # -- value (PPO's critic) ------------------------------------------------------------------
-    def _value_shards(self, batch: TrainBatch) -> tuple[list[TrainBatch], int]:
-        """Rows per value rank (its own dp x tp mesh, which may differ from the policy's)."""
-        assert self.value is not None, "no value gang: algorithm is not ppo"
-        vb = self.plan.value_batch
-        assert vb is not None
-        dp = vb.dp
+    def _value_shards(
+        self, batch: TrainBatch
+    ) -> tuple[list[TrainBatch], list[list[int]], list[list[int]], int]:
+        """Rows per value rank: like :meth:`_shards`, over the critic's own dp x tp mesh.
+
+        Returns per rank its TrainBatch, global row indices and row count per
+        mini batch, plus the critic's tp (ranks of one dp group share rows).
+        """
+        assert self.value is not None and self.plan.value_batch is not None, "algorithm is not ppo"
+        dp = self.plan.value_batch.dp
         tp = len(self.value.actors) // dp
-        per = batch.size // dp
-        shards = [batch.slice(d * per, (d + 1) * per) for d in range(dp)]
-        return [shards[rank // tp] for rank in range(len(self.value.actors))], tp
+        mini = self.plan.value_batch.mini_batch
+        lengths = row_lengths(batch)
+        index: list[list[int]] = [[] for _ in range(dp)]
+        counts: list[list[int]] = [[] for _ in range(dp)]
+        for start in range(0, batch.size, mini):
+            for d, group in enumerate(balance_by_tokens(lengths[start : start + mini], dp)):
+                index[d].extend(start + i for i in group)
+                counts[d].append(len(group))
+        ranks = range(len(self.value.actors))
+        return (
+            [batch.select(index[r // tp]) for r in ranks],
+            [index[r // tp] for r in ranks],
+            [counts[r // tp] for r in ranks],
+            tp,
+        )
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
-        """Right-shifted values_BT of every row (0 outside the response mask)."""
+        """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
         assert self.value is not None
-        shards, tp = self._value_shards(batch)
+        shards, index, _, tp = self._value_shards(batch)
         refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
-        out = wait(refs, self.value.names(), None, "values")
-        return torch.cat(out[::tp], dim=0)
+        parts = wait(refs, self.value.names(), None, "values")
+        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for part, rows in zip(parts[::tp], index[::tp], strict=True):
+            out[rows] = part
+        return out
 
     def train_value(self, batch: TrainBatch) -> dict[str, float]:
-        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics."""
+        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
+        (already reduced over the critic's dp ranks)."""
         assert self.value is not None
-        shards, _ = self._value_shards(batch)
-        refs = [a.call.remote("train", s) for a, s in zip(self.value.actors, shards, strict=True)]
+        shards, _, counts, _ = self._value_shards(batch)
+        refs = [
+            a.call.remote("train", s, c)
+            for a, s, c in zip(self.value.actors, shards, counts, strict=True)
+        ]
         return wait(refs, self.value.names(), None, "value train")[0]
 
     def shutdown(self) -> None:

@@ -33,6 +33,10 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     # PPO: steps before this one train only the critic (critic warm-up); 1 = from the start.
     policy_training_start_step: int = 1
+    # How per-token losses become the step's loss: token_mean (over every valid
+    # token of the step) or seq_mean_token_mean (token mean per sequence, then
+    # the mean over sequences).
+    loss_aggregation: str = "token_mean"
 
 
 @dataclass
@@ -46,6 +50,17 @@ class TrainConfig:
     # rank's whole share of a mini batch (one forward/backward per step).
     micro_batch_size: int | None = None
     epochs: int = 1
+    # Pack sequences into rows of at most max_tokens_per_micro_batch tokens (one
+    # row = one micro batch; position ids restart per sequence, no attention
+    # across sequences). Micro batches are then formed by tokens and
+    # micro_batch_size is not used. false = padded rows of micro_batch_size.
+    packing: bool = True
+    max_tokens_per_micro_batch: int = 2048
+    # Attention kernel of the trainer: auto = flex on CUDA, sdpa on CPU.
+    attention: str = "auto"  # auto | sdpa | flex
+    # Positions per chunk when logprobs/entropy are formed from hidden states
+    # (bounds the fp32 logits held at once to chunk x vocab).
+    logprob_chunk_tokens: int = 1024
 
 
 @dataclass

@@ -13,6 +13,7 @@ ENGINES = ("torch",)
 TRANSPORTS = ("auto", "gloo")
 ALGORITHMS = ("grpo", "ppo")
 TASKS = ("copy",)
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -47,6 +48,10 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.epochs", t.epochs)
     if t.mini_batch_size is not None:
         _positive("train.mini_batch_size", t.mini_batch_size)
+    _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
+    _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
+    _choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
+    _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
     o = cfg.optim
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")

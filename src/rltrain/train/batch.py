@@ -47,6 +47,17 @@ class TrainBatch:
             },
         )
 
+    def select(self, rows: list[int]) -> TrainBatch:
+        """The given rows (in that order) of every field."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        return replace(
+            self,
+            **{
+                f.name: (getattr(self, f.name)[idx] if getattr(self, f.name) is not None else None)
+                for f in fields(self)
+            },
+        )
+
     def split(self, size: int) -> list[TrainBatch]:
         return [self.slice(i, min(i + size, self.size)) for i in range(0, self.size, size)]
 

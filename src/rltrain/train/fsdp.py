@@ -20,7 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
+from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, init_distributed
+from rltrain.train.metrics import MetricKind, StepMetrics
+from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -133,6 +136,7 @@ class FSDPTrainer:
         return load_model(self.cfg, "float32")
 
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+        self._set_attention(model)
         d, p = self.cfg.dtensor, self.cfg.precision
         model.to(self.device)
         if not trainable:
@@ -155,8 +159,23 @@ class FSDPTrainer:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        # The root unit (embeddings, final norm, lm_head) stays unsharded from
+        # forward to backward: the chunked logprob head uses lm_head's weight
+        # right after the forward (see forward_hidden).
+        fully_shard(model, reshard_after_forward=False, **kwargs)
         return model
+
+    def _set_attention(self, model: torch.nn.Module) -> None:
+        """Pick the attention kernel (``train.attention``): flex on CUDA, sdpa on CPU by default.
+
+        Packed rows need a block-causal mask: a 4-D boolean mask under sdpa
+        (exact, dense), a BlockMask under flex (skips the masked blocks).
+        """
+        choice = self.cfg.train.attention
+        if choice == "auto":
+            choice = "flex" if self.device.type == "cuda" else "sdpa"
+        self.attention = choice
+        model.set_attn_implementation("flex_attention" if choice == "flex" else "sdpa")
 
     @property
     def is_rank0(self) -> bool:
@@ -171,26 +190,247 @@ class FSDPTrainer:
         dist.all_reduce(out, group=self.mesh["dp"].get_group())
         return out.to(values.device)
 
+    def dp_max(self, value: int) -> int:
+        """Max of an int over data-parallel ranks (identity for dp=1)."""
+        if self.dp == 1:
+            return value
+        out = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+        return int(out.item())
+
+    # -- micro batches --------------------------------------------------------------
+    def plan_micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """This rank's micro batches over ``batch``'s rows, padded with empty ones.
+
+        Packing: first-fit decreasing by tokens (``train.max_tokens_per_micro_batch``);
+        otherwise rows of ``train.micro_batch_size`` (null = all rows). Every dp
+        rank returns the same number of micro batches (the short ones get empty
+        ``[]`` entries), so the FSDP collectives of each forward/backward pair
+        up. Collective over dp ranks.
+        """
+        t = self.cfg.train
+        micros = plan_micro_batches(
+            row_lengths(batch),
+            t.max_tokens_per_micro_batch if t.packing else None,
+            t.micro_batch_size,
+        )
+        return micros + [[] for _ in range(self.dp_max(len(micros)) - len(micros))]
+
+    def make_micro_batch(self, batch: TrainBatch, rows: list[int]) -> MicroBatch:
+        """``rows`` of ``batch`` laid out per ``train.packing``, on this rank's device."""
+        # flex compiles per row length: padding packed rows to a multiple of its
+        # block size keeps the number of distinct shapes small.
+        multiple = 128 if self.attention == "flex" else 1
+        return pack(batch, rows, self.cfg.train.packing, self.tokenizer.pad_token_id, multiple).to(
+            self.device
+        )
+
     # -- forward ------------------------------------------------------------------
-    def forward_logits(
-        self, model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
-    ) -> torch.Tensor:
-        return model(
-            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
-        ).logits
+    def attention_kwargs(self, micro: MicroBatch) -> dict[str, object]:
+        """attention_mask / position_ids for the HF forward of ``micro``.
+
+        Padded rows: the 2-D padding mask (HF builds the causal mask). Packed
+        rows: position ids restart per sequence and the mask is block-causal,
+        so no token attends across sequences (position ids alone do not
+        separate sequences under sdpa or flex).
+        """
+        if not micro.packed:
+            return {"attention_mask": micro.attention_mask_RS}
+        seq = micro.seq_id_RS
+        if self.attention == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def document_causal(b, h, q, kv):
+                return (seq[b, q] == seq[b, kv]) & (q >= kv) & (seq[b, q] >= 0)
+
+            R, S = seq.shape
+            mask = create_block_mask(document_causal, R, None, S, S, device=str(seq.device))
+        else:
+            S = seq.shape[1]
+            causal = torch.ones(S, S, dtype=torch.bool, device=seq.device).tril()
+            same = seq[:, :, None] == seq[:, None, :]
+            # A padding position (-1) attends to itself only: no fully masked rows.
+            eye = torch.eye(S, dtype=torch.bool, device=seq.device)
+            mask = ((same & (seq[:, :, None] >= 0) & causal) | eye)[:, None]
+        return {"attention_mask": mask, "position_ids": micro.position_ids_RS}
+
+    def forward_hidden(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+        """Final-norm hidden states [R, S, H] of ``micro`` (no logits are formed).
+
+        The HF model is called through its FSDP root (whose hooks gather the
+        embeddings, final norm and lm_head) with ``logits_to_keep`` empty; the
+        base model's output is captured by a forward hook. After this call the
+        root's parameters stay unsharded until backward (the root is sharded
+        with ``reshard_after_forward=False``), so :meth:`output_weight` is the
+        full matrix.
+        """
+        captured: list[torch.Tensor] = []
+        handle = model.base_model.register_forward_hook(
+            lambda _m, _args, out: captured.append(out.last_hidden_state)
+        )
+        try:
+            model(
+                input_ids=micro.input_ids_RS,
+                use_cache=False,
+                logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device),
+                **self.attention_kwargs(micro),
+            )
+        finally:
+            handle.remove()
+        return captured[0]
+
+    def output_weight(self, model: torch.nn.Module) -> torch.Tensor:
+        """lm_head weight [V, H], unsharded; valid after :meth:`forward_hidden`."""
+        weight = model.get_output_embeddings().weight
+        if isinstance(weight, DTensor):
+            raise RuntimeError("lm_head weight is still sharded; call forward_hidden first")
+        return weight
+
+    # -- split train step -------------------------------------------------------
+    # begin_train_step -> train_microbatch (any number of calls, the same number
+    # on every dp rank) -> finish_train_step, or abort_train_step at any point.
+    # Losses are summed unnormalised; the one division by the global count
+    # happens on the gradients in finish_train_step, once the count is known.
+
+    def microbatch_loss(
+        self, micro: MicroBatch
+    ) -> tuple[torch.Tensor, MetricKind, dict[str, tuple[MetricKind, float]], torch.Tensor | None]:
+        """Subclass hook: (loss_sum, normaliser kind, metrics, per-token output_RS or None).
+
+        ``loss_sum`` is the micro batch's loss summed over its valid tokens
+        (normaliser ``TOKEN_MEAN``) or sequences (``SEQUENCE_MEAN``), not
+        divided by anything. Metric values are local (see train/metrics.py).
+        The per-token output (e.g. logprobs) is detached, in micro layout.
+        """
+        raise NotImplementedError
+
+    @property
+    def loss_prescale(self) -> float:
+        """Constant each micro-batch loss is divided by before backward.
+
+        Keeps fp16 gradients in range without knowing the global count yet;
+        finish_train_step multiplies it back out exactly.
+        """
+        return float(self.cfg.train.max_tokens_per_micro_batch)
+
+    def begin_train_step(self) -> None:
+        """Start accumulating one optimizer step (all ranks)."""
+        if getattr(self, "_step", None) is not None:
+            raise RuntimeError("begin_train_step called while a step is open; finish or abort it")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step = StepMetrics()
+        self._step_kind: MetricKind | None = None
+
+    def train_microbatch(self, micro: MicroBatch | TrainBatch | None) -> torch.Tensor | None:
+        """Forward/backward of one micro batch; only local sums are kept (all dp ranks, same count).
+
+        Takes a laid-out :class:`MicroBatch`, a :class:`TrainBatch` (all its
+        rows become one micro batch) or None (an empty micro batch, for ranks
+        with fewer). Gradients are reduce-scattered per micro batch, so an
+        abort never leaves unreduced gradients behind. Returns the detached
+        per-token output in micro layout (None for an empty micro batch).
+        """
+        if getattr(self, "_step", None) is None:
+            raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
+        if micro is None:
+            micro = self.make_micro_batch(_empty_batch(), [])
+        elif isinstance(micro, TrainBatch):
+            micro = self.make_micro_batch(micro, list(range(micro.size)))
+        else:
+            micro = micro.to(self.device)
+        loss_sum, kind, metrics, token_out = self.microbatch_loss(micro)
+        if self._step_kind not in (None, kind):
+            raise RuntimeError(f"micro batches of one step mix {self._step_kind} and {kind} losses")
+        self._step_kind = kind
+        scaled = loss_sum / self.loss_prescale
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self._step.add_counts(float(micro.response_mask_RS.sum()), micro.num_sequences)
+        for name, (metric_kind, value) in metrics.items():
+            self._step.add(name, metric_kind, value)
+        return token_out if micro.num_sequences else None
+
+    def finish_train_step(self) -> dict[str, float]:
+        """Reduce counts and metrics over dp ranks, scale grads by 1/N, unscale, clip, step.
+
+        One all-reduce carries the token/sequence counts with the summed
+        metrics. Gradients hold dp-averaged (by FSDP) sums of prescaled
+        losses: multiplying by prescale * dp / N turns them into the global
+        mean over N tokens or sequences. Returns the reduced metrics plus
+        grad_norm, lr, optimizer_step_taken (and loss_scale with fp16).
+        """
+        step, kind = self._step, self._step_kind
+        if step is None:
+            raise RuntimeError("finish_train_step without begin_train_step")
+        metrics, tokens, sequences = step.reduce(self.dp_sum, self.dp_all_max)
+        count = sequences if kind is MetricKind.SEQUENCE_MEAN else tokens
+        grad_factor = self.loss_prescale * self.dp / max(count, 1.0)
+        metrics.update(self.optimizer_step(grad_factor))
+        metrics["num_tokens"] = tokens
+        metrics["num_sequences"] = sequences
+        self._step = None
+        return metrics
+
+    def abort_train_step(self) -> None:
+        """Drop the open step's gradients and sums; weights, optimizer and scaler untouched.
+
+        Idempotent; the worker is usable afterwards (a new begin_train_step).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step = None
+
+    def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise max of a small tensor over data-parallel ranks."""
+        if self.dp == 1:
+            return values
+        out = values.to(self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+        return out.to(values.device)
+
+    def train_steps(
+        self, batch: TrainBatch, mini_batch_rows: list[int], epochs: int, token_out_BT=None
+    ) -> list[dict[str, float]]:
+        """The training path: for each epoch and mini batch, one split step over its micro batches.
+
+        ``mini_batch_rows`` are the row counts of this rank's consecutive mini
+        batches. When ``token_out_BT`` is given, each micro batch's per-token
+        output of the first epoch is unpacked into it (batch row order).
+        """
+        steps = []
+        for epoch in range(epochs):
+            start = 0
+            for n_rows in mini_batch_rows:
+                mini = batch.slice(start, start + n_rows)
+                self.begin_train_step()
+                try:
+                    for rows in self.plan_micro_batches(mini):
+                        micro = self.make_micro_batch(mini, rows)
+                        out = self.train_microbatch(micro)
+                        if token_out_BT is not None and epoch == 0 and out is not None:
+                            unpack(out, micro, token_out_BT[start : start + n_rows])
+                    steps.append(self.finish_train_step())
+                except BaseException:
+                    self.abort_train_step()
+                    raise
+                start += n_rows
+        return steps
 
     # -- optimizer step ---------------------------------------------------------
-    def optimizer_step(self) -> dict[str, float]:
-        """Unscale (fp16), clip by global norm, step, update the scale. Called on all ranks."""
+    def optimizer_step(self, grad_factor: float = 1.0) -> dict[str, float]:
+        """Scale grads by ``grad_factor``, unscale (fp16), clip by global norm, step. All ranks.
+
+        The factor and the clip coefficient are applied in one pass over the
+        gradients; the norm is that of the scaled gradients.
+        """
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = float(total_grad_norm(params))
+        norm = float(total_grad_norm(params)) * grad_factor
         max_norm = self.cfg.optim.max_grad_norm
         stepped = 1.0
         if math.isfinite(norm):
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
+            coef = grad_factor * min(1.0, max_norm / (norm + 1e-6))
+            if coef != 1.0:
                 with torch.no_grad():
                     for p in params:
                         if p.grad is not None:
@@ -207,8 +447,11 @@ class FSDPTrainer:
         out = {
             "grad_norm": norm,
             "optimizer_step_taken": stepped,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.optimizer.param_groups[0]["lr"],  # the lr this step used
         }
+        scheduler = getattr(self, "lr_scheduler", None)
+        if scheduler is not None:
+            scheduler.step()
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
@@ -253,6 +496,12 @@ class FSDPTrainer:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _empty_batch() -> TrainBatch:
+    """A zero-row batch: the source of an empty micro batch."""
+    z = torch.zeros((0, 1))
+    return TrainBatch(z.long(), z.long(), z, torch.zeros(0), z)
 
 
 def _hf_name(name: str) -> str:

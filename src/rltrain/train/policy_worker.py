@@ -7,19 +7,21 @@ same rows) and every method is called on all ranks.
 
 from __future__ import annotations
 
+import math
 import time
-from collections import defaultdict
 
 import torch
 
-from rltrain.algorithms.logprobs import token_logprobs
-from rltrain.algorithms.losses import clipped_pg_loss
+from rltrain.algorithms.logprobs import chunked_token_logprobs
+from rltrain.algorithms.losses import clipped_pg_terms
 from rltrain.config.schema import RunConfig
 from rltrain.refit.base import Bucket, RefitManifest, RefitStats, plan_buckets
 from rltrain.refit.gloo import GlooRefitSender
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, free_port, node_ip
 from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.metrics import MetricKind
+from rltrain.train.packing import MicroBatch, per_sequence_sum, unpack
 
 
 class PolicyWorker(FSDPTrainer):
@@ -33,13 +35,30 @@ class PolicyWorker(FSDPTrainer):
 
             self.reference = self._shard(load_model(cfg, "float32"), trainable=False).eval()
         self.temperature = cfg.rollout.temperature
-        a = cfg.algorithm
-        rollout_batch = a.prompts_per_step * a.samples_per_prompt
-        self.micro_batch = (
-            cfg.train.micro_batch_size or (cfg.train.mini_batch_size or rollout_batch) // self.dp
-        )
         self.manifest: RefitManifest | None = None
         self.sender: GlooRefitSender | None = None
+
+    # -- logprob head -------------------------------------------------------------------
+    def token_logprobs(
+        self, model: torch.nn.Module, micro: MicroBatch, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token-aligned logprobs_RS (and entropy_RS) of ``micro`` under ``model``.
+
+        Formed from the final hidden states chunk by chunk
+        (``train.logprob_chunk_tokens`` positions at a time), at the rollout's
+        temperature with the blocked tokens masked, 0 outside the response.
+        """
+        hidden = self.forward_hidden(model, micro)
+        return chunked_token_logprobs(
+            hidden,
+            self.output_weight(model),
+            micro.input_ids_RS,
+            self.temperature,
+            self.blocked,
+            micro.response_mask_RS,
+            with_entropy=with_entropy,
+            chunk_tokens=self.cfg.train.logprob_chunk_tokens,
+        )
 
     # -- inference ------------------------------------------------------------------
     @torch.no_grad()
@@ -51,23 +70,66 @@ class PolicyWorker(FSDPTrainer):
                 "reference logprobs asked for, but algorithm.kl_coef=0 built no reference model"
             )
         model.eval()
-        out = []
-        for micro in batch.split(self.micro_batch):
-            micro = micro.to(self.device)
-            logits = self.forward_logits(model, micro.input_ids_BT, micro.attention_mask_BT)
-            lp, _ = token_logprobs(
-                logits, micro.input_ids_BT, self.temperature, self.blocked, micro.response_mask_BT
-            )
-            out.append(lp.cpu())
-        return torch.cat(out, dim=0)
+        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for rows in self.plan_micro_batches(batch):
+            micro = self.make_micro_batch(batch, rows)
+            lp, _ = self.token_logprobs(model, micro)
+            unpack(lp, micro, out)
+        return out
 
     # -- training -----------------------------------------------------------------------
-    def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
+    def microbatch_loss(self, micro: MicroBatch):
+        """Clipped policy-gradient loss of one micro batch, summed (see FSDPTrainer.microbatch_loss).
+
+        With no old logprobs (fused on-policy step) the old logprobs are this
+        forward's, detached: the weights that sampled are the weights of this
+        forward. The per-token output is those logprobs.
+        """
+        a = self.cfg.algorithm
+        lp, ent = self.token_logprobs(self.model, micro, with_entropy=True)
+        old = micro.old_logprobs_RS if micro.old_logprobs_RS is not None else lp.detach()
+        mask = micro.response_mask_RS
+        terms = clipped_pg_terms(
+            lp,
+            old,
+            micro.advantages_RS,
+            a.clip_ratio_low,
+            a.clip_ratio_high,
+            micro.ref_logprobs_RS,
+            a.kl_coef,
+        )
+        valid = mask.bool()
+        ratio = terms["ratio"]
+        T, Mx, Mn = MetricKind.TOKEN_MEAN, MetricKind.MAX, MetricKind.MIN
+        metrics = {
+            "entropy": (T, float((ent * mask).sum())),
+            "pg_clipfrac": (T, float((terms["clipped"] * mask).sum())),
+            "ratio_mean": (T, float((ratio * mask).sum())),
+            "ratio_max": (Mx, float(ratio[valid].max()) if valid.any() else -math.inf),
+            "ratio_min": (Mn, float(ratio[valid].min()) if valid.any() else math.inf),
+        }
+        if "kl" in terms:
+            metrics["kl"] = (T, float((terms["kl"] * mask).sum()))
+        per_token = terms["loss"] * mask
+        if a.loss_aggregation == "seq_mean_token_mean":
+            per_seq = per_sequence_sum(per_token, micro)
+            tokens = per_sequence_sum(mask, micro).clamp(min=1.0)
+            loss_sum, kind = (per_seq / tokens).sum(), MetricKind.SEQUENCE_MEAN
+        else:
+            loss_sum, kind = per_token.sum(), MetricKind.TOKEN_MEAN
+        metrics["loss"] = (kind, float(loss_sum.detach()))
+        return loss_sum, kind, metrics, lp.detach()
+
+    def train(
+        self, batch: TrainBatch, mini_batch_rows: list[int] | None = None
+    ) -> tuple[dict[str, float], torch.Tensor | None]:
         """Clipped policy-gradient training on this rank's rows.
 
         Rows are cut into mini batches (one optimizer step each, ``epochs``
-        passes) and micro batches (one forward/backward). The loss of a mini
-        batch is the token mean over all of its valid tokens on every dp rank.
+        passes): ``mini_batch_rows`` gives this rank's rows per mini batch
+        (null = equal parts of ``train.mini_batch_size / dp`` rows). Each step
+        runs the split-step API over token-planned micro batches; the loss is
+        the token (or sequence) mean over the whole mini batch on every dp rank.
 
         ``old_logprobs_BT=None`` is allowed only when the step is on-policy with
         a single optimizer step: the training forward then yields the old
@@ -75,89 +137,29 @@ class PolicyWorker(FSDPTrainer):
         """
         t0 = time.perf_counter()
         a, t = self.cfg.algorithm, self.cfg.train
-        rollout_batch = a.prompts_per_step * a.samples_per_prompt
-        mini_rows = (t.mini_batch_size or rollout_batch) // self.dp
+        if mini_batch_rows is None:
+            rollout_batch = a.prompts_per_step * a.samples_per_prompt
+            mini_rows = (t.mini_batch_size or rollout_batch) // self.dp
+            mini_batch_rows = [
+                min(mini_rows, batch.size - i) for i in range(0, batch.size, mini_rows)
+            ]
         fuse_old = batch.old_logprobs_BT is None
-        old_parts: list[torch.Tensor] = []
-        if fuse_old and (t.epochs != 1 or mini_rows * self.dp != rollout_batch):
+        if fuse_old and (t.epochs != 1 or len(mini_batch_rows) != 1):
             raise ValueError("train() without old_logprobs_BT needs one optimizer step per rollout")
-        self.model.train()
-        sums: dict[str, float] = defaultdict(float)
-        steps: list[dict[str, float]] = []
-        for _ in range(t.epochs):
-            for mini in batch.split(mini_rows):
-                local = torch.stack([mini.response_mask_BT.sum(), torch.tensor(float(mini.size))])
-                global_tokens, _ = self.dp_sum(local).tolist()
-                micros = mini.split(self.micro_batch)
-                for i, micro in enumerate(micros):
-                    micro = micro.to(self.device)
-                    # Reduce-scatter gradients only on the last micro batch.
-                    self.model.set_requires_gradient_sync(i == len(micros) - 1)
-                    logits = self.forward_logits(
-                        self.model, micro.input_ids_BT, micro.attention_mask_BT
-                    )
-                    lp, ent = token_logprobs(
-                        logits,
-                        micro.input_ids_BT,
-                        self.temperature,
-                        self.blocked,
-                        micro.response_mask_BT,
-                        with_entropy=True,
-                    )
-                    if fuse_old:
-                        # On-policy, one optimizer step: the weights that sampled are the
-                        # weights of this forward, so old logprobs = these, detached.
-                        micro.old_logprobs_BT = lp.detach()
-                        old_parts.append(micro.old_logprobs_BT.cpu())
-                    loss, stats = clipped_pg_loss(
-                        lp,
-                        micro.old_logprobs_BT,
-                        micro.advantages_BT
-                        if micro.advantages_BT is not None
-                        else micro.advantages_B,
-                        micro.response_mask_BT,
-                        a.clip_ratio_low,
-                        a.clip_ratio_high,
-                        normalizer=max(global_tokens, 1.0),
-                        ref_logprobs_BT=micro.ref_logprobs_BT,
-                        kl_coef=a.kl_coef,
-                    )
-                    # FSDP2 averages gradients over dp ranks; undo it so the
-                    # step sees the global token mean.
-                    scaled = loss * self.dp
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                    sums["loss"] += float(loss.detach())
-                    sums["entropy_sum"] += float((ent * micro.response_mask_BT).sum())
-                    for k, v in stats.items():
-                        sums[k] += float(v)
-                    sums["tokens"] += float(micro.response_mask_BT.sum())
-                steps.append(self.optimizer_step())
-        keys = sorted(sums)
-        totals = dict(
-            zip(
-                keys,
-                self.dp_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist(),
-                strict=True,
-            )
-        )
-        n_tok = max(totals["tokens"], 1.0)
-        n_steps = len(steps)
-        metrics = {
-            "loss": totals["loss"] / n_steps,
-            "entropy": totals["entropy_sum"] / n_tok,
-            "pg_clipfrac": totals["clip_frac_sum"] / n_tok,
-            "ratio_mean": totals["ratio_sum"] / n_tok,
-            "grad_norm": sum(s["grad_norm"] for s in steps) / n_steps,
-            "optimizer_steps": float(n_steps),
-            "lr": steps[-1]["lr"],
-        }
-        if "kl_sum" in totals:
-            metrics["kl"] = totals["kl_sum"] / n_tok
+        old = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32) if fuse_old else None
+        steps = self.train_steps(batch, mini_batch_rows, t.epochs, token_out_BT=old)
+        metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics["num_tokens"] = sum(s["num_tokens"] for s in steps) / t.epochs
+        metrics["num_sequences"] = sum(s["num_sequences"] for s in steps) / t.epochs
+        metrics["ratio_max"] = max(s["ratio_max"] for s in steps)
+        metrics["ratio_min"] = min(s["ratio_min"] for s in steps)
+        metrics["optimizer_steps"] = float(len(steps))
+        metrics["lr"] = steps[-1]["lr"]
         if self.scaler is not None:
             metrics["loss_scale"] = steps[-1]["loss_scale"]
             metrics["skipped_steps"] = float(sum(1 - s["optimizer_step_taken"] for s in steps))
         metrics["time/train_worker"] = time.perf_counter() - t0
-        return metrics, (torch.cat(old_parts, dim=0) if fuse_old else None)
+        return metrics, old
 
     # -- refit (sender side) -------------------------------------------------------------
     def refit_manifest(self) -> RefitManifest:

@@ -12,7 +12,6 @@ get the same rows) and every method is called on all ranks.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -24,6 +23,11 @@ from rltrain.models.loader import load_model
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.metrics import MetricKind
+from rltrain.train.packing import MicroBatch, unpack
+
+# Names of the explained-variance sufficient statistics in the step metrics.
+EV_SUMS = ("ev/n", "ev/sum_r", "ev/sum_rr", "ev/sum_e", "ev/sum_ee")
 
 
 class ValueModel(torch.nn.Module):
@@ -43,6 +47,10 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.normal_(self.value_head.weight, std=1.0 / (config.hidden_size + 1))
         torch.nn.init.zeros_(self.value_head.bias)
 
+    def set_attn_implementation(self, name: str) -> None:
+        """Attention kernel of the backbone (the trainer picks sdpa or flex)."""
+        self.model.set_attn_implementation(name)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -55,10 +63,10 @@ class ValueModel(torch.nn.Module):
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-        B, T, H = hidden.shape
+        R, S, H = hidden.shape
         # 2-D in, fresh tensor out: FSDP2 hooks must not see views (in-place ops on them
         # would skip its pre-backward hook).
-        return self.value_head(hidden.reshape(B * T, H)).view(B, T).clone()
+        return self.value_head(hidden.reshape(R * S, H)).view(R, S).clone()
 
 
 class ValueWorker(FSDPTrainer):
@@ -68,10 +76,6 @@ class ValueWorker(FSDPTrainer):
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         self.run_cfg = cfg
         super().__init__(value_run_config(cfg), env, num_threads)
-        a, t = cfg.algorithm, cfg.train
-        rollout_batch = a.prompts_per_step * a.samples_per_prompt
-        self.micro_batch = t.micro_batch_size or (t.mini_batch_size or rollout_batch) // self.dp
-        self.mini_rows = (t.mini_batch_size or rollout_batch) // self.dp
 
     # -- set-up -----------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -92,93 +96,85 @@ class ValueWorker(FSDPTrainer):
         return super()._shard(model, trainable)
 
     # -- forward ------------------------------------------------------------------------
-    def forward_values(self, micro: TrainBatch) -> torch.Tensor:
-        """Per-token values_BT of a micro batch on this rank's device, fp32.
+    def forward_values(self, micro: MicroBatch) -> torch.Tensor:
+        """Per-token values_RS of a micro batch (packed or padded), fp32.
 
-        ``values_BT[:, t]`` is the value of the state before token t (right shift,
-        the same call for scoring and for the loss). ``value.right_shift=false``
-        (a diagnostic) skips the shift.
+        ``values_RS[:, t]`` is the value of the state before token t: the right
+        shift restarts at every sequence (position id 0), so packed sequences
+        never see a neighbour's value. The same call scores a batch and feeds
+        the loss. ``value.right_shift=false`` (a diagnostic) skips the shift.
         """
-        raw = self.model(micro.input_ids_BT, micro.attention_mask_BT).float()
-        return right_shift(raw) if self.run_cfg.value.right_shift else raw
+        raw = self.model(micro.input_ids_RS, **self.attention_kwargs(micro)).float()
+        if not self.run_cfg.value.right_shift:
+            return raw
+        return right_shift(raw, micro.position_ids_RS)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """values_BT (CPU, fp32) of this rank's rows, 0 outside the response mask."""
         self.model.eval()
-        out = []
-        for micro in batch.split(self.micro_batch):
-            micro = micro.to(self.device)
-            out.append((self.forward_values(micro) * micro.response_mask_BT).cpu())
-        return torch.cat(out, dim=0)
+        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for rows in self.plan_micro_batches(batch):
+            micro = self.make_micro_batch(batch, rows)
+            unpack(self.forward_values(micro) * micro.response_mask_RS, micro, out)
+        return out
 
     # -- training -------------------------------------------------------------------------
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def microbatch_loss(self, micro: MicroBatch):
+        """Clipped value loss of one micro batch, summed over its valid tokens
+        (see FSDPTrainer.microbatch_loss); metrics are local sums, including the
+        explained-variance sums (kind SUM) that :meth:`train` combines exactly."""
+        if micro.returns_RS is None or micro.old_values_RS is None:
+            raise ValueError("ValueWorker.train needs batch.returns_BT and batch.old_values_BT")
+        mask = micro.response_mask_RS
+        values = self.forward_values(micro)
+        # normalizer 1: the split step divides by the global token count once it is known.
+        loss_sum, stats = clipped_value_loss(
+            values, micro.old_values_RS, micro.returns_RS, mask, self.run_cfg.value.clip, 1.0
+        )
+        T, S = MetricKind.TOKEN_MEAN, MetricKind.SUM
+        metrics = {
+            "value/loss": (T, float(loss_sum.detach())),
+            "value/mean": (T, float(stats["value_sum"])),
+            "value/clipfrac": (T, float(stats["vf_clip_sum"])),
+        }
+        ev = explained_variance_sums(values, micro.returns_RS, mask).tolist()
+        for name, x in zip(EV_SUMS, ev, strict=True):
+            metrics[name] = (S, x)
+        return loss_sum, MetricKind.TOKEN_MEAN, metrics, values.detach()
+
+    def train(
+        self, batch: TrainBatch, mini_batch_rows: list[int] | None = None
+    ) -> dict[str, float]:
         """Clipped value regression of this rank's rows onto ``batch.returns_BT``.
 
-        Needs ``returns_BT`` and ``old_values_BT`` (the values :meth:`values` gave
-        before the update). Mini batches (one optimizer step each, ``train.epochs``
-        passes) and micro batches as the policy's; the loss of a mini batch is the
-        token mean over its valid tokens on every dp rank. Explained variance is
-        exact over the whole batch: its sums add over micro batches and dp ranks
-        (first epoch, where every row is seen once with the pre-update weights of
-        its mini batch). Returns metrics reduced over dp (the same on every rank).
+        Needs ``returns_BT`` and ``old_values_BT`` (what :meth:`values` gave
+        before the update). Mini batches (``mini_batch_rows`` per mini batch;
+        null = equal parts of ``train.mini_batch_size / dp``), ``train.epochs``
+        passes and micro batches as the policy's, through the shared split
+        step: the loss is the token mean over each mini batch on every dp rank.
+        Explained variance is exact over the whole batch: its sums add over
+        micro batches and dp ranks across the first epoch (each row once, with
+        its mini batch's pre-update weights). Returns metrics reduced over dp.
         """
-        if batch.returns_BT is None or batch.old_values_BT is None:
-            raise ValueError("ValueWorker.train needs batch.returns_BT and batch.old_values_BT")
         t0 = time.perf_counter()
-        clip = self.run_cfg.value.clip
-        self.model.train()
-        sums: dict[str, float] = defaultdict(float)
-        ev_sums = torch.zeros(5, dtype=torch.float64)
-        steps: list[dict[str, float]] = []
-        losses: list[float] = []
-        for epoch in range(self.cfg.train.epochs):
-            for mini in batch.split(self.mini_rows):
-                global_tokens = float(self.dp_sum(mini.response_mask_BT.sum()[None]))
-                micros = mini.split(self.micro_batch)
-                step_loss = 0.0
-                for i, micro in enumerate(micros):
-                    micro = micro.to(self.device)
-                    # Reduce-scatter gradients only on the last micro batch.
-                    self.model.set_requires_gradient_sync(i == len(micros) - 1)
-                    values = self.forward_values(micro)
-                    loss, stats = clipped_value_loss(
-                        values,
-                        micro.old_values_BT,
-                        micro.returns_BT,
-                        micro.response_mask_BT,
-                        clip,
-                        normalizer=max(global_tokens, 1.0),
-                    )
-                    # FSDP2 averages gradients over dp ranks; undo it (global token mean).
-                    scaled = loss * self.dp
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                    step_loss += float(loss.detach())
-                    if epoch == 0:
-                        ev_sums += explained_variance_sums(
-                            values, micro.returns_BT, micro.response_mask_BT
-                        ).cpu()
-                        sums["value_sum"] += float(stats["value_sum"])
-                        sums["tokens"] += float(micro.response_mask_BT.sum())
-                    sums["clip_sum"] += float(stats["vf_clip_sum"])
-                    sums["clip_tokens"] += float(micro.response_mask_BT.sum())
-                losses.append(step_loss)
-                steps.append(self.optimizer_step())
-        keys = sorted(sums)
-        reduced = self.dp_sum(
-            torch.cat([torch.tensor([sums[k] for k in keys], dtype=torch.float64), ev_sums])
-        )
-        totals = dict(zip(keys, reduced[: len(keys)].tolist(), strict=True))
-        # Each rank's loss is its share of the global token mean: the sum over ranks is the loss.
-        loss_sum = float(self.dp_sum(torch.tensor(losses, dtype=torch.float64)).sum())
+        a, t = self.run_cfg.algorithm, self.cfg.train
+        if mini_batch_rows is None:
+            mini_rows = (t.mini_batch_size or a.prompts_per_step * a.samples_per_prompt) // self.dp
+            mini_batch_rows = [
+                min(mini_rows, batch.size - i) for i in range(0, batch.size, mini_rows)
+            ]
+        steps = self.train_steps(batch, mini_batch_rows, t.epochs)
+        first_epoch = steps[: len(mini_batch_rows)]
+        ev = torch.tensor([sum(s[k] for s in first_epoch) for k in EV_SUMS], dtype=torch.float64)
         metrics = {
-            "value/loss": loss_sum / len(steps),
-            "value/explained_variance": explained_variance(reduced[len(keys) :]),
-            "value/mean": totals["value_sum"] / max(totals["tokens"], 1.0),
-            "value/clipfrac": totals["clip_sum"] / max(totals["clip_tokens"], 1.0),
+            "value/loss": sum(s["value/loss"] for s in steps) / len(steps),
+            "value/explained_variance": explained_variance(ev),
+            "value/mean": sum(s["value/mean"] for s in first_epoch) / len(first_epoch),
+            "value/clipfrac": sum(s["value/clipfrac"] for s in steps) / len(steps),
             "value/grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
             "value/lr": steps[-1]["lr"],
+            "value/optimizer_steps": float(len(steps)),
         }
         if self.scaler is not None:
             metrics["value/loss_scale"] = steps[-1]["loss_scale"]

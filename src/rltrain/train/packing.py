@@ -1,0 +1,207 @@
+"""Sequence packing and dynamic micro batches (pure tensor/list functions).
+
+A rollout row is one sequence (prompt + response), right-padded in a
+:class:`TrainBatch`. Here rows are
+
+* assigned to data-parallel ranks balanced by token count
+  (:func:`balance_by_tokens`),
+* grouped into micro batches of at most ``max_tokens`` tokens
+  (:func:`plan_micro_batches`, first-fit decreasing),
+* laid out as one :class:`MicroBatch` by :func:`pack`: packed (all sequences
+  of the micro batch concatenated into one row, position ids restarting per
+  sequence, a per-token sequence id from which the attention mask keeps the
+  sequences apart) or padded (one row per sequence, as the batch had them),
+* and per-token results (logprobs, entropy, values) are put back into the
+  batch's row alignment by :func:`unpack`.
+
+``unpack(pack(batch, rows).input_ids_RS, ...)`` reproduces the rows exactly;
+shapes: R rows x S positions inside a micro batch, B rows x T in the batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from rltrain.train.batch import TrainBatch
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward worth of sequences, packed or padded.
+
+    ``seq_id_RS`` numbers the sequences of this micro batch 0..n-1 per token
+    (-1 = padding position). Sequence ``i`` came from row ``rows[i]`` of the
+    source batch and sits at ``[seq_row[i], seq_start[i] : seq_start[i] + seq_len[i]]``.
+    An empty micro batch (no rows) carries two padding tokens so a rank with
+    fewer micro batches can still run the forward/backward collectives.
+    """
+
+    input_ids_RS: torch.Tensor
+    position_ids_RS: torch.Tensor
+    seq_id_RS: torch.Tensor
+    response_mask_RS: torch.Tensor
+    advantages_RS: torch.Tensor  # per token (PPO) or the sequence's advantage on each token
+    old_logprobs_RS: torch.Tensor | None
+    ref_logprobs_RS: torch.Tensor | None
+    rows: list[int]
+    seq_row: list[int]
+    seq_start: list[int]
+    seq_len: list[int]
+    packed: bool
+    # PPO's critic: value targets and the values before the update (the clip's anchor).
+    returns_RS: torch.Tensor | None = None
+    old_values_RS: torch.Tensor | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.rows)
+
+    @property
+    def attention_mask_RS(self) -> torch.Tensor:
+        """2-D padding mask (1 = real token) of the padded layout."""
+        return (self.seq_id_RS >= 0).long()
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+
+def row_lengths(batch: TrainBatch) -> list[int]:
+    """Real tokens per row of a right-padded batch."""
+    return [int(n) for n in batch.attention_mask_BT.sum(dim=1).tolist()]
+
+
+def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split row indices into ``parts`` groups of near-equal token totals.
+
+    Longest-processing-time greedy: rows in decreasing length go to the
+    currently lightest group (ties: fewer rows, then lower index). Each group
+    is returned in ascending row order, so a group keeps the batch's order.
+    """
+    heap = [(0, 0, p) for p in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        tokens, count, p = heapq.heappop(heap)
+        groups[p].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, p))
+    return [sorted(g) for g in groups]
+
+
+def plan_micro_batches(
+    lengths: list[int], max_tokens: int | None, max_rows: int | None
+) -> list[list[int]]:
+    """Group row indices into micro batches.
+
+    ``max_tokens`` set (packing): first-fit decreasing into bins of at most
+    ``max_tokens`` tokens; a row longer than that gets a bin of its own.
+    ``max_tokens`` None (padded): consecutive chunks of ``max_rows`` rows.
+    Rows inside a micro batch are in ascending index order.
+    """
+    n = len(lengths)
+    if max_tokens is None:
+        step = max_rows or max(n, 1)
+        return [list(range(i, min(i + step, n))) for i in range(0, n, step)]
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def pack(
+    batch: TrainBatch, rows: list[int], packed: bool, pad_id: int, row_multiple: int = 1
+) -> MicroBatch:
+    """Lay out ``rows`` of ``batch`` as one micro batch (see :class:`MicroBatch`).
+
+    packed: one row of sum(lengths) tokens (rounded up to ``row_multiple``
+    with padding). padded: one row per sequence, trimmed to the longest.
+    ``rows=[]`` gives the empty micro batch (two padding tokens, no valid target).
+    """
+    lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
+    if packed:
+        total = sum(lengths)
+        S = -(-max(total, 2) // row_multiple) * row_multiple
+        R = 1
+        seq_row = [0] * len(rows)
+        seq_start = [sum(lengths[:i]) for i in range(len(rows))]
+    else:
+        R, S = max(len(rows), 1), max(lengths, default=2)
+        seq_row = list(range(len(rows)))
+        seq_start = [0] * len(rows)
+
+    def layout(src_BT: torch.Tensor | None, fill: float | int = 0) -> torch.Tensor | None:
+        if src_BT is None:
+            return None
+        out = torch.full((R, S), fill, dtype=src_BT.dtype)
+        for r, row, start, n in zip(rows, seq_row, seq_start, lengths, strict=True):
+            out[row, start : start + n] = src_BT[r, :n]
+        return out
+
+    ids = layout(batch.input_ids_BT, pad_id)
+    seq_id = torch.full((R, S), -1, dtype=torch.long)
+    pos = torch.zeros((R, S), dtype=torch.long)
+    adv = torch.zeros((R, S), dtype=torch.float32)
+    for i, (r, row, start, n) in enumerate(zip(rows, seq_row, seq_start, lengths, strict=True)):
+        seq_id[row, start : start + n] = i
+        pos[row, start : start + n] = torch.arange(n)
+        if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
+            adv[row, start : start + n] = batch.advantages_BT[r, :n].float()
+        else:
+            adv[row, start : start + n] = batch.advantages_B[r].float()
+    if not rows:
+        # Two padding tokens in one causal "sequence": one predicted position, so the
+        # backward reaches every parameter (with zero gradients) like a real micro batch.
+        seq_id[0, :2] = 0
+    return MicroBatch(
+        input_ids_RS=ids,
+        position_ids_RS=pos,
+        seq_id_RS=seq_id,
+        response_mask_RS=layout(batch.response_mask_BT),
+        advantages_RS=adv,
+        old_logprobs_RS=layout(batch.old_logprobs_BT),
+        ref_logprobs_RS=layout(batch.ref_logprobs_BT),
+        rows=list(rows),
+        seq_row=seq_row,
+        seq_start=seq_start,
+        seq_len=lengths,
+        packed=packed,
+        returns_RS=layout(batch.returns_BT),
+        old_values_RS=layout(batch.old_values_BT),
+    )
+
+
+def unpack(values_RS: torch.Tensor, micro: MicroBatch, out_BT: torch.Tensor) -> torch.Tensor:
+    """Write per-token ``values_RS`` of ``micro`` into the source rows of ``out_BT`` (in place).
+
+    Positions of ``out_BT`` outside the micro batch's sequences are left as they are.
+    """
+    values = values_RS.detach().to(out_BT.device, out_BT.dtype)
+    for r, row, start, n in zip(
+        micro.rows, micro.seq_row, micro.seq_start, micro.seq_len, strict=True
+    ):
+        out_BT[r, :n] = values[row, start : start + n]
+    return out_BT
+
+
+def per_sequence_sum(values_RS: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+    """Sum of ``values_RS`` over the tokens of each sequence: shape [num_sequences] (>= 1)."""
+    seq = micro.seq_id_RS.to(values_RS.device)
+    valid = seq >= 0
+    out = torch.zeros(max(micro.num_sequences, 1), dtype=values_RS.dtype, device=values_RS.device)
+    return out.index_add(0, seq[valid], values_RS[valid])
