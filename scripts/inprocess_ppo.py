@@ -73,6 +73,8 @@ class LocalContext:
     task: object
     tokenizer: object
     output_dir: Path | None = None
+    start_step: int = 0
+    weight_version: int = 0
 
     def checkpoint(self, step: int, weight_version: int) -> str:
         return ""

@@ -71,7 +71,7 @@ def test_shipped_groups_and_options():
     assert set(OPTION_GROUPS) == {p.name for p in conf_dir().iterdir() if p.is_dir()}
     assert group_options("precision") == ["bf16", "fp16", "fp32"]
     assert group_options("cluster") == ["local", "ray"]
-    assert group_options("refit") == ["auto", "gloo"]
+    assert group_options("refit") == ["auto", "gloo", "ipc", "nccl"]
     assert RECIPES == ["toy-dp2", "toy-long"]
     assert len(GROUP_CASES) >= 13
 
@@ -176,6 +176,16 @@ BAD_CASES = [
         ["train.micro_batch_size=96", "dp=2"],
         id="micro-x-dp-does-not-divide",
     ),
+    pytest.param(
+        ["refit.num_buffers=0"], ["refit.num_buffers=0", "refit.num_buffers>=1"], id="refit-buffers"
+    ),
+    pytest.param(
+        ["refit.bucket_bytes=65536"], ["refit.bucket_bytes=65536", "1 MiB"], id="refit-bucket"
+    ),
+    pytest.param(
+        ["refit=nccl"], ["refit.transport=nccl", "CPU", "refit=gloo"], id="refit-nccl-cpu"
+    ),
+    pytest.param(["refit=ipc"], ["refit.transport=ipc", "refit=gloo"], id="refit-ipc-cpu"),
 ]
 
 
@@ -209,8 +219,9 @@ def test_plan_bad_config_exits_2_with_one_sentence(overrides, needles):
             ["algorithm.prompts_per_step=30", "train.micro_batch_size=128"],
             ["train.micro_batch_size=128"],
         ),
+        (["refit=nccl"], ["refit.transport=nccl"]),
     ],
-    ids=["unknown-key", "batch-math"],
+    ids=["unknown-key", "batch-math", "refit-nccl-on-cpu"],
 )
 def test_train_command_fails_before_any_cluster(overrides, needles, tmp_path, monkeypatch):
     import ray

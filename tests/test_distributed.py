@@ -101,7 +101,7 @@ def _train_parallel(rank: int, world: int, port: int, dp: int, tp: int) -> dict[
 
 
 def _refit_roundtrip(rank: int, port: int) -> None:
-    from rltrain.refit.base import plan_buckets
+    from rltrain.refit.base import fill_from, plan_buckets
     from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, RefitError
 
     g = torch.Generator().manual_seed(0)
@@ -121,7 +121,7 @@ def _refit_roundtrip(rank: int, port: int) -> None:
     assert [len(b.slots) for b in manifest.buckets] == [2, 1, 1]
     if rank == 0:
         sender = GlooRefitSender(manifest, "127.0.0.1", port, 2, timeout_s=5.0)
-        stats = sender.send(lambda b: {s.name: tensors[s.name] for s in b.slots}, weight_version=7)
+        stats = sender.send(fill_from(tensors), weight_version=7)
         assert stats.bytes == manifest.total_bytes
     else:
         receiver = GlooRefitReceiver(manifest, "127.0.0.1", port, 1, 2, timeout_s=5.0)

@@ -134,8 +134,9 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
         mlp = 3 * h * inter
         per_layer = attn + mlp + 2 * h
-        v = vocab_size(cfg.data.alphabet)
-        return v * h * 2 + L * per_layer + h  # untied embedding + lm_head, final norm
+        v = ti.vocab_size or vocab_size(cfg.data.alphabet)
+        embeddings = 1 if ti.tie_word_embeddings else 2
+        return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
         return None
@@ -151,6 +152,34 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return None
     tied = c.get("tie_word_embeddings", False)
     return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
+
+
+def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tuple[str, str]:
+    """The refit transport a run uses and why (``refit.transport=auto`` picks by placement).
+
+    Raises ConfigError for a transport the placement cannot run (nccl/ipc on CPU).
+    """
+    if transport == "auto":
+        if device == "cpu":
+            return "gloo", "auto: a CPU run moves weights over gloo"
+        if colocated:
+            return "ipc", "auto: engines share the trainer's GPUs, so CUDA IPC handles"
+        return "nccl", "auto: engines on their own GPUs, so an NCCL broadcast group"
+    if transport in ("nccl", "ipc") and device == "cpu":
+        raise ConfigError(
+            f"refit.transport={transport} needs GPUs but this run is on CPU; use refit=gloo or refit=auto."
+        )
+    if transport == "ipc" and not colocated:
+        raise ConfigError(
+            "refit.transport=ipc shares GPU memory and needs the engines on the trainer's GPUs; "
+            "set rollout.colocated=true or use refit=nccl."
+        )
+    if transport == "nccl" and colocated:
+        raise ConfigError(
+            "refit.transport=nccl cannot join two processes on one GPU (rollout.colocated=true); "
+            "use refit=ipc or refit=auto."
+        )
+    return transport, f"refit.transport={transport} (set explicitly)"
 
 
 def make_plan(
@@ -234,9 +263,7 @@ def make_plan(
         trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
-    transport = cfg.refit.transport
-    if transport == "auto":
-        transport = "gloo"
+    transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, ro.colocated)
     mesh = {"dp": dp, "tp": d.tp, "cp": d.cp}
     trainer_notes = [
         f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
@@ -304,6 +331,8 @@ def make_plan(
             "num_buffers": cfg.refit.num_buffers,
             "dtype": p.refit_dtype,
             "timeout_s": cfg.refit.timeout_s,
+            "reason": transport_reason,
+            "verify": cfg.refit.verify,
         },
         precision={
             "name": p.name,

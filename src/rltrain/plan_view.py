@@ -56,9 +56,13 @@ def plan_tree(plan: RunPlan) -> Tree:
         prec.add(f"value: {p['value']}")
     prec.add(f"rollout: {p['rollout']}, refit: {p['refit']}")
     rf = plan.refit
-    tree.add(
+    refit = tree.add(
         f"refit: {rf['transport']}, buckets of {_fmt_bytes(rf['bucket_bytes'])}, {rf['num_buffers']} buffers in flight, {rf['dtype']}"
     )
+    if rf.get("reason"):
+        refit.add(str(rf["reason"]))
+    if rf.get("verify"):
+        refit.add("checksum of every bucket compared on both sides (refit.verify=true)")
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")

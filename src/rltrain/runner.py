@@ -30,18 +30,73 @@ class RunContext:
     task: object  # rltrain.data.Task
     tokenizer: object
     output_dir: Path
+    start_step: int = 0  # the loop continues after this step (0 = a fresh run)
+    weight_version: int = 0  # weights the rollout engines hold when the loop starts
 
     def checkpoint(self, step: int, weight_version: int) -> str:
-        """Export the policy as an HF folder under checkpoints/step_<n> (written to a temp name first)."""
-        final = self.output_dir / "checkpoints" / f"step_{step:06d}"
-        tmp = final.with_name(final.name + ".tmp")
-        self.workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
-        if final.exists():
-            import shutil
+        """Save checkpoints/step_<n>: every trainer gang's sharded state, the run state
+        (step, weight version, data order) and the policy as an HF folder.
 
-            shutil.rmtree(final)
-        tmp.rename(final)
+        Written under a temp name and renamed once complete, then all but the
+        newest ``checkpoint.keep_last`` are deleted.
+        """
+        from rltrain.train.checkpoint import (
+            RUN_STATE,
+            atomic_folder,
+            prune_checkpoints,
+            step_folder,
+        )
+
+        checkpoints = self.output_dir / "checkpoints"
+        final = step_folder(checkpoints, step)
+        with atomic_folder(final) as tmp:
+            self.workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
+            roles = self.workers.save_state(str(tmp / "trainer"))
+            state = {
+                "step": step,
+                "weight_version": weight_version,
+                "trainer_roles": roles,
+                "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
+            }
+            (tmp / RUN_STATE).write_text(json.dumps(state))
+        prune_checkpoints(checkpoints, self.cfg.checkpoint.keep_last)
         return str(final)
+
+    def restore(self, path: Path) -> None:
+        """Continue from a checkpoint folder: trainer gangs, data order, then a refit so the
+        rollout engines hold the restored weights before the first resumed step."""
+        from rltrain.train.checkpoint import RUN_STATE
+
+        state = json.loads((path / RUN_STATE).read_text())
+        self.workers.load_state(str(path / "trainer"))
+        if state["task"] is not None:
+            self.task.load_state_dict(state["task"])
+        self.workers.refit(state["weight_version"])
+        self.start_step, self.weight_version = state["step"], state["weight_version"]
+
+
+def find_resume(cfg: RunConfig, out: Path) -> Path | None:
+    """The checkpoint ``resume`` points at (None: start fresh); bad paths raise ConfigError.
+
+    ``resume=auto`` takes the newest complete checkpoint under
+    ``<output_dir>/checkpoints`` and deletes the temp folders of an interrupted save.
+    """
+    from rltrain.config.errors import ConfigError
+    from rltrain.train.checkpoint import RUN_STATE, complete_checkpoints, remove_partial
+
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        remove_partial(out / "checkpoints")
+        done = complete_checkpoints(out / "checkpoints")
+        return done[-1] if done else None
+    path = Path(cfg.resume)
+    if not (path / RUN_STATE).is_file():
+        raise ConfigError(
+            f"resume={cfg.resume} is not a complete checkpoint (no {RUN_STATE}); "
+            f"give a checkpoints/step_<n> folder of an earlier run or resume=auto."
+        )
+    return path
 
 
 def resolve_output_dir(cfg: RunConfig) -> tuple[str, Path]:
@@ -61,6 +116,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     )
     plan = make_plan(cfg, resources, choices) if resources else None
     run_name, out = resolve_output_dir(cfg)
+    resume_from = find_resume(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
@@ -78,12 +134,28 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
             f"{plan.role('rollout').world_size} rollout replica(s) on {plan.device}; outputs in {out}"
         )
-        logger = MetricsLogger(cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)))
+        resume_step = None
+        if resume_from is not None:
+            resume_step = json.loads((resume_from / "run_state.json").read_text())["step"]
+        elif cfg.resume == "auto":
+            resume_step = 0  # nothing complete to resume: start over, dropping stale rows
+            console.print(
+                f"resume=auto: no complete checkpoint in {out}/checkpoints; starting fresh"
+            )
+        logger = MetricsLogger(
+            cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)), resume_step
+        )
         workers = Workers(cfg, plan)
         try:
             ctx = RunContext(
                 cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
             )
+            if resume_from is not None:
+                ctx.restore(resume_from)
+                console.print(
+                    f"resumed from {resume_from} (step {ctx.start_step}, "
+                    f"weight version {ctx.weight_version})"
+                )
             startup_s = time.perf_counter() - t0
             with RunProgress(cfg.max_steps, cfg.logger.progress, console) as progress:
 

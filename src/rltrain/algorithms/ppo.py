@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from rltrain.algorithms.gae import gae, token_rewards
-from rltrain.algorithms.grpo import token_mult_prob_error
+from rltrain.algorithms.grpo import step_seed, token_mult_prob_error
 from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import SamplingParams
@@ -22,7 +23,8 @@ from rltrain.train.batch import build_train_batch
 def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` PPO steps on ``ctx.workers`` (policy, value, rollout).
 
-    ``ctx`` is a :class:`rltrain.runner.RunContext`. Before
+    ``ctx`` is a :class:`rltrain.runner.RunContext`; a resumed run continues after
+    ``ctx.start_step`` with the restored policy and critic. Before
     ``algorithm.policy_training_start_step`` only the critic trains (warm-up):
     the policy, and so the rollout weights, stay as they are.
     """
@@ -34,11 +36,13 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     # The KL penalty needs the old logprobs before GAE, so it cannot take them from
     # the training forward; without it, on-policy with one optimizer step, it can.
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and a.kl_coef == 0
-    weight_version = 0
-    for step in range(1, cfg.max_steps + 1):
+    weight_version = ctx.weight_version
+    for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         timer = StageTimer()
         train_policy = step >= a.policy_training_start_step
+        # Seeded from (seed, step): a step samples the same tokens, resumed or not.
+        step_sampling = replace(sampling, seed=step_seed(cfg.seed, step))
 
         # step 1: prompts (each repeated samples_per_prompt times)
         items = task.sample(a.prompts_per_step)
@@ -46,7 +50,7 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 2: generate with the engines' current weights (version = weight_version)
         with timer("generate"):
-            rollout = workers.generate(prompt_ids, sampling)
+            rollout = workers.generate(prompt_ids, step_sampling)
         assert rollout.weight_version == weight_version, "rollout used stale weights"
 
         # step 3: reward of each whole response (decoded without special tokens)

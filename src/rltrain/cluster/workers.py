@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -201,9 +201,12 @@ class Workers:
             "refit set-up",
         )[0]
         world = 1 + len(self.rollout.actors)
-        refs = [a.call.remote("init_refit", host, port, world) for a in self.policy.actors]
+        transport = str(self.plan.refit["transport"])  # auto already resolved by the plan
+        refs = [
+            a.call.remote("init_refit", host, port, world, transport) for a in self.policy.actors
+        ]
         refs += [
-            a.call.remote("init_refit", manifest, host, port, i + 1, world)
+            a.call.remote("init_refit", manifest, host, port, i + 1, world, transport)
             for i, a in enumerate(self.rollout.actors)
         ]
         wait(
@@ -236,9 +239,14 @@ class Workers:
         chunks = [
             prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
         ]
+        # A seeded call gives each replica its own stream, derived from the call's seed.
+        seeded = [
+            sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
+            for i in range(n)
+        ]
         refs = [
-            a.call.remote("generate", c, sampling)
-            for a, c in zip(self.rollout.actors, chunks, strict=True)
+            a.call.remote("generate", c, sp)
+            for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
             if c
         ]
         parts: list[RolloutBatch] = wait(
@@ -381,6 +389,28 @@ class Workers:
             for a, s, c in zip(self.value.actors, shards, counts, strict=True)
         ]
         return wait(refs, self.value.names(), None, "value train")[0]
+
+    # -- trainer checkpoints ----------------------------------------------------------------
+    def trainer_gangs(self) -> list[Gang]:
+        """Every gang whose workers are FSDPTrainers (their state is checkpointed)."""
+        return [g for g in (self.policy, getattr(self, "value", None)) if g is not None]
+
+    def save_state(self, path: str) -> list[str]:
+        """Sharded checkpoint of every trainer gang into ``<path>/<role>`` (all ranks of each)."""
+        refs, names = [], []
+        for gang in self.trainer_gangs():
+            refs += gang.call_all("save_state", f"{path}/{gang.role}")
+            names += gang.names()
+        wait(refs, names, None, "saving trainer state")
+        return [g.role for g in self.trainer_gangs()]
+
+    def load_state(self, path: str) -> None:
+        """Load ``<path>/<role>`` into every trainer gang (the gangs may have another dp size)."""
+        refs, names = [], []
+        for gang in self.trainer_gangs():
+            refs += gang.call_all("load_state", f"{path}/{gang.role}")
+            names += gang.names()
+        wait(refs, names, None, f"loading trainer state from {path}")
 
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement group."""

@@ -73,6 +73,11 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    # Learning-rate schedule over the run's optimizer steps (max_steps x optimizer
+    # steps per rollout): constant | linear_warmup | cosine (after the warm-up).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.0  # cosine: the last step's lr as a fraction of lr
 
 
 @dataclass
@@ -116,10 +121,16 @@ class DTensorConfig:
 class RefitConfig:
     """Weight transport from trainer to rollout engines after every step."""
 
-    transport: str = "auto"  # auto | gloo
-    bucket_bytes: int = 64 * 2**20
+    transport: str = (
+        "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
+    )
+    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 256 MiB x 2 was
+    # within 1% of the best setting measured, with half the buffer memory of 512 MiB.
+    bucket_bytes: int = 256 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0
+    # Compare a checksum of every bucket on both sides after each refit.
+    verify: bool = False
 
 
 @dataclass
@@ -145,6 +156,9 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 64
+    # null = the tokenizer's size; larger pads the embedding (real-model shapes, benchmarks).
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
 
 @dataclass
@@ -203,10 +217,11 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints: HF safetensors export of the policy."""
+    """Checkpoints: sharded trainer state (DCP) plus an HF safetensors export of the policy."""
 
     every_n_steps: int = 0  # 0 = only the final checkpoint
     save_final: bool = True
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 = keep all
 
 
 @dataclass
@@ -257,6 +272,9 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     value: ValueConfig = field(default_factory=ValueConfig)  # used by algorithm=ppo only
+    # null = a fresh run; "auto" = continue from the newest complete checkpoint
+    # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
+    resume: str | None = None
 
 
 DTYPES = ("float32", "bfloat16", "float16")

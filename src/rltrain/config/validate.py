@@ -10,10 +10,11 @@ from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, PRECISION_PRESETS, RunConfig
 
 ENGINES = ("torch",)
-TRANSPORTS = ("auto", "gloo")
+TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo", "ppo")
 TASKS = ("copy",)
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -57,6 +58,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
     if o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0.")
+    _choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    if o.warmup_steps and o.lr_schedule == "constant":
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} has no effect with optim.lr_schedule=constant; "
+            "use optim.lr_schedule=linear_warmup or cosine."
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
 
     p = cfg.precision
     for key in ("param_dtype", "reduce_dtype", "rollout_dtype", "refit_dtype"):
@@ -90,8 +101,15 @@ def validate(cfg: RunConfig) -> None:
 
     r = cfg.refit
     _choice("refit.transport", r.transport, TRANSPORTS)
-    _positive("refit.bucket_bytes", r.bucket_bytes, 1024)
-    _positive("refit.num_buffers", r.num_buffers)
+    if r.bucket_bytes < 2**20:
+        raise ConfigError(
+            f"refit.bucket_bytes={r.bucket_bytes} is below 1 MiB, which makes a refit thousands of "
+            "tiny transfers; set refit.bucket_bytes>=1048576."
+        )
+    if r.num_buffers < 1:
+        raise ConfigError(
+            f"refit.num_buffers={r.num_buffers} leaves no buffer to send from; set refit.num_buffers>=1."
+        )
     if r.timeout_s <= 0:
         raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
 
@@ -118,6 +136,14 @@ def validate(cfg: RunConfig) -> None:
             f"model.path is null for model '{m.name}'; set model.path to an HF id or a local folder."
         )
     ti = m.tiny
+    if ti.vocab_size is not None:
+        from rltrain.models.vocab import vocab_size
+
+        if ti.vocab_size < vocab_size(cfg.data.alphabet):
+            raise ConfigError(
+                f"model.tiny.vocab_size={ti.vocab_size} is smaller than the embedded tokenizer's "
+                f"{vocab_size(cfg.data.alphabet)} tokens; raise it or set it to null."
+            )
     if ti.hidden_size % ti.num_heads or ti.num_heads % ti.num_kv_heads:
         raise ConfigError(
             "model.tiny: hidden_size must be divisible by num_heads, and num_heads by num_kv_heads."
@@ -154,6 +180,13 @@ def validate(cfg: RunConfig) -> None:
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
+    if cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.keep_last must be >= 0 (0 = keep every checkpoint).")
+    if cfg.resume == "auto" and cfg.output_dir is None and cfg.run_name is None:
+        raise ConfigError(
+            "resume=auto looks for checkpoints in the run's output folder; "
+            "set output_dir (or run_name) to the run to continue."
+        )
     if a.name == "ppo":
         validate_ppo(cfg)
 

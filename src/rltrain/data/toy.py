@@ -8,6 +8,7 @@ a random model sees a gradient from the first step.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from rltrain.config.schema import DataConfig
 from rltrain.data.task import PromptItem, RewardResult
@@ -39,3 +40,11 @@ class CopyTask:
 
     def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult:
         return copy_reward(item.answer, response, finished, self.cfg.partial_credit)
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))

@@ -46,6 +46,31 @@ def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
         ) from exc
 
 
+def build_empty_model(cfg: RunConfig) -> PreTrainedModel:
+    """The policy architecture with uninitialised weights; call under ``torch.device("meta")``.
+
+    Trainer ranks build this and receive the weights that one rank read with
+    :func:`load_model` (no full copy per rank).
+    """
+    if cfg.model.path is None:
+        from transformers import Qwen2ForCausalLM
+
+        from rltrain.models.tiny import tiny_qwen2_config
+
+        config = tiny_qwen2_config(cfg.model.tiny, load_tokenizer(cfg))
+        config._attn_implementation = "sdpa"
+        return Qwen2ForCausalLM(config)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path)
+    except OSError as exc:
+        raise ConfigError(
+            f"model.path '{cfg.model.path}' could not be loaded ({exc}); give a local folder or HF id."
+        ) from exc
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Ids of model.blocked_tokens; an unknown token string is a config error."""
     ids = []

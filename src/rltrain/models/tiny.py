@@ -37,14 +37,14 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
 def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
     """Qwen2 architecture config for the embedded model."""
     return Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=shape.vocab_size or len(tokenizer),
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads,
         intermediate_size=shape.intermediate_size,
         max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -7,8 +7,9 @@ refit dtype, so a bucket is one flat tensor of that dtype.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -56,10 +57,15 @@ def plan_buckets(
     dtype: str,
     bucket_bytes: int,
     num_buffers: int = 2,
+    first_bucket_bytes: int | None = None,
 ) -> RefitManifest:
     """Greedy in-order packing into buckets of at most ``bucket_bytes``.
 
-    A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own. With
+    ``first_bucket_bytes``, the first bucket takes, in order, only the tensors
+    that fit in that smaller size (the others keep their order after it): in a
+    pipelined refit nothing is on the wire while the first bucket is packed, so
+    a small first bucket starts the broadcast early.
     """
     elem = DTYPE_BYTES[getattr(torch, dtype)]
     cap = max(1, bucket_bytes // elem)
@@ -67,6 +73,20 @@ def plan_buckets(
     cur: list[TensorSlot] = []
     used = 0
     total = 0
+    shapes = list(shapes)
+    if first_bucket_bytes is not None:
+        first_cap, first, rest, taken = max(1, first_bucket_bytes // elem), [], [], 0
+        for name, shape in shapes:
+            n = _numel(shape)
+            if taken + n <= first_cap:
+                first.append((name, shape))
+                taken += n
+            else:
+                rest.append((name, shape))
+        shapes = first + rest
+        first_len = len(first)
+    else:
+        first_len = 0
 
     def close() -> None:
         nonlocal cur, used
@@ -74,17 +94,30 @@ def plan_buckets(
             buckets.append(Bucket(len(buckets), used, tuple(cur)))
         cur, used = [], 0
 
-    for name, shape in shapes:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        if used and used + numel > cap:
+    for i, (name, shape) in enumerate(shapes):
+        numel = _numel(shape)
+        if used and (used + numel > cap or i == first_len):
             close()
         cur.append(TensorSlot(name, tuple(int(s) for s in shape), used, numel))
         used += numel
         total += numel
     close()
     return RefitManifest(dtype, tuple(buckets), total, bucket_bytes, num_buffers)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def plan_refit(
+    shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: str, bucket_bytes: int, num_buffers: int
+) -> RefitManifest:
+    """The manifest every refit of a run uses: buckets of ``bucket_bytes``, a first bucket of
+    an eighth of that (it is packed while nothing is on the wire yet)."""
+    return plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8)
 
 
 @dataclass
@@ -111,3 +144,123 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
     """Views of each tensor inside a received bucket."""
     for slot in bucket.slots:
         yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+# -- transport contract ------------------------------------------------------------------
+
+FillBucket = Callable[[Bucket, torch.Tensor], None]
+"""Writes a bucket's full tensors, cast, into ``out[:bucket.numel]`` (the sender's pack step)."""
+
+
+class RefitError(RuntimeError):
+    """A refit that failed, timed out or arrived corrupted; the message names the side and rank."""
+
+
+class RefitSender(Protocol):
+    """The trainer's sending end of one transport (policy rank 0)."""
+
+    manifest: RefitManifest
+
+    def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
+        """Pack every bucket with ``fill`` and deliver it to every replica, stamped ``weight_version``."""
+        ...
+
+
+class RefitReceiver(Protocol):
+    """A rollout replica's end of one transport."""
+
+    manifest: RefitManifest
+
+    def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """Make ``params`` views into the receiver's bucket storage (zero-copy landing).
+
+        Returns False when the transport cannot (then the consumer copies).
+        """
+        ...
+
+    def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """Yield (weight_version, name, tensor) for every tensor of one refit.
+
+        A yielded tensor may be a view into a reused buffer: the consumer copies
+        it before asking for the next one (unless :meth:`bind` returned True,
+        when the tensor already is the bound parameter's storage).
+        """
+        ...
+
+
+def fill_from(tensors: Mapping[str, torch.Tensor]) -> FillBucket:
+    """A :data:`FillBucket` over a name -> full tensor mapping."""
+
+    def fill(bucket: Bucket, out: torch.Tensor) -> None:
+        pack_bucket(bucket, tensors, out)
+
+    return fill
+
+
+# -- landing and verification ------------------------------------------------------------
+
+
+def bind_bucket_storage(
+    manifest: RefitManifest, params: Mapping[str, torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """One flat tensor per bucket; every named parameter becomes a view into it.
+
+    The current values are copied over once, and ``param.data`` is re-pointed,
+    so modules that share a parameter (tied embeddings) keep sharing it.
+    Returns None (nothing changed) when a parameter's dtype or device differs
+    from the bucket's, or a manifest name is missing.
+    """
+    dtype = manifest.torch_dtype
+    names = [s.name for b in manifest.buckets for s in b.slots]
+    if not names or any(n not in params for n in names):
+        return None
+    device = params[names[0]].device
+    if any(params[n].dtype != dtype or params[n].device != device for n in names):
+        return None
+    storage = [torch.empty(b.numel, dtype=dtype, device=device) for b in manifest.buckets]
+    with torch.no_grad():
+        for bucket, flat in zip(manifest.buckets, storage, strict=True):
+            for name, view in unpack_bucket(bucket, flat):
+                view.copy_(params[name])
+                params[name].data = view
+    return storage
+
+
+_CHECKSUM_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bucket_checksum(flat: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Two int64 sums over the raw bits of ``flat``: plain and position-weighted.
+
+    Bitwise: a flipped bit or two swapped elements change it. Returns a [2]
+    int64 tensor on ``flat``'s device. Works in chunks to bound memory.
+    """
+    words = flat.reshape(-1).view(_CHECKSUM_INTS[flat.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), chunk):
+        w = words[start : start + chunk].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=flat.device) % 65521 + 1
+        total[0] += w.sum()
+        total[1] += (w * pos).sum()
+    return total
+
+
+def check_checksums(
+    sent: torch.Tensor, got: torch.Tensor, weight_version: int, replica: int
+) -> None:
+    """Compare per-bucket checksums ([buckets, 2]) of both sides; raise naming the first bad bucket."""
+    bad = (sent.cpu() != got.cpu()).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise RefitError(
+            f"refit v{weight_version}: bucket {bad[0]} (of {len(bad)} bad) on rollout replica "
+            f"{replica} differs from what policy rank 0 sent (checksum mismatch); "
+            "the bytes changed between the trainer and the engine; check the link or use another refit.transport"
+        )
+
+
+def cuda_device(device: torch.device | str) -> torch.device:
+    """``device`` with an explicit index (bare "cuda" means the current device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -14,8 +14,8 @@ import torch
 from rltrain.algorithms.logprobs import scale_logits
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
+from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitManifest, RefitStats
-from rltrain.refit.gloo import GlooRefitReceiver
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 
@@ -54,7 +54,8 @@ class TorchEngine:
         self.generator.manual_seed(cfg.seed * 1000 + replica_index + 1)
         self._version = 0
         self._params = dict(self.model.named_parameters())
-        self.refit_receiver: GlooRefitReceiver | None = None
+        self.refit_receiver: RefitReceiver | None = None
+        self.refit_in_place = False  # True: the weights are views into the receiver's buckets
 
     # -- engine interface -------------------------------------------------
     def weight_version(self) -> int:
@@ -148,17 +149,27 @@ class TorchEngine:
         return n
 
     def init_refit(
-        self, manifest: RefitManifest, host: str, port: int, rank: int, world_size: int
+        self,
+        manifest: RefitManifest,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        transport: str = "gloo",
     ) -> None:
-        """Join the refit group as rank ``rank`` (>= 1); the manifest comes from the policy."""
+        """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest comes
+        from the policy. Where the transport can, the weights become views into its bucket
+        storage so a refit lands in place."""
         missing = [s.name for b in manifest.buckets for s in b.slots if s.name not in self._params]
         if missing:
             raise KeyError(
                 f"rollout engine has no parameters {missing[:3]}... named in the refit manifest"
             )
-        self.refit_receiver = GlooRefitReceiver(
-            manifest, host, port, rank, world_size, self.cfg.refit.timeout_s
+        r = self.cfg.refit
+        self.refit_receiver = make_refit_receiver(
+            transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify
         )
+        self.refit_in_place = self.refit_receiver.bind(self._params)
 
     def refit_receive(self) -> RefitStats:
         """Receive one refit and load it; the weight version comes from the sender."""
@@ -169,11 +180,14 @@ class TorchEngine:
         n = 0
         with torch.no_grad():
             for sent_version, name, tensor in self.refit_receiver.receive():
-                self._params[name].copy_(tensor)
+                if not self.refit_in_place:  # in place: the bytes already are the weights
+                    self._params[name].copy_(tensor)
                 versions.add(sent_version)
                 n += 1
         (version,) = versions  # one header per refit: every tensor carries the same version
         self._version = version
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the stats' time covers the landing
         m = self.refit_receiver.manifest
         return RefitStats(
             version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)}

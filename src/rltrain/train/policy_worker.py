@@ -15,11 +15,12 @@ import torch
 from rltrain.algorithms.logprobs import chunked_token_logprobs
 from rltrain.algorithms.losses import clipped_pg_terms
 from rltrain.config.schema import RunConfig
-from rltrain.refit.base import Bucket, RefitManifest, RefitStats, plan_buckets
-from rltrain.refit.gloo import GlooRefitSender
+from rltrain.refit import RefitSender, make_refit_sender
+from rltrain.refit.base import RefitManifest, RefitStats, plan_refit
+from rltrain.refit.gather import BucketGatherer
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, free_port, node_ip
-from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.fsdp import FSDPTrainer, _hf_name
 from rltrain.train.metrics import MetricKind
 from rltrain.train.packing import MicroBatch, per_sequence_sum, unpack
 
@@ -31,12 +32,11 @@ class PolicyWorker(FSDPTrainer):
         super().__init__(cfg, env, num_threads)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            from rltrain.models.loader import load_model
-
-            self.reference = self._shard(load_model(cfg, "float32"), trainable=False).eval()
+            self.reference = self.load_sharded_model(trainable=False).eval()
         self.temperature = cfg.rollout.temperature
         self.manifest: RefitManifest | None = None
-        self.sender: GlooRefitSender | None = None
+        self.sender: RefitSender | None = None
+        self.gatherer: BucketGatherer | None = None
 
     # -- logprob head -------------------------------------------------------------------
     def token_logprobs(
@@ -165,7 +165,7 @@ class PolicyWorker(FSDPTrainer):
     def refit_manifest(self) -> RefitManifest:
         """Names, shapes and bucket layout of every refit (same on all ranks)."""
         r = self.cfg.refit
-        self.manifest = plan_buckets(
+        self.manifest = plan_refit(
             self.param_shapes(), self.cfg.precision.refit_dtype, r.bucket_bytes, r.num_buffers
         )
         return self.manifest
@@ -174,23 +174,24 @@ class PolicyWorker(FSDPTrainer):
         """Address of the refit group's store (rank 0 hosts it)."""
         return node_ip(), free_port()
 
-    def init_refit(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the refit group as its root; other ranks only help gather."""
+    def init_refit(self, host: str, port: int, world_size: int, transport: str = "gloo") -> None:
+        """Every rank builds the per-bucket gatherer (collective); rank 0 also joins the
+        refit group as its root over ``transport`` (the plan's resolved refit transport)."""
         manifest = self.manifest or self.refit_manifest()
+        params = {_hf_name(n): p for n, p in self.model.named_parameters()}
+        self.gatherer = BucketGatherer(params, manifest)
         if self.is_rank0:
-            self.sender = GlooRefitSender(
-                manifest, host, port, world_size, self.cfg.refit.timeout_s
+            r = self.cfg.refit
+            self.sender = make_refit_sender(
+                transport, manifest, host, port, world_size, r.timeout_s, self.device, r.verify
             )
 
     def refit_send(self, weight_version: int) -> RefitStats | None:
-        """Gather full weights bucket by bucket (all ranks) and broadcast them (rank 0)."""
-        assert self.manifest is not None, "init_refit first"
-
-        def bucket_tensors(bucket: Bucket) -> dict[str, torch.Tensor]:
-            return self.full_tensors([s.name for s in bucket.slots])
-
+        """Gather full weights bucket by bucket (all ranks, one collective per bucket) and
+        deliver them to every replica (rank 0); other ranks return None."""
+        assert self.manifest is not None and self.gatherer is not None, "init_refit first"
         if self.sender is not None:
-            return self.sender.send(bucket_tensors, weight_version)
+            return self.sender.send(self.gatherer.pack, weight_version)
         for bucket in self.manifest.buckets:
-            bucket_tensors(bucket)
+            self.gatherer.pack(bucket, None)
         return None

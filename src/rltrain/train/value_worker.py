@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from rltrain.algorithms.losses import clipped_value_loss
 from rltrain.algorithms.values import explained_variance, explained_variance_sums, right_shift
 from rltrain.config.schema import RunConfig, value_run_config
-from rltrain.models.loader import load_model
+from rltrain.models.loader import build_empty_model, load_model
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.fsdp import FSDPTrainer
@@ -80,10 +80,11 @@ class ValueWorker(FSDPTrainer):
     # -- set-up -----------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
         causal_lm = load_model(self.cfg, "float32")
-        backbone = getattr(causal_lm, "model", None)
-        if backbone is None:
-            raise TypeError(f"{type(causal_lm).__name__} has no .model backbone for a value head")
-        return ValueModel(backbone, causal_lm.config)
+        return ValueModel(_backbone(causal_lm), causal_lm.config)
+
+    def build_empty_model(self) -> torch.nn.Module:
+        causal_lm = build_empty_model(self.cfg)  # under torch.device("meta")
+        return ValueModel(_backbone(causal_lm), causal_lm.config)
 
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         # The head is its own FSDP unit with an fp32 policy: its forward, backward and
@@ -91,7 +92,8 @@ class ValueWorker(FSDPTrainer):
         # update of a small critic signal rounds to zero). Its master weights and
         # AdamW state are fp32 like every parameter here.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        model.value_head.to(self.device)
+        if not any(t.is_meta for t in model.value_head.parameters()):
+            model.value_head.to(self.device)
         fully_shard(model.value_head, mesh=self.mesh["dp"], mp_policy=fp32)
         return super()._shard(model, trainable)
 
@@ -183,3 +185,10 @@ class ValueWorker(FSDPTrainer):
             )
         metrics["time/value_worker"] = time.perf_counter() - t0
         return metrics
+
+
+def _backbone(causal_lm: torch.nn.Module) -> torch.nn.Module:
+    backbone = getattr(causal_lm, "model", None)
+    if backbone is None:
+        raise TypeError(f"{type(causal_lm).__name__} has no .model backbone for a value head")
+    return backbone

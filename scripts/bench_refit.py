@@ -1,0 +1,396 @@
+"""Refit benchmark: FSDP2 policy worker on GPU 0 -> torch engine on GPU 1 (NCCL), and IPC.
+
+Plain processes (torch.multiprocessing), torch only: the RunConfig dataclass is
+built directly. The policy has Qwen2.5-1.5B shapes (random init on the GPU,
+fp32 master weights, bf16 refit). In one run it measures
+
+- the raw NCCL broadcast of one buffer of the model's refit size (GPU0 -> GPU1);
+- the end-to-end refit (gather + cast + pack + broadcast + land in the engine)
+  at the config defaults and for every num_buffers x bucket_bytes of the grid;
+- the IPC refit with the engine on the trainer's GPU, against one device copy
+  of the model's refit size on that GPU;
+
+and asserts after every refit that the engine's weights equal the trainer's
+(cast to bf16) bit for bit. Every timed region starts after a barrier and ends
+when the receiver has synchronized and acknowledged (one tiny all-reduce),
+for the raw broadcast and the refit alike.
+
+    python scripts/bench_refit.py --out $OUT            # GPU machine, 2 GPUs
+    python scripts/bench_refit.py --smoke               # CPU, gloo, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from rltrain.config.schema import RefitConfig, RunConfig  # noqa: E402
+
+MiB = 2**20
+HOST = "127.0.0.1"
+
+
+def model_config(smoke: bool) -> RunConfig:
+    """Qwen2.5-1.5B shapes (or tiny ones for --smoke), bf16 refit and rollout."""
+    cfg = RunConfig()
+    t = cfg.model.tiny
+    if smoke:
+        t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads = 128, 4, 4, 2
+        t.intermediate_size, t.vocab_size = 512, 4096
+    else:
+        t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads = 1536, 28, 12, 2
+        t.intermediate_size, t.vocab_size = 8960, 151936
+    t.tie_word_embeddings = True
+    t.max_position_embeddings = 4096
+    p = cfg.precision
+    p.name, p.param_dtype, p.rollout_dtype, p.refit_dtype = (
+        "bf16",
+        "bfloat16",
+        "bfloat16",
+        "bfloat16",
+    )
+    cfg.refit.timeout_s = 120.0
+    return cfg
+
+
+class Timer:
+    """Barrier -> work -> synchronize -> acknowledge over the refit group (both ranks call it)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group, self.device = group, device
+        self.token = torch.zeros(1, device=device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.group.allreduce([self.token]).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn) -> float:
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        return time.perf_counter() - t0
+
+
+def _reference_flat(worker, manifest) -> torch.Tensor:
+    """The trainer's weights cast to the refit dtype, in manifest order (no refit code)."""
+    full = worker.full_tensors()
+    return torch.cat(
+        [
+            full[s.name].to(manifest.torch_dtype).reshape(-1)
+            for b in manifest.buckets
+            for s in b.slots
+        ]
+    )
+
+
+def _engine_flat(engine, manifest) -> torch.Tensor:
+    params = dict(engine.model.named_parameters())
+    return torch.cat(
+        [params[s.name].detach().reshape(-1) for b in manifest.buckets for s in b.slots]
+    )
+
+
+def run(rank: int, args, ports: list[int], out_dir: str) -> None:
+    try:
+        _run(rank, args, ports, out_dir)
+    except BaseException:
+        Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
+    from rltrain.refit.base import plan_refit
+    from rltrain.refit.gather import BucketGatherer
+    from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, broadcast, make_group
+    from rltrain.train.fsdp import _hf_name
+
+    smoke = args.smoke
+    cuda = not smoke
+    tiny = smoke or args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # two processes on a small CPU machine
+    cfg = model_config(tiny)
+    timeout = cfg.refit.timeout_s
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    t0 = time.perf_counter()
+    if rank == 0:
+        from rltrain.train.distributed import DistEnv
+        from rltrain.train.policy_worker import PolicyWorker
+
+        env = DistEnv(0, 1, HOST, ports[0], "nccl" if cuda else "gloo", timeout)
+        with device:  # random init straight on the GPU
+            worker = PolicyWorker(cfg, env)
+        params = {_hf_name(n): p for n, p in worker.model.named_parameters()}
+        shapes = worker.param_shapes()
+    else:
+        from rltrain.rollout.torch_engine import TorchEngine
+
+        with device:
+            engine = TorchEngine(cfg, str(device), 0)
+        shapes = [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()]
+    num_params = sum(torch.Size(s).numel() for _, s in shapes)
+    log(f"built in {time.perf_counter() - t0:.1f}s: {num_params / 1e9:.3f}B params")
+
+    if cuda:
+        from rltrain.refit.nccl import NcclRefitReceiver, NcclRefitSender, make_nccl_group
+
+        group = make_nccl_group(HOST, ports[1], rank, 2, timeout, device)
+    else:
+        group = make_group(HOST, ports[1], rank, 2, timeout)
+    timer = Timer(group, device)
+    dtype = torch.bfloat16
+    total_bytes = num_params * 2
+
+    def step_weights(k: int) -> None:
+        """New trainer weights before every refit, so every refit moves fresh bytes."""
+        if rank == 0:
+            with torch.no_grad():
+                for p in params.values():
+                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
+                    local.add_(1e-3 * (k + 1))
+
+    # 1. raw broadcast of one buffer of the model's size.
+    def raw_broadcast() -> float:
+        buf = torch.ones(num_params, dtype=dtype, device=device)
+        runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
+        return statistics.median(runs[2:])
+
+    raw_s = raw_broadcast()
+    log(f"raw broadcast {raw_s * 1e3:.2f} ms ({total_bytes / raw_s / 1e9:.0f} GB/s)")
+
+    def refit_once(manifest, sender, receiver, k: int) -> float:
+        step_weights(k)
+        if rank == 0:
+            gatherer = BucketGatherer(params, manifest)
+            seconds = timer.time(lambda: sender.send(gatherer.pack, 100 + k))
+        else:
+            seconds = timer.time(engine.refit_receive)
+            assert engine.weight_version() == 100 + k
+        return seconds
+
+    def check_equal(manifest) -> None:
+        """Trainer weights (cast) and engine weights are equal bit for bit."""
+        if rank == 0:
+            ref = _reference_flat(worker, manifest)
+            broadcast(group, ref).wait()
+        else:
+            ref = torch.empty(manifest.total_numel, dtype=dtype, device=device)
+            broadcast(group, ref).wait()
+            got = _engine_flat(engine, manifest).to(device)
+            if not torch.equal(got.view(torch.int16), ref.view(torch.int16)):
+                bad = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
+                raise AssertionError(f"engine weights differ from the trainer's in {bad} elements")
+
+    def measure(bucket_bytes: int, num_buffers: int) -> dict:
+        manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers)
+        if cuda:
+            sender = (
+                NcclRefitSender(manifest, HOST, 0, 2, timeout, device, group=group)
+                if rank == 0
+                else None
+            )
+            receiver = (
+                None
+                if rank == 0
+                else NcclRefitReceiver(manifest, HOST, 0, 1, 2, timeout, device, group=group)
+            )
+        else:
+            sender = receiver = None
+            port = ports[2 + measure.calls]
+            if rank == 0:
+                sender = GlooRefitSender(manifest, HOST, port, 2, timeout)
+            else:
+                receiver = GlooRefitReceiver(manifest, HOST, port, 1, 2, timeout)
+        measure.calls += 1
+        if rank == 1:  # the engine's weights become views into this receiver's buckets
+            engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
+            assert engine.refit_in_place
+        times = []
+        for k in range(args.repeats + 1):  # the first refit warms up
+            seconds = refit_once(manifest, sender, receiver, k)
+            check_equal(manifest)
+            if k:
+                times.append(seconds)
+        s = statistics.median(times)
+        row = {
+            "bucket_bytes": bucket_bytes,
+            "num_buffers": num_buffers,
+            "buckets": len(manifest.buckets),
+            "seconds": s,
+            "ratio": raw_s / s,
+            "GBps": total_bytes / s / 1e9,
+        }
+        log(
+            f"refit {bucket_bytes // MiB:5d} MiB x {num_buffers}: {s * 1e3:7.2f} ms "
+            f"ratio {raw_s / s:.3f} ({len(manifest.buckets)} buckets)"
+        )
+        return row
+
+    measure.calls = 0
+    default = RefitConfig()
+    sizes = [1 * MiB, 4 * MiB] if tiny else [64 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB]
+    grid = [measure(b, n) for n in (1, 2, 4) for b in sizes]
+    default_row = next(
+        (
+            r
+            for r in grid
+            if (r["bucket_bytes"], r["num_buffers"]) == (default.bucket_bytes, default.num_buffers)
+        ),
+        None,
+    ) or measure(default.bucket_bytes, default.num_buffers)
+
+    # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
+    pack_s = None
+    if rank == 0:
+        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        gatherer = BucketGatherer(params, manifest)
+        out = torch.empty(max(b.numel for b in manifest.buckets), dtype=dtype, device=device)
+        runs = []
+        for _ in range(args.repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(device)
+            tp = time.perf_counter()
+            for b in manifest.buckets:
+                gatherer.pack(b, out)
+            if cuda:
+                torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - tp)
+        pack_s = statistics.median(runs[1:])
+        del out
+        log(f"gather + cast + pack alone {pack_s * 1e3:.2f} ms")
+
+    # 3. IPC: the engine on the trainer's GPU (GPU 0), one device copy as the raw figure.
+    ipc = None
+    if cuda:
+        from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
+
+        dev0 = torch.device("cuda", 0)
+        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        if rank == 0:
+            src = torch.ones(num_params, dtype=dtype, device=dev0)
+            dst = torch.empty_like(src)
+            copies = []
+            for _ in range(args.repeats + 2):
+                torch.cuda.synchronize(dev0)
+                tc = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize(dev0)
+                copies.append(time.perf_counter() - tc)
+            copy_s = statistics.median(copies[2:])
+            del src, dst
+            sender = IpcRefitSender(manifest, HOST, ports[-1], 2, timeout, dev0)
+        else:
+            with dev0:
+                engine = TorchEngine(cfg, str(dev0), 0)  # noqa: F841 - replaces the GPU-1 engine
+            receiver = IpcRefitReceiver(manifest, HOST, ports[-1], 1, 2, timeout, dev0)
+            engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
+        times = []
+        for k in range(args.repeats + 1):
+            step_weights(50 + k)
+            if rank == 0:
+                gatherer = BucketGatherer(params, manifest)
+                seconds = timer.time(lambda g=gatherer, v=200 + k: sender.send(g.pack, v))
+            else:
+                seconds = timer.time(engine.refit_receive)
+                assert engine.weight_version() == 200 + k
+            check_equal(manifest)
+            if k:
+                times.append(seconds)
+        ipc_s = statistics.median(times)
+        if rank == 0:
+            ipc = {"seconds": ipc_s, "device_copy_seconds": copy_s, "ratio": copy_s / ipc_s}
+            log(f"ipc refit {ipc_s * 1e3:.2f} ms, device copy {copy_s * 1e3:.2f} ms")
+
+    if rank == 0:
+        result = {
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "torch": torch.__version__,
+            "smoke": smoke,
+            "tiny": tiny,
+            "model": {
+                "shapes": "tiny" if tiny else "Qwen2.5-1.5B (random init)",
+                "num_params": num_params,
+                "refit_dtype": "bfloat16",
+                "refit_bytes": total_bytes,
+            },
+            "raw_broadcast": {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9},
+            "default": {
+                "bucket_bytes": default.bucket_bytes,
+                "num_buffers": default.num_buffers,
+                **default_row,
+            },
+            "pack_only_seconds_default": pack_s,
+            "grid": grid,
+            "ipc": ipc,
+            "summary": {
+                "ratio_default": raw_s / default_row["seconds"],
+                "seconds_per_billion_params_default": default_row["seconds"] / (num_params / 1e9),
+                "ipc_ratio": ipc["ratio"] if ipc else None,
+            },
+            "definitions": {
+                "ratio": "raw broadcast time of one buffer of the model's bf16 size / end-to-end refit time",
+                "ipc_ratio": "one device-to-device copy of the model's bf16 size / IPC refit time (same GPU)",
+                "timing": f"median of {args.repeats} refits after one warm-up; barrier before, receiver sync + ack after",
+            },
+        }
+        Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
+    if rank == 0:
+        worker.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny shapes on the GPUs (a quick check)"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=os.environ.get("OUT", "scripts/results"))
+    args = parser.parse_args()
+    if not args.smoke and torch.cuda.device_count() < 2:
+        sys.exit("error: scripts/bench_refit.py needs 2 GPUs; use --smoke on a CPU machine.")
+    from rltrain.train.distributed import free_port
+
+    ports = [free_port() for _ in range(16)]
+    tmp = Path(args.out) / ".bench_refit_tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        mp.spawn(run, args=(args, ports, str(tmp)), nprocs=2, join=True)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in tmp.glob("error*.txt"))
+        sys.exit(f"error: a benchmark process failed:\n{errors}")
+    result = json.loads((tmp / "result.json").read_text())
+    name = "cpu-smoke" if args.smoke else result["device"].replace(" ", "-").lower()
+    if args.tiny and not args.smoke:
+        name += "-tiny"
+    out = Path(args.out) / f"bench_refit-{name}.json"
+    out.write_text(json.dumps(result, indent=2))
+    for p in tmp.iterdir():
+        p.unlink()
+    tmp.rmdir()
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""NCCL refit transport (GPUs, rollout not colocated): packed buckets, several in flight.
+
+A dedicated NCCL group joins trainer rank 0 (group rank 0) and every rollout
+replica (ranks 1..R). It is a standalone ``ProcessGroupNCCL`` built from its
+own TCPStore, independent of the trainer's default group, so trainer and
+engines need no common ``init_process_group``.
+
+Sender pipeline, per bucket k (``num_buffers`` = B buffers, one CUDA stream each):
+
+    stream[k % B]:  wait broadcast k-B (frees the buffer) -> gather + cast + pack k
+    NCCL stream:    wait pack k -> broadcast k
+
+so the gather/cast/pack of bucket k+1 runs while bucket k is on the wire. The
+CPU only enqueues; it blocks once, at the end, on the last broadcasts, with
+``refit.timeout_s`` (the error names the side and rank that waited).
+
+A receiver bound to its engine's parameters owns one flat tensor per bucket
+that *is* the engine's weights (the parameters are views into it), so the
+bytes land where the engine reads them with no copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rltrain.refit.base import (
+    FillBucket,
+    RefitError,
+    RefitManifest,
+    RefitStats,
+    bind_bucket_storage,
+    bucket_checksum,
+    check_checksums,
+    cuda_device,
+    unpack_bucket,
+)
+from rltrain.refit.gloo import broadcast
+
+
+def make_nccl_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device
+) -> dist.ProcessGroup:
+    """A standalone NCCL group of ``world_size`` ranks rendezvousing at host:port.
+
+    The communicator is connected eagerly on ``device`` so that a rendezvous
+    failure shows up here rather than in the first refit.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    # A high-priority NCCL stream gets SMs first when the pack kernels of the next
+    # bucket fill the GPU, so the broadcast is not delayed behind them.
+    opts.is_high_priority_stream = True
+    device = cuda_device(device)
+    torch.cuda.set_device(device)
+    group = dist.ProcessGroupNCCL(
+        dist.PrefixStore("rltrain-refit-nccl", store), rank, world_size, opts
+    )
+    if hasattr(group, "eager_connect_single_device"):
+        group.eager_connect_single_device(device)
+    return group
+
+
+def wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    """Block the CPU until ``work`` completed, at most ``timeout_s``; the error names ``what``.
+
+    ``Work.wait(timeout)`` on NCCL polls with millisecond sleeps, which adds up
+    to a millisecond per wait to a refit that takes about ten; polling
+    ``is_completed`` keeps the same bound without that granularity.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RefitError(
+                f"{what} did not complete within refit.timeout_s={timeout_s}s; "
+                "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
+            )
+        time.sleep(0)  # yield the core, stay responsive
+    work.wait()  # orders the current stream after it and raises a communicator error
+
+
+def _replicas(world_size: int) -> str:
+    return "rollout replica 0" if world_size == 2 else f"rollout replicas 0..{world_size - 2}"
+
+
+class NcclRefitSender:
+    """Trainer rank 0's end; ``send`` is called once per refit (see module docstring)."""
+
+    def __init__(
+        self,
+        manifest: RefitManifest,
+        host: str,
+        port: int,
+        world_size: int,
+        timeout_s: float,
+        device: torch.device | str,
+        verify: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ):
+        self.manifest = manifest
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.world_size = world_size
+        self.device = cuda_device(device)
+        self.group = group or make_nccl_group(host, port, 0, world_size, timeout_s, self.device)
+        max_numel = max((b.numel for b in manifest.buckets), default=1)
+        n = manifest.num_buffers
+        self.buffers = [
+            torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device) for _ in range(n)
+        ]
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(n)]
+
+    def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
+        """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums."""
+        t0 = time.perf_counter()
+        who = f"refit v{weight_version}: policy rank 0 waiting for {_replicas(self.world_size)}"
+        header = torch.tensor(
+            [weight_version, self.manifest.total_numel], dtype=torch.int64, device=self.device
+        )
+        # No CPU wait for the header: a missing replica shows in the final, bounded waits.
+        broadcast(self.group, header)
+        main = torch.cuda.current_stream(self.device)
+        for s in self.streams:  # the weights were last written on the main stream (optimizer step)
+            s.wait_stream(main)
+        in_flight: list[dist.Work | None] = [None] * len(self.buffers)
+        checks: list[torch.Tensor] = []
+        for bucket in self.manifest.buckets:
+            slot = bucket.index % len(self.buffers)
+            with torch.cuda.stream(self.streams[slot]):
+                prev = in_flight[slot]
+                if prev is not None:
+                    prev.wait()  # this stream (not the CPU) waits until the buffer left
+                fill(bucket, self.buffers[slot])
+                flat = self.buffers[slot][: bucket.numel]
+                if self.verify:
+                    checks.append(bucket_checksum(flat))
+                # Issued under this stream: the NCCL stream waits for the pack above.
+                in_flight[slot] = broadcast(self.group, flat)
+        for work in in_flight:
+            if work is not None:
+                wait(work, self.timeout_s, f"{who} (last buckets)")
+        for s in self.streams:
+            main.wait_stream(s)
+        if self.verify:
+            wait(broadcast(self.group, torch.stack(checks)), self.timeout_s, f"{who} (checksums)")
+        return RefitStats(
+            weight_version,
+            time.perf_counter() - t0,
+            self.manifest.total_bytes,
+            len(self.manifest.buckets),
+        )
+
+
+class NcclRefitReceiver:
+    """A rollout replica's end (group rank ``rank`` >= 1) on ``device``."""
+
+    def __init__(
+        self,
+        manifest: RefitManifest,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        device: torch.device | str,
+        verify: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ):
+        self.manifest = manifest
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.device = cuda_device(device)
+        self.group = group or make_nccl_group(host, port, rank, world_size, timeout_s, self.device)
+        max_numel = max((b.numel for b in manifest.buckets), default=1)
+        self.buffers = [
+            torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device)
+            for _ in range(manifest.num_buffers)
+        ]
+        self.landing: list[torch.Tensor] | None = None
+        self._views: list[list[tuple[str, torch.Tensor]]] = []
+
+    def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """Receive straight into ``params`` (see RefitReceiver.bind)."""
+        self.landing = bind_bucket_storage(self.manifest, params)
+        if self.landing is not None:
+            self.buffers = []
+            # Fixed views of the bound storage: a refit then yields without building any.
+            self._views = [
+                list(unpack_bucket(b, flat))
+                for b, flat in zip(self.manifest.buckets, self.landing, strict=True)
+            ]
+        return self.landing is not None
+
+    def _target(self, k: int) -> torch.Tensor:
+        if self.landing is not None:
+            return self.landing[k]
+        return self.buffers[k % len(self.buffers)][: self.manifest.buckets[k].numel]
+
+    def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """Yield (weight_version, name, tensor) for every tensor of one refit.
+
+        Bound: every bucket's broadcast is posted at once into the engine's own
+        storage. Unbound: ``num_buffers`` reused buffers; the next broadcast into
+        a buffer is issued after the consumer's copies were enqueued on the
+        current stream, and NCCL waits for them.
+        """
+        replica = self.rank - 1
+        who = f"rollout replica {replica} waiting for policy rank 0"
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        header_work = broadcast(self.group, header)
+        buckets = self.manifest.buckets
+        ahead = len(buckets) if self.landing is not None else self.manifest.num_buffers
+        posted: dict[int, dist.Work] = {}
+        got: list[torch.Tensor] = []
+
+        def post(k: int) -> None:
+            if k < len(buckets):
+                posted[k] = broadcast(self.group, self._target(k))
+
+        # Post the first receives before reading the header, so the sender's first
+        # bucket does not wait for this CPU to parse it.
+        for k in range(min(ahead, len(buckets))):
+            post(k)
+        wait(header_work, self.timeout_s, f"{who} (refit header)")
+        version, total = (int(x) for x in header.tolist())
+        if total != self.manifest.total_numel:
+            raise RefitError(
+                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica {replica} "
+                f"expects {self.manifest.total_numel}; the manifests differ"
+            )
+        for k, bucket in enumerate(buckets):
+            wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
+            flat = self._target(k)
+            views = self._views[k] if self.landing is not None else unpack_bucket(bucket, flat)
+            for name, tensor in views:
+                yield version, name, tensor
+            if self.verify:
+                got.append(bucket_checksum(flat))
+            post(k + ahead)
+        if self.verify:
+            sent = torch.empty((len(buckets), 2), dtype=torch.int64, device=self.device)
+            wait(broadcast(self.group, sent), self.timeout_s, f"{who} (refit v{version} checksums)")
+            check_checksums(sent, torch.stack(got), version, replica)

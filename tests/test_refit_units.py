@@ -1,0 +1,100 @@
+"""Refit pieces that need no process group: bucket plans, checksums, landing, transport choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltrain.config.errors import ConfigError
+from rltrain.plan import resolve_refit_transport
+from rltrain.refit import make_refit_receiver
+from rltrain.refit.base import (
+    RefitError,
+    bind_bucket_storage,
+    bucket_checksum,
+    check_checksums,
+    plan_buckets,
+    plan_refit,
+    unpack_bucket,
+)
+from rltrain.refit.gather import BucketGatherer, _tiles
+
+
+def test_first_bucket_is_small_and_keeps_order():
+    shapes = [("embed", (100, 8)), ("a", (8,)), ("b", (40,)), ("c", (8,)), ("d", (64,))]
+    manifest = plan_buckets(shapes, "float32", 4 * 128, first_bucket_bytes=4 * 16)
+    layout = [[s.name for s in b.slots] for b in manifest.buckets]
+    # a and c fit the 16-element first bucket; the rest follows in its original order.
+    assert layout == [["a", "c"], ["embed"], ["b", "d"]]
+    assert manifest.total_numel == 800 + 8 + 40 + 8 + 64
+    refit = plan_refit(shapes, "float32", 4 * 128, 2)  # first bucket = 1/8 of 128 elements
+    assert [s.name for s in refit.buckets[0].slots] == ["a", "c"]
+
+
+def test_checksum_sees_one_bit_and_a_swap():
+    x = torch.randn(1000).to(torch.bfloat16)
+    base = bucket_checksum(x)
+    flipped = x.clone()
+    flipped.view(torch.int16)[123] ^= 1
+    swapped = x.clone()
+    swapped[[5, 6]] = x[[6, 5]]
+    assert x[5] != x[6]
+    assert not torch.equal(bucket_checksum(flipped), base)
+    assert not torch.equal(bucket_checksum(swapped), base)
+    assert torch.equal(bucket_checksum(x, chunk=7), base)  # chunking does not change it
+    sent = torch.stack([base, base])
+    check_checksums(sent, sent.clone(), 3, 0)
+    with pytest.raises(RefitError, match=r"refit v3: bucket 1 .* rollout replica 2"):
+        check_checksums(sent, torch.stack([base, bucket_checksum(flipped)]), 3, 2)
+
+
+def test_bind_keeps_tied_parameters_tied_and_values():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as in Qwen2.5-1.5B
+    norm = torch.nn.Parameter(torch.randn(4))
+    params = {"embed.weight": emb.weight, "norm.weight": norm}
+    before = {k: v.detach().clone() for k, v in params.items()}
+    manifest = plan_buckets([(k, tuple(v.shape)) for k, v in params.items()], "float32", 2**20)
+    storage = bind_bucket_storage(manifest, params)
+    assert storage is not None and len(storage) == 1
+    for k, v in params.items():
+        assert torch.equal(v.detach(), before[k])
+    storage[0].fill_(2.0)  # bytes landing in the bucket are the weights, on both tied modules
+    assert bool((emb.weight == 2).all()) and bool((head.weight == 2).all())
+    assert bool((norm == 2).all())
+    # A dtype that differs from the refit dtype cannot be bound: the consumer copies instead.
+    half = {k: v.detach().to(torch.bfloat16) for k, v in before.items()}
+    assert bind_bucket_storage(manifest, half) is None
+
+
+def test_gatherer_single_rank_and_tiling():
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 7))
+    params = dict(model.named_parameters())
+    manifest = plan_refit([(k, tuple(v.shape)) for k, v in params.items()], "bfloat16", 2**20, 1)
+    gatherer = BucketGatherer(params, manifest)
+    for bucket in manifest.buckets:
+        out = torch.full((bucket.numel,), float("nan"), dtype=torch.bfloat16)
+        gatherer.pack(bucket, out)
+        for name, t in unpack_bucket(bucket, out):
+            assert torch.equal(t, params[name].detach().to(torch.bfloat16)), name
+    # Blocks of an uneven FSDP split tile the tensor; gaps or overlaps do not.
+    assert _tiles((9, 4), [((0, 0), (5, 4)), ((5, 0), (4, 4))])
+    assert _tiles((9, 4), [((0, 0), (5, 4)), ((0, 0), (5, 4)), ((5, 0), (4, 4))])  # a tp copy
+    assert not _tiles((9, 4), [((0, 0), (5, 4)), ((4, 0), (5, 4))])
+    assert not _tiles((9, 4), [((0, 0), (5, 4))])
+
+
+def test_auto_transport_follows_placement():
+    assert resolve_refit_transport("auto", "cpu", False)[0] == "gloo"
+    assert resolve_refit_transport("auto", "cuda", False)[0] == "nccl"
+    transport, reason = resolve_refit_transport("auto", "cuda", True)
+    assert transport == "ipc" and "auto" in reason
+    with pytest.raises(ConfigError, match=r"refit.transport=nccl needs GPUs"):
+        resolve_refit_transport("nccl", "cpu", False)
+    with pytest.raises(ConfigError, match=r"rollout.colocated=true"):
+        resolve_refit_transport("ipc", "cuda", False)
+    with pytest.raises(ConfigError, match=r"refit=ipc"):
+        resolve_refit_transport("nccl", "cuda", True)
+    with pytest.raises(ValueError, match="not resolved"):
+        make_refit_receiver("auto", plan_buckets([("a", (2,))], "float32", 2**20), "", 0, 1, 2, 1.0)
