@@ -34,8 +34,8 @@ def one_run(arm: str, seed: int, steps: int, extra: list[str], threads: int) -> 
     """One PPO run in this (child) process; returns its curves and finals."""
     sys.path.insert(0, str(HERE))
     import torch
-
     from inprocess_ppo import run_ppo_in_process
+
     from rltrain.config.compose import compose
 
     torch.set_num_threads(threads)
@@ -77,10 +77,11 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     colors = {"shift": "tab:blue", "no_shift": "tab:red"}
-    for ax, key in zip(axes, ("reward/mean", "reward/exact_match", "value/explained_variance")):
+    keys = ("reward/mean", "reward/exact_match", "value/explained_variance")
+    for ax, key in zip(axes, keys, strict=True):
         for arm in ARMS:
             mine = [r["curves"][key] for r in runs if r["arm"] == arm]
-            for i, curve in enumerate(mine):
+            for curve in mine:
                 ax.plot(curve, color=colors[arm], alpha=0.3, lw=0.8)
             avg = [mean(vals) for vals in zip(*mine, strict=True)]
             ax.plot(avg, color=colors[arm], lw=2, label=f"{arm} (mean of {len(mine)} seeds)")
