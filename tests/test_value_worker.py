@@ -24,9 +24,12 @@ def _cfg(**extra):
         # Packed rows of <= 20 tokens: 8 rows of 6-9 tokens per rank -> 3-4 micro batches,
         # several sequences per row (the right shift must restart at each).
         "train.max_tokens_per_micro_batch": 20,
-        "value.lr": 0.05,
-        "value.clip": 0.05,  # tight: some tokens take the clipped branch
-        "optim.max_grad_norm": 0.5,
+        # eps=1 makes AdamW's first update ~ lr * grad, so float noise in tiny gradients
+        # is not blown up to +-lr; a max_grad_norm below the norm exercises clipping.
+        "value.lr": 1.0,
+        "optim.eps": 1.0,
+        "optim.max_grad_norm": 0.05,
+        "value.clip": 0.05,
         **extra,
     }
     cfg, _ = compose([f"{k}={v}" for k, v in overrides.items()], algorithm="ppo")
@@ -71,7 +74,7 @@ def reference_step(cfg, batch, old_values):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
     opt.step()
-    return float(loss), {n: p.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _dp2(rank: int, port: int, out_dir: str) -> None:
@@ -161,7 +164,9 @@ def test_value_worker_dp2_parity_explained_variance_and_fp32_head(tmp_path):
     assert max(float((ref[n] - initial[n]).abs().max()) for n in ref) > 1e-3
     assert set(got["params"]) == set(ref)
     for n, p in ref.items():
-        torch.testing.assert_close(got["params"][n], p, atol=2e-6, rtol=1e-4, msg=n)
+        torch.testing.assert_close(
+            got["params"][n], p, atol=2e-6, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}"
+        )
     assert got["metrics"]["value/clipfrac"] == 0.0  # the first step starts at the old values
 
     # Explained variance: exact over the whole batch (both ranks, every micro batch).
