@@ -114,7 +114,9 @@ class Workers:
         except GetTimeoutError as exc:
             raise WorkerError(
                 f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
-                f"{bundles[-1]} for rollout) within {self.timeout}s; it offers {ray.cluster_resources()}"
+                f"{dict(rollout.bundle)} for rollout"
+                + (", the value ranks as the policy" if value_role is not None else "")
+                + f") within {self.timeout}s; it offers {ray.cluster_resources()}"
             ) from exc
 
         def spawn(bundle_index: int, bundle: dict[str, float]):
