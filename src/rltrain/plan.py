@@ -70,6 +70,8 @@ class RunPlan:
     memory: dict[str, object]
     choices: dict[str, str]
     value_batch: BatchPlan | None = None  # PPO: the critic's batch math over its own dp
+    # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
+    inputs: dict[str, object] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -125,7 +127,7 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
 def estimate_num_params(cfg: RunConfig) -> int | None:
     """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
     if cfg.model.path is None:
-        from rltrain.models.vocab import vocab_size
+        from rltrain.models.vocab import tiny_alphabet, vocab_size
 
         ti = cfg.model.tiny
         h, inter, L = ti.hidden_size, ti.intermediate_size, ti.num_layers
@@ -134,11 +136,13 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
         mlp = 3 * h * inter
         per_layer = attn + mlp + 2 * h
-        v = ti.vocab_size or vocab_size(cfg.data.alphabet)
+        v = ti.vocab_size or vocab_size(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
         embeddings = 1 if ti.tie_word_embeddings else 2
         return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
+        config_json = _cached_hf_config(cfg.model.path)
+    if config_json is None:
         return None
     c = json.loads(config_json.read_text())
     try:
@@ -152,6 +156,17 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return None
     tied = c.get("tie_word_embeddings", False)
     return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
+
+
+def _cached_hf_config(repo_id: str) -> Path | None:
+    """config.json of an HF hub id from the local cache (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - not an HF id: unknown size
+        return None
+    return Path(hit) if isinstance(hit, str) else None
 
 
 def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tuple[str, str]:
@@ -182,6 +197,40 @@ def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tup
     return transport, f"refit.transport={transport} (set explicitly)"
 
 
+def model_head_dim(cfg: RunConfig) -> int | None:
+    """Attention head size of the policy: exact for the tiny model, from config.json for a local path."""
+    if cfg.model.path is None:
+        return cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
+    config_json = Path(cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        return None
+    c = json.loads(config_json.read_text())
+    if c.get("head_dim"):
+        return int(c["head_dim"])
+    if c.get("hidden_size") and c.get("num_attention_heads"):
+        return int(c["hidden_size"]) // int(c["num_attention_heads"])
+    return None
+
+
+def _check_vllm_on_cpu(cfg: RunConfig) -> None:
+    """The vLLM engine on CPU: one process per replica, not colocated, head_dim >= 32."""
+    ro = cfg.rollout
+    if ro.tp > 1:
+        raise ConfigError(
+            f"rollout.tp={ro.tp} needs GPUs (vLLM tensor parallelism); on CPU set rollout.tp=1."
+        )
+    if ro.colocated:
+        raise ConfigError(
+            "rollout.colocated=true needs GPUs (vLLM sleep/wake frees GPU memory); on CPU set rollout.colocated=false."
+        )
+    head_dim = model_head_dim(cfg)
+    if head_dim is not None and head_dim < 32:
+        raise ConfigError(
+            f"the model's head_dim={head_dim} is below 32, which vLLM's CPU attention cannot serve; "
+            "use a model with head_dim >= 32 or rollout=torch."
+        )
+
+
 def make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None
 ) -> RunPlan:
@@ -192,6 +241,8 @@ def make_plan(
             "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
         )
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
+    if ro.engine == "vllm" and device == "cpu":
+        _check_vllm_on_cpu(cfg)
     model_parallel = d.tp * d.cp
     rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
     ppo = cfg.algorithm.name == "ppo"
@@ -351,6 +402,7 @@ def make_plan(
         memory=memory,
         choices=dict(choices or {}),
         value_batch=value_batch,
+        inputs=plan_inputs(cfg),
     )
 
 
@@ -384,3 +436,41 @@ def _value_role(
         notes.append(f"sharded grad scaler (growth_interval={vp.grad_scaler.growth_interval})")
     mesh = {"dp": dp, "tp": vd.tp, "cp": vd.cp}
     return RolePlan("value", world, mesh, dict(bundle), device, vp.param_dtype, backend, 0, notes)
+
+
+def plan_inputs(cfg: RunConfig) -> dict[str, object]:
+    """Model, data and reward the run will read (not checked here: planning needs no local files)."""
+    m, da, ev = cfg.model, cfg.data, cfg.eval
+    model = {
+        "name": m.name,
+        "path": m.path or "embedded tiny model",
+        "tokenizer": m.tokenizer or m.path or "embedded",
+    }
+    if da.task == "copy":
+        data: dict[str, object] = {"name": da.name, "task": "copy", "alphabet": da.alphabet}
+        reward = cfg.reward.fn or "rltrain.rewards.copy:score"
+    else:
+        data = {
+            "name": da.name,
+            "task": da.task,
+            "source": da.path or f"{da.hf_name}:{da.split}",
+            "fields": {"prompt": da.prompt_field, "answer": da.answer_field},
+            "max_prompt_tokens": da.max_prompt_tokens,
+            "validation": da.val_path
+            or (
+                f"{da.hf_name}:{da.val_split}"
+                if da.val_split
+                else f"{da.val_fraction:.0%} of train"
+            ),
+        }
+        reward = cfg.reward.fn or "rltrain.rewards.math:score"
+    return {
+        "model": model,
+        "data": data,
+        "reward": {
+            "fn": reward,
+            "timeout_s": cfg.reward.timeout_s,
+            "on_error": cfg.reward.on_error,
+        },
+        "eval": {"every_n_steps": ev.every_n_steps, "samples_per_prompt": ev.samples_per_prompt},
+    }

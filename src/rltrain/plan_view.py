@@ -66,4 +66,26 @@ def plan_tree(plan: RunPlan) -> Tree:
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")
+    _add_inputs(tree, plan.inputs)
     return tree
+
+
+def _add_inputs(tree: Tree, inputs: dict) -> None:
+    """Model, data, reward and eval the run reads (RunPlan.inputs)."""
+    if not inputs:
+        return
+    node = tree.add("inputs")
+    m, d, r, e = inputs["model"], inputs["data"], inputs["reward"], inputs["eval"]
+    node.add(f"model: {m['path']} (tokenizer {m['tokenizer']})")
+    if d["task"] == "copy":
+        node.add(f"data: copy task over '{d['alphabet']}'")
+    else:
+        node.add(
+            f"data: {d['name']} from {d['source']}, max {d['max_prompt_tokens']} prompt tokens, "
+            f"validation {d['validation']}"
+        )
+    node.add(f"reward: {r['fn']} (timeout {r['timeout_s']} s, on error: {r['on_error']})")
+    if e["every_n_steps"]:
+        node.add(
+            f"eval: every {e['every_n_steps']} steps, {e['samples_per_prompt']} sample(s) per prompt"
+        )

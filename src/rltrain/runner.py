@@ -115,16 +115,21 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
     )
     plan = make_plan(cfg, resources, choices) if resources else None
+    # Inputs next (model on disk, data rows, reward.fn importable): exit 2 before Ray starts.
+    from rltrain.data import build_task
+    from rltrain.models.loader import check_model_available, load_tokenizer
+
+    check_model_available(cfg)
+    tokenizer = load_tokenizer(cfg)
+    task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     run_name, out = resolve_output_dir(cfg)
     resume_from = find_resume(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
     from rltrain.cluster.workers import Workers
-    from rltrain.data import build_task
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
-    from rltrain.models.loader import load_tokenizer
 
     with ray_cluster(cfg.cluster, resources) as cluster_res:
         if plan is None:
@@ -147,9 +152,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         )
         workers = Workers(cfg, plan)
         try:
-            ctx = RunContext(
-                cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
-            )
+            ctx = RunContext(cfg, plan, workers, task, tokenizer, out)
             if resume_from is not None:
                 ctx.restore(resume_from)
                 console.print(
@@ -177,7 +180,21 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     console.print(summary_table(logger.history, startup_s, wall_s, outputs))
     summary = _summary(logger.history, startup_s, wall_s, outputs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_report(out, console)
     return summary
+
+
+def _write_report(out: Path, console: Console) -> None:
+    """PNG plots of the run (report/); a plotting failure must not fail a finished run."""
+    from rltrain.logging.report import plot_run
+
+    try:
+        paths = plot_run(out, panels=False)
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded
+        console.print(f"[yellow]report plots were not written: {type(exc).__name__}: {exc}[/]")
+        return
+    if paths:
+        console.print(f"report: {paths[0]} (rltrain report {out} draws each plot on its own)")
 
 
 def _algorithm_loop(name: str):

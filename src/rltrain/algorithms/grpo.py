@@ -1,6 +1,6 @@
 """The synchronous GRPO loop, in data-flow order.
 
-prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> log/checkpoint
+prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> [eval] -> log/checkpoint
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from rltrain.algorithms.advantages import grpo_advantages
+from rltrain.algorithms.evaluate import evaluate
 from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import SamplingParams
@@ -41,7 +42,10 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
     a, ro = cfg.algorithm, cfg.rollout
     sampling = SamplingParams(
-        temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        max_new_tokens=ro.max_new_tokens,
+        top_k=ro.top_k,
     )
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
     # A resumed run starts after its checkpoint's step, with the restored weights.
@@ -116,6 +120,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "weight_version": float(weight_version),
             "refit/bytes": float(refit.bytes),
             "refit/buckets": float(refit.buckets),
+            **task.reward_metrics(),
             **timer.metrics(),
             "time/generate_engine": rollout.engine_seconds,
             # Controller <-> actor cost (serialisation, scheduling) of the two big calls.
@@ -125,6 +130,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,
         }
+        # step 9: greedy evaluation on the validation split (val/accuracy), with the new weights
+        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
+            metrics.update(evaluate(workers.generate, task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.gae import gae, token_rewards
 from rltrain.algorithms.grpo import step_seed, token_mult_prob_error
 from rltrain.data import encode_groups, score_groups
@@ -31,7 +32,10 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
     a, ro = cfg.algorithm, cfg.rollout
     sampling = SamplingParams(
-        temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        max_new_tokens=ro.max_new_tokens,
+        top_k=ro.top_k,
     )
     # The KL penalty needs the old logprobs before GAE, so it cannot take them from
     # the training forward; without it, on-policy with one optimizer step, it can.
@@ -122,6 +126,7 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             **policy_metrics,
             "policy_trained": float(train_policy),
             "weight_version": float(weight_version),
+            **task.reward_metrics(),
             **timer.metrics(),
             "time/generate_engine": rollout.engine_seconds,
             "time/step": step_s,
@@ -134,6 +139,9 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             )
         if kl_BT is not None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
+        # greedy evaluation on the validation split (val/accuracy), with the new weights
+        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
+            metrics.update(evaluate(workers.generate, task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps

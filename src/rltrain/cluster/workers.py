@@ -27,6 +27,12 @@ from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.packing import balance_by_tokens, row_lengths
 
+# rollout.engine -> the plain engine class each replica's actor builds.
+ENGINE_CLASSES = {
+    "torch": "rltrain.rollout.torch_engine.TorchEngine",
+    "vllm": "rltrain.rollout.vllm_engine.VLLMEngine",
+}
+
 
 class WorkerError(RuntimeError):
     """A worker process failed or stopped answering; the message names it."""
@@ -156,9 +162,7 @@ class Workers:
             for rank, a in enumerate(self.policy.actors)
         ]
         builds += [
-            a.build.remote(
-                "rltrain.rollout.torch_engine.TorchEngine", cfg, plan.device, i, rollout.threads
-            )
+            a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
         names = self.policy.names() + self.rollout.names()
@@ -218,6 +222,8 @@ class Workers:
 
     def refit(self, weight_version: int) -> RefitStats:
         """Push the policy's weights to every replica, stamped ``weight_version``."""
+        if self.cfg.rollout.colocated:  # weights land in GPU memory the engines gave back
+            wait(self.rollout.call_all("wake_up"), self.rollout.names(), None, "rollout wake-up")
         send = self.policy.call_all("refit_send", weight_version)
         recv = self.rollout.call_all("refit_receive")
         out = wait(
@@ -254,6 +260,8 @@ class Workers:
         parts: list[RolloutBatch] = wait(
             refs, self.rollout.names(list(range(len(refs)))), None, "generate"
         )
+        if self.cfg.rollout.colocated:  # free the GPU memory for the trainer until the refit
+            wait(self.rollout.call_all("sleep"), self.rollout.names(), None, "rollout sleep")
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -420,6 +428,9 @@ class Workers:
         for gang in [self.policy] + ([self.value] if self.value is not None else []):
             with contextlib.suppress(Exception):  # best effort on the way out
                 ray.get(gang.call_all("shutdown"), timeout=10)
+        if self.cfg.rollout.engine == "vllm":  # frees the engine and its model folder
+            with contextlib.suppress(Exception):
+                ray.get(self.rollout.call_all("shutdown"), timeout=10)
         for a in self.policy.actors + self.rollout.actors + value_actors:
             ray.kill(a)
         remove_placement_group(self.pg)

