@@ -18,7 +18,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "ppo")
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),
@@ -67,8 +67,14 @@ def grpo(overrides: Overrides = None) -> None:
 
 
 @app.command()
+def ppo(overrides: Overrides = None) -> None:
+    """Train with PPO (critic + GAE). With no overrides: the embedded default (tiny model, copy task, CPU)."""
+    _train("ppo", overrides)
+
+
+@app.command()
 def plan(
-    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo.")],
+    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo or ppo.")],
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:

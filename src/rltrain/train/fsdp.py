@@ -195,6 +195,14 @@ class FSDPTrainer:
             )
 
     # -- set-up ---------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        """The full fp32 initial model, read on rank 0 (subclasses swap the head)."""
+        return load_model(self.cfg, "float32")
+
+    def build_empty_model(self) -> torch.nn.Module:
+        """The same architecture, built under ``torch.device("meta")`` on every rank."""
+        return build_empty_model(self.cfg)
+
     def load_sharded_model(self, trainable: bool = True) -> torch.nn.Module:
         """The initial weights, read once per gang and sharded (all ranks call it).
 
@@ -211,12 +219,12 @@ class FSDPTrainer:
         full_sd: dict[str, torch.Tensor] = {}
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
-            loaded = load_model(self.cfg, "float32")
+            loaded = self.build_model()
             full_sd = loaded.state_dict()
             full_buffers = {_hf_name(n): b for n, b in loaded.named_buffers()}
             del loaded
         with torch.device("meta"):
-            model = build_empty_model(self.cfg)
+            model = self.build_empty_model()
         model = self._shard(model, trainable)
         model.to_empty(device=self.device)
         set_model_state_dict(
