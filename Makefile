@@ -43,5 +43,8 @@ bench: setup  ## per-step cost of the embedded default across actors
 bench-memory: setup  ## RSS slope of driver + actors over 300 steps of the embedded default
 	$(PY) scripts/bench_memory.py
 
+bench-refit: setup  ## refit: raw broadcast vs end-to-end on 2 GPUs (ARGS=--smoke on CPU)
+	$(PY) scripts/bench_refit.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -54,17 +54,17 @@ def visible(resources: dict[str, float]) -> dict[str, float]:
 
 
 def role_bundles(plan: RunPlan, cluster: ClusterConfig) -> list[RoleBundles]:
-    """The placement groups of a run: policy gang first (it is the hardest to fit), then rollout."""
+    """The placement groups of a run: trainer gangs first (the hardest to fit), then rollout."""
     strategy = "SPREAD" if cluster.placement == "spread" else "PACK"
+    # Trainer gangs (policy, PPO's value) take the policy's markers; rollout its own.
+    extras = {"rollout": cluster.rollout_resources}
+    order = {"policy": 0, "value": 1, "rollout": 2}
     out = []
-    for name, extra in (
-        ("policy", cluster.policy_resources),
-        ("rollout", cluster.rollout_resources),
-    ):
-        role = plan.role(name)
+    for role in sorted(plan.roles, key=lambda r: order.get(r.name, 3)):
         bundle = {k: float(v) for k, v in role.bundle.items() if v > 0}
+        extra = extras.get(role.name, cluster.policy_resources)
         bundle.update({k: float(v) for k, v in extra.items()})
-        out.append(RoleBundles(name, [dict(bundle) for _ in range(role.world_size)], strategy))
+        out.append(RoleBundles(role.name, [dict(bundle) for _ in range(role.world_size)], strategy))
     return out
 
 

@@ -132,6 +132,7 @@ class Workers:
         self.pgs: list = []
         self.policy = Gang("policy", [])
         self.rollout = Gang("rollout", [])
+        self.value: Gang | None = None  # PPO's critic
         try:
             self._start(cfg, plan)
         except BaseException:
@@ -147,9 +148,8 @@ class Workers:
         self.call_timeout = cfg.cluster.call_timeout_s
         self.failed = False  # set when a call failed: shutdown then kills without waiting
         policy, rollout = plan.role("policy"), plan.role("rollout")
-        policy_pg, rollout_pg = (
-            self._placement_group(rb) for rb in role_bundles(plan, cfg.cluster)
-        )
+        value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
+        pgs = {rb.role: self._placement_group(rb) for rb in role_bundles(plan, cfg.cluster)}
 
         def spawn(pg, bundle_index: int):
             bundle = pg.bundle_specs[bundle_index]
@@ -162,16 +162,28 @@ class Workers:
                 ),
             ).remote()
 
-        self.policy = Gang("policy", [spawn(policy_pg, i) for i in range(policy.world_size)])
-        self.rollout = Gang("rollout", [spawn(rollout_pg, i) for i in range(rollout.world_size)])
+        self.policy = Gang("policy", [spawn(pgs["policy"], i) for i in range(policy.world_size)])
+        self.rollout = Gang(
+            "rollout", [spawn(pgs["rollout"], i) for i in range(rollout.world_size)]
+        )
+        if value_role is not None:
+            self.value = Gang(
+                "value", [spawn(pgs["value"], i) for i in range(value_role.world_size)]
+            )
+        gangs = [g for g in (self.policy, self.rollout, self.value) if g is not None]
         # Where each process landed (role, rank, node, pid): printed at start, kept in plan.json.
         where = wait(
-            [a.where.remote() for a in self.policy.actors + self.rollout.actors],
-            self.policy.names() + self.rollout.names(),
+            [a.where.remote() for g in gangs for a in g.actors],
+            [n for g in gangs for n in g.names()],
             self.timeout,
             "start-up",
         )
-        ranks = [(g.role, i) for g in (self.policy, self.rollout) for i in range(len(g.actors))]
+        ranks = [
+            (g.role, i)
+            for g in (self.policy, self.rollout, self.value)
+            if g is not None
+            for i in range(len(g.actors))
+        ]
         self.placement: list[dict[str, Any]] = [
             {"role": role, "rank": rank, **w} for (role, rank), w in zip(ranks, where, strict=True)
         ]
@@ -192,7 +204,30 @@ class Workers:
             a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
-        wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
+        names = self.policy.names() + self.rollout.names()
+        if self.value is not None and value_role is not None:
+            # The critic's own process group: its rank 0 hosts the rendezvous.
+            vhost, vport = wait(
+                [self.value.actors[0].endpoint.remote()], ["value rank 0"], self.timeout, "start-up"
+            )[0]
+            builds += [
+                a.build.remote(
+                    "rltrain.train.value_worker.ValueWorker",
+                    cfg,
+                    DistEnv(
+                        rank,
+                        value_role.world_size,
+                        vhost,
+                        vport,
+                        value_role.backend,
+                        collective_s,
+                    ),
+                    value_role.threads,
+                )
+                for rank, a in enumerate(self.value.actors)
+            ]
+            names += self.value.names()
+        wait(builds, names, self.timeout, "building workers")
         self._init_refit()
 
     def _placement_group(self, rb: RoleBundles):
@@ -364,12 +399,70 @@ class Workers:
         return metrics, self._gather_rows([o for _, o in out], index, batch.input_ids_BT)
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        return self._wait(
+        out = self._wait(
             self.policy.call_all("export_hf", path, metadata),
             self.policy.names(),
             self.call_timeout,
             "checkpoint",
         )[0]
+        if self.value is not None:  # the critic next to the policy: <path>/value
+            self._wait(
+                self.value.call_all("export_hf", f"{path}/value", {**metadata, "role": "value"}),
+                self.value.names(),
+                self.call_timeout,
+                "value checkpoint",
+            )
+        return out
+
+    # -- value (PPO's critic) ------------------------------------------------------------------
+    def _value_shards(
+        self, batch: TrainBatch
+    ) -> tuple[list[TrainBatch], list[list[int]], list[list[int]], int]:
+        """Rows per value rank: like :meth:`_shards`, over the critic's own dp x tp mesh.
+
+        Returns per rank its TrainBatch, global row indices and row count per
+        mini batch, plus the critic's tp (ranks of one dp group share rows).
+        """
+        assert self.value is not None and self.plan.value_batch is not None, "algorithm is not ppo"
+        dp = self.plan.value_batch.dp
+        tp = len(self.value.actors) // dp
+        mini = self.plan.value_batch.mini_batch
+        lengths = row_lengths(batch)
+        index: list[list[int]] = [[] for _ in range(dp)]
+        counts: list[list[int]] = [[] for _ in range(dp)]
+        for start in range(0, batch.size, mini):
+            for d, group in enumerate(balance_by_tokens(lengths[start : start + mini], dp)):
+                index[d].extend(start + i for i in group)
+                counts[d].append(len(group))
+        ranks = range(len(self.value.actors))
+        return (
+            [batch.select(index[r // tp]) for r in ranks],
+            [index[r // tp] for r in ranks],
+            [counts[r // tp] for r in ranks],
+            tp,
+        )
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
+        assert self.value is not None
+        shards, index, _, tp = self._value_shards(batch)
+        refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
+        parts = self._wait(refs, self.value.names(), self.call_timeout, "values")
+        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for part, rows in zip(parts[::tp], index[::tp], strict=True):
+            out[rows] = part
+        return out
+
+    def train_value(self, batch: TrainBatch) -> dict[str, float]:
+        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
+        (already reduced over the critic's dp ranks)."""
+        assert self.value is not None
+        shards, _, counts, _ = self._value_shards(batch)
+        refs = [
+            a.call.remote("train", s, c)
+            for a, s, c in zip(self.value.actors, shards, counts, strict=True)
+        ]
+        return self._wait(refs, self.value.names(), self.call_timeout, "value train")[0]
 
     # -- trainer checkpoints ----------------------------------------------------------------
     def trainer_gangs(self) -> list[Gang]:
@@ -401,13 +494,15 @@ class Workers:
         Otherwise they get cluster.failure_timeout_s to leave their groups.
         """
         grace = self.cfg.cluster.failure_timeout_s
-        if not self.failed and self.policy.actors:
-            with contextlib.suppress(Exception):  # best effort on the way out
-                ray.get(self.policy.call_all("shutdown"), timeout=grace)
-        if not self.failed and self.rollout.actors and self.cfg.rollout.engine == "vllm":
-            with contextlib.suppress(Exception):  # frees the engine and its model folder
-                ray.get(self.rollout.call_all("shutdown"), timeout=grace)
-        for a in self.policy.actors + self.rollout.actors:
+        value_actors = self.value.actors if self.value is not None else []
+        if not self.failed:
+            for gang in [self.policy] + ([self.value] if self.value is not None else []):
+                with contextlib.suppress(Exception):  # best effort on the way out
+                    ray.get(gang.call_all("shutdown"), timeout=grace)
+            if self.rollout.actors and self.cfg.rollout.engine == "vllm":
+                with contextlib.suppress(Exception):  # frees the engine and its model folder
+                    ray.get(self.rollout.call_all("shutdown"), timeout=grace)
+        for a in self.policy.actors + self.rollout.actors + value_actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)
         for pg in self.pgs:
