@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -361,3 +362,70 @@ def test_killed_trainer_rank_restarts_then_ends_run_naming_it(tmp_path):
         ckpt = out / "checkpoints" / f"step_{step:06d}"
         assert json.loads((ckpt / "run_state.json").read_text())["step"] == step
         AutoModelForCausalLM.from_pretrained(ckpt)
+
+
+def _save_in_progress(out: Path) -> Path | None:
+    """A step_<n>.tmp folder that already holds files, while an older checkpoint is complete."""
+    folder = out / "checkpoints"
+    if not _checkpoint_steps(out):
+        return None
+    try:
+        for p in folder.iterdir():
+            if p.name.endswith(".tmp") and any(p.iterdir()):
+                return p
+    except FileNotFoundError:  # renamed into place while we looked
+        return None
+    return None
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path):
+    """SIGKILL the whole run (driver and Ray) while a checkpoint is being written: the
+    previous checkpoint stays the newest complete one, and resume=auto continues from it."""
+    out = tmp_path / "run"
+    common = [
+        "grpo",
+        "algorithm.prompts_per_step=8",
+        f"output_dir={out}",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep_last=0",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [*RLTRAIN, *common, "max_steps=500"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,  # its Ray processes share the group killed below
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while (partial := _save_in_progress(out)) is None:
+            assert proc.poll() is None, "the run ended before a second checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint save seen in progress"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert partial.is_dir(), "the save finished before the kill; the test did not hit it"
+    last_complete = _checkpoint_steps(out)[-1]
+    assert int(partial.name.split("_")[1].split(".")[0]) > last_complete
+
+    # A later run trusts only complete checkpoints: resume=auto takes the previous one.
+    proc = subprocess.run(
+        [*RLTRAIN, *common, f"max_steps={last_complete + 1}", "resume=auto"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert re.search(rf"resumed from \S+step_0*{last_complete} \(step {last_complete},", said), said
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    assert _checkpoint_steps(out)[-1] == last_complete + 1
