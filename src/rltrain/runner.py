@@ -30,18 +30,73 @@ class RunContext:
     task: object  # rltrain.data.Task
     tokenizer: object
     output_dir: Path
+    start_step: int = 0  # the loop continues after this step (0 = a fresh run)
+    weight_version: int = 0  # weights the rollout engines hold when the loop starts
 
     def checkpoint(self, step: int, weight_version: int) -> str:
-        """Export the policy as an HF folder under checkpoints/step_<n> (written to a temp name first)."""
-        final = self.output_dir / "checkpoints" / f"step_{step:06d}"
-        tmp = final.with_name(final.name + ".tmp")
-        self.workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
-        if final.exists():
-            import shutil
+        """Save checkpoints/step_<n>: every trainer gang's sharded state, the run state
+        (step, weight version, data order) and the policy as an HF folder.
 
-            shutil.rmtree(final)
-        tmp.rename(final)
+        Written under a temp name and renamed once complete, then all but the
+        newest ``checkpoint.keep_last`` are deleted.
+        """
+        from rltrain.train.checkpoint import (
+            RUN_STATE,
+            atomic_folder,
+            prune_checkpoints,
+            step_folder,
+        )
+
+        checkpoints = self.output_dir / "checkpoints"
+        final = step_folder(checkpoints, step)
+        with atomic_folder(final) as tmp:
+            self.workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
+            roles = self.workers.save_state(str(tmp / "trainer"))
+            state = {
+                "step": step,
+                "weight_version": weight_version,
+                "trainer_roles": roles,
+                "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
+            }
+            (tmp / RUN_STATE).write_text(json.dumps(state))
+        prune_checkpoints(checkpoints, self.cfg.checkpoint.keep_last)
         return str(final)
+
+    def restore(self, path: Path) -> None:
+        """Continue from a checkpoint folder: trainer gangs, data order, then a refit so the
+        rollout engines hold the restored weights before the first resumed step."""
+        from rltrain.train.checkpoint import RUN_STATE
+
+        state = json.loads((path / RUN_STATE).read_text())
+        self.workers.load_state(str(path / "trainer"))
+        if state["task"] is not None:
+            self.task.load_state_dict(state["task"])
+        self.workers.refit(state["weight_version"])
+        self.start_step, self.weight_version = state["step"], state["weight_version"]
+
+
+def find_resume(cfg: RunConfig, out: Path) -> Path | None:
+    """The checkpoint ``resume`` points at (None: start fresh); bad paths raise ConfigError.
+
+    ``resume=auto`` takes the newest complete checkpoint under
+    ``<output_dir>/checkpoints`` and deletes the temp folders of an interrupted save.
+    """
+    from rltrain.config.errors import ConfigError
+    from rltrain.train.checkpoint import RUN_STATE, complete_checkpoints, remove_partial
+
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        remove_partial(out / "checkpoints")
+        done = complete_checkpoints(out / "checkpoints")
+        return done[-1] if done else None
+    path = Path(cfg.resume)
+    if not (path / RUN_STATE).is_file():
+        raise ConfigError(
+            f"resume={cfg.resume} is not a complete checkpoint (no {RUN_STATE}); "
+            f"give a checkpoints/step_<n> folder of an earlier run or resume=auto."
+        )
+    return path
 
 
 def resolve_output_dir(cfg: RunConfig) -> tuple[str, Path]:
@@ -60,15 +115,21 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
     )
     plan = make_plan(cfg, resources, choices) if resources else None
+    # Inputs next (model on disk, data rows, reward.fn importable): exit 2 before Ray starts.
+    from rltrain.data import build_task
+    from rltrain.models.loader import check_model_available, load_tokenizer
+
+    check_model_available(cfg)
+    tokenizer = load_tokenizer(cfg)
+    task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     run_name, out = resolve_output_dir(cfg)
+    resume_from = find_resume(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
     from rltrain.cluster.workers import Workers
-    from rltrain.data import build_task
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
-    from rltrain.models.loader import load_tokenizer
 
     with ray_cluster(cfg.cluster, resources) as cluster_res:
         if plan is None:
@@ -78,12 +139,27 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
             f"{plan.role('rollout').world_size} rollout replica(s) on {plan.device}; outputs in {out}"
         )
-        logger = MetricsLogger(cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)))
+        resume_step = None
+        if resume_from is not None:
+            resume_step = json.loads((resume_from / "run_state.json").read_text())["step"]
+        elif cfg.resume == "auto":
+            resume_step = 0  # nothing complete to resume: start over, dropping stale rows
+            console.print(
+                f"resume=auto: no complete checkpoint in {out}/checkpoints; starting fresh"
+            )
+        logger = MetricsLogger(
+            cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)), resume_step
+        )
         workers = Workers(cfg, plan)
         try:
-            ctx = RunContext(
-                cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
-            )
+            ctx = RunContext(cfg, plan, workers, task, tokenizer, out)
+            if resume_from is not None:
+                ctx.restore(resume_from)
+                console.print(
+                    f"resumed from {resume_from} (step {ctx.start_step}, "
+                    f"weight version {ctx.weight_version})",
+                    soft_wrap=True,
+                )
             startup_s = time.perf_counter() - t0
             with RunProgress(cfg.max_steps, cfg.logger.progress, console) as progress:
 
@@ -105,7 +181,21 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     console.print(summary_table(logger.history, startup_s, wall_s, outputs))
     summary = _summary(logger.history, startup_s, wall_s, outputs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_report(out, console)
     return summary
+
+
+def _write_report(out: Path, console: Console) -> None:
+    """PNG plots of the run (report/); a plotting failure must not fail a finished run."""
+    from rltrain.logging.report import plot_run
+
+    try:
+        paths = plot_run(out, panels=False)
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded
+        console.print(f"[yellow]report plots were not written: {type(exc).__name__}: {exc}[/]")
+        return
+    if paths:
+        console.print(f"report: {paths[0]} (rltrain report {out} draws each plot on its own)")
 
 
 def _algorithm_loop(name: str):
@@ -113,6 +203,10 @@ def _algorithm_loop(name: str):
         from rltrain.algorithms.grpo import train_grpo
 
         return train_grpo
+    if name == "ppo":
+        from rltrain.algorithms.ppo import train_ppo
+
+        return train_ppo
     raise ValueError(f"no loop for algorithm {name}")
 
 
@@ -130,5 +224,13 @@ def _summary(history: list[dict], startup_s: float, wall_s: float, outputs: dict
         "reward_last10": avg(last, "reward/mean"),
         "exact_match_first10": avg(first, "reward/exact_match"),
         "exact_match_last10": avg(last, "reward/exact_match"),
+        **(
+            {
+                "explained_variance_first10": avg(first, "value/explained_variance"),
+                "explained_variance_last10": avg(last, "value/explained_variance"),
+            }
+            if history and "value/explained_variance" in history[0]
+            else {}
+        ),
         "outputs": outputs,
     }

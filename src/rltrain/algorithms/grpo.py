@@ -1,16 +1,18 @@
 """The synchronous GRPO loop, in data-flow order.
 
-prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> log/checkpoint
+prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> [eval] -> log/checkpoint
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from rltrain.algorithms.advantages import grpo_advantages
+from rltrain.algorithms.evaluate import evaluate
 from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import SamplingParams
@@ -25,22 +27,35 @@ def token_mult_prob_error(
     return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of one step (distinct per run seed and step)."""
+    return seed * 1_000_003 + step
+
+
 def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` GRPO steps on ``ctx.workers``; ``on_step`` logs each one.
 
     ``ctx`` is a :class:`rltrain.runner.RunContext`: config, plan, workers,
-    task, tokenizer, and ``checkpoint(step)``.
+    task, tokenizer, ``checkpoint(step, weight_version)``, and the step and weight
+    version to continue from (``start_step``, ``weight_version``; 0 for a fresh run).
     """
     cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
     a, ro = cfg.algorithm, cfg.rollout
     sampling = SamplingParams(
-        temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        max_new_tokens=ro.max_new_tokens,
+        top_k=ro.top_k,
     )
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
-    weight_version = 0
-    for step in range(1, cfg.max_steps + 1):
+    # A resumed run starts after its checkpoint's step, with the restored weights.
+    weight_version = ctx.weight_version
+    for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         timer = StageTimer()
+        # Sampling is seeded from (seed, step): a step samples the same tokens
+        # whether or not the run was resumed before it.
+        step_sampling = replace(sampling, seed=step_seed(cfg.seed, step))
 
         # step 1: prompts, each repeated samples_per_prompt times (one GRPO group)
         items = task.sample(a.prompts_per_step)
@@ -48,7 +63,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 2: generate with the engines' current weights (version = weight_version)
         with timer("generate"):
-            rollout = workers.generate(prompt_ids, sampling)
+            rollout = workers.generate(prompt_ids, step_sampling)
         assert rollout.weight_version == weight_version, "rollout used stale weights"
 
         # step 3: reward (decoded without special tokens; 'finished' = stopped at EOS)
@@ -105,6 +120,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "weight_version": float(weight_version),
             "refit/bytes": float(refit.bytes),
             "refit/buckets": float(refit.buckets),
+            **task.reward_metrics(),
             **timer.metrics(),
             "time/generate_engine": rollout.engine_seconds,
             # Controller <-> actor cost (serialisation, scheduling) of the two big calls.
@@ -114,6 +130,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,
         }
+        # step 9: greedy evaluation on the validation split (val/accuracy), with the new weights
+        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
+            metrics.update(evaluate(workers.generate, task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps

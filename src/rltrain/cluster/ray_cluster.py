@@ -50,6 +50,9 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
         if cfg.mode == "local":
             res = resources or local_resources(cfg)
             ray.init(
+                # "local" always starts a new instance; without it Ray would join
+                # another cluster running on this machine (ray start, /tmp/ray).
+                address="local",
                 num_cpus=res.num_cpus,
                 num_gpus=res.num_gpus,
                 include_dashboard=False,

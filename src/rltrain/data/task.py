@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import DataConfig
+from rltrain.config.schema import DataConfig, RewardConfig
 
 
 @dataclass(frozen=True)
@@ -26,20 +26,46 @@ class RewardResult:
 
 
 class Task(Protocol):
-    """A stream of prompts and the reward that scores a decoded response."""
+    """A stream of prompts and the reward that scores a decoded response.
+
+    ``sample`` is deterministic given the seed and the state: ``state_dict()``
+    after step N and ``load_state_dict`` on a fresh task continue the same
+    prompt order (resume). ``validation()`` is the fixed held-out set.
+    """
 
     def sample(self, num_prompts: int) -> list[PromptItem]: ...
 
     def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult: ...
 
+    def validation(self) -> list[PromptItem]: ...
 
-def build_task(cfg: DataConfig, seed: int) -> Task:
-    """The task named by ``data.task``."""
+    def reward_metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def build_task(
+    cfg: DataConfig, seed: int, tokenizer=None, reward: RewardConfig | None = None
+) -> Task:
+    """The task named by ``data.task``; ``tokenizer`` renders and measures dataset prompts.
+
+    Runs in the controller before any cluster starts: a missing file, bad rows
+    under ``data.strict=true`` or a bad ``reward.fn`` raise ConfigError here.
+    """
+    reward = reward if reward is not None else RewardConfig()
     if cfg.task == "copy":
         from rltrain.data.toy import CopyTask
 
-        return CopyTask(cfg, seed)
-    raise ConfigError(f"data.task={cfg.task} is not a known task; use data.task=copy.")
+        return CopyTask(cfg, seed, reward)
+    if cfg.task == "dataset":
+        from rltrain.data.datasets import DatasetTask
+
+        if tokenizer is None:
+            raise ValueError("data.task=dataset needs the run's tokenizer")
+        return DatasetTask(cfg, seed, tokenizer, reward)
+    raise ConfigError(f"data.task={cfg.task} is not a known task; use data.task=copy or dataset.")
 
 
 def encode_groups(tokenizer, items: list[PromptItem], samples_per_prompt: int) -> list[list[int]]:

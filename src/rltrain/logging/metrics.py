@@ -34,14 +34,28 @@ class StageTimer:
 class MetricsLogger:
     """Writes one JSON object per step to metrics.jsonl and scalars to TensorBoard/wandb."""
 
-    def __init__(self, cfg: LoggerConfig, output_dir: Path, run_name: str, config: dict):
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        output_dir: Path,
+        run_name: str,
+        config: dict,
+        resume_step: int | None = None,
+    ):
+        """``resume_step``: the run continues after this step; rows and TensorBoard
+        points of later steps (written before a crash) are dropped, earlier rows
+        are kept (and preloaded into ``history``)."""
         self.path = output_dir / "metrics.jsonl"
+        self.history: list[dict[str, float]] = []
+        if resume_step is not None:
+            self.history = truncate_metrics(self.path, resume_step)
         self._jsonl = self.path.open("a", buffering=1) if cfg.jsonl else None
         self._tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
         self._wandb = None
         if cfg.wandb:
             try:
@@ -57,7 +71,6 @@ class MetricsLogger:
                 config=config,
                 dir=str(output_dir),
             )
-        self.history: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **metrics}
@@ -77,3 +90,25 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def truncate_metrics(path: Path, last_step: int) -> list[dict]:
+    """Keep the rows of metrics.jsonl up to ``last_step`` (rewritten atomically); returns them.
+
+    A crashed run may have logged steps after its last checkpoint; a resumed
+    run logs them again, so they are dropped first. A torn last line is dropped too.
+    """
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if row.get("step", 0) <= last_step:
+            kept.append(row)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+    return kept

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -11,7 +14,7 @@ from transformers import (
 )
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, TinyModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,8 +23,9 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
     """The run's tokenizer: the embedded character tokenizer or the model's own."""
     if cfg.model.path is None:
         from rltrain.models.tiny import build_tokenizer
+        from rltrain.models.vocab import tiny_alphabet
 
-        return build_tokenizer(cfg.data.alphabet)
+        return build_tokenizer(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
     name = cfg.model.tokenizer or cfg.model.path
     try:
         return AutoTokenizer.from_pretrained(name)
@@ -31,12 +35,29 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
         ) from exc
 
 
+def tiny_shape(cfg: RunConfig) -> TinyModelConfig:
+    """The embedded model's shape, its context widened to hold a dataset's prompts.
+
+    For data.task=dataset the context is at least data.max_prompt_tokens plus
+    the longest generation. RoPE weights do not depend on the declared
+    length, so this only changes the limit engines read (vLLM's max_model_len).
+    """
+    shape = cfg.model.tiny
+    if cfg.data.task == "copy" or cfg.data.max_prompt_tokens is None:
+        return shape
+    gen = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    need = cfg.data.max_prompt_tokens + gen
+    return dataclasses.replace(
+        shape, max_position_embeddings=max(shape.max_position_embeddings, need)
+    )
+
+
 def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
     """The initial policy weights, identical on every process that calls this."""
     if cfg.model.path is None:
         from rltrain.models.tiny import build_tiny_model
 
-        model = build_tiny_model(cfg.model.tiny, load_tokenizer(cfg), seed=cfg.seed)
+        model = build_tiny_model(tiny_shape(cfg), load_tokenizer(cfg), seed=cfg.seed)
         return model.to(TORCH_DTYPES[dtype])
     try:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=TORCH_DTYPES[dtype])
@@ -44,6 +65,31 @@ def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
         raise ConfigError(
             f"model.path '{cfg.model.path}' could not be loaded ({exc}); give a local folder or HF id."
         ) from exc
+
+
+def build_empty_model(cfg: RunConfig) -> PreTrainedModel:
+    """The policy architecture with uninitialised weights; call under ``torch.device("meta")``.
+
+    Trainer ranks build this and receive the weights that one rank read with
+    :func:`load_model` (no full copy per rank).
+    """
+    if cfg.model.path is None:
+        from transformers import Qwen2ForCausalLM
+
+        from rltrain.models.tiny import tiny_qwen2_config
+
+        config = tiny_qwen2_config(tiny_shape(cfg), load_tokenizer(cfg))
+        config._attn_implementation = "sdpa"
+        return Qwen2ForCausalLM(config)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path)
+    except OSError as exc:
+        raise ConfigError(
+            f"model.path '{cfg.model.path}' could not be loaded ({exc}); give a local folder or HF id."
+        ) from exc
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -57,3 +103,46 @@ def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> lis
             )
         ids.append(vocab[tok])
     return ids
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or name.count("/") != 1
+
+
+def check_model_available(cfg: RunConfig) -> None:
+    """Raise ConfigError unless model.path (and model.tokenizer) is a local folder or in the HF cache.
+
+    Called before any cluster starts (planning does not call it: a plan may
+    describe a model that is not on this machine). Never touches the network.
+    """
+    if cfg.model.path is None:
+        return
+    checks = [("model.path", cfg.model.path, "config.json")]
+    if cfg.model.tokenizer is not None:
+        checks.append(("model.tokenizer", cfg.model.tokenizer, "tokenizer_config.json"))
+    for key, name, marker in checks:
+        folder = Path(name).expanduser()
+        if folder.is_dir():
+            if not (folder / marker).is_file():
+                raise ConfigError(
+                    f"{key}='{name}' is a folder without {marker}; point {key} at a Hugging Face "
+                    "model folder (config.json, tokenizer files, *.safetensors)."
+                )
+            continue
+        if _looks_local(name):
+            raise ConfigError(
+                f"{key}='{name}' does not exist; set {key}=/local/dir to a downloaded model folder."
+            )
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        try:
+            hit = try_to_load_from_cache(name, marker)
+        except Exception:  # noqa: BLE001 - an invalid repo id is a config error
+            hit = None
+        if not isinstance(hit, str):
+            raise ConfigError(
+                f"{key}='{name}' is not a local folder and is not in the Hugging Face cache "
+                f"({HF_HUB_CACHE}); download it where there is network (hf download {name}) and "
+                f"point HF_HOME at that cache, or set {key}=/local/dir."
+            )

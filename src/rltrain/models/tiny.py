@@ -16,10 +16,13 @@ from rltrain.models.vocab import vocabulary
 
 
 def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: one token per character, BOS prepended."""
+    """Character-level tokenizer: one token per character (newlines too), BOS prepended.
+
+    Characters outside the vocabulary encode as ``<unk>``.
+    """
     vocab = {tok: i for i, tok in enumerate(vocabulary(alphabet))}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]

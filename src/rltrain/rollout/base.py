@@ -8,12 +8,13 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling for one generate call."""
+    """Sampling for one generate call; ``temperature=0`` means greedy (argmax) decoding."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int | None = None
+    top_k: int = 0  # 0 = off (engines that support it: vllm)
 
 
 @dataclass

@@ -101,11 +101,19 @@ class TorchEngine:
                 logits_to_keep=1,
             )
             past = out.past_key_values
+            # temperature 0 = greedy (evaluation): argmax, logprobs of the unscaled distribution.
+            greedy = sampling.temperature == 0
             logp = torch.log_softmax(
-                scale_logits(out.logits[:, -1], sampling.temperature, self.blocked), dim=-1
+                scale_logits(
+                    out.logits[:, -1], 1.0 if greedy else sampling.temperature, self.blocked
+                ),
+                dim=-1,
             )
-            probs = top_p_filter(logp.exp(), sampling.top_p)
-            tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            if greedy:
+                tok = logp.argmax(-1)
+            else:
+                probs = top_p_filter(logp.exp(), sampling.top_p)
+                tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             out_tokens[:, t] = tok
             out_logprobs[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)

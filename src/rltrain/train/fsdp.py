@@ -14,15 +14,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rltrain.config.schema import RunConfig
-from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
+from rltrain.models.loader import (
+    TORCH_DTYPES,
+    blocked_token_ids,
+    build_empty_model,
+    load_model,
+    load_tokenizer,
+)
 from rltrain.train.batch import TrainBatch
+from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
 from rltrain.train.distributed import DistEnv, init_distributed
 from rltrain.train.metrics import MetricKind, StepMetrics
+from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
 
 
@@ -37,11 +46,22 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
-    """Megatron-style TP of each decoder block: q/k/v/gate/up column-, o/down row-parallel."""
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
+    """Megatron-style TP of each decoder block: q/k/v/gate/up column-, o/down row-parallel.
+
+    ``sequence_parallel``: between the blocks' matmuls the residual stream and
+    the RMSNorms run on sequence shards (DTensor ``Shard(1)``): attention and
+    MLP inputs are all-gathered, o/down outputs reduce-scattered over the
+    sequence. The first block shards its input, the last one gathers its
+    output, so embedding, final norm and head see full sequences as without it.
+    """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
@@ -61,8 +81,50 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
-    for layer in decoder_layers(model):
+    if sequence_parallel:
+        plan.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                # HF calls self_attn with keyword arguments only.
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    use_local_output=True,
+                ),
+                "self_attn.o_proj": RowwiseParallel(
+                    output_layouts=Shard(1), use_local_output=False
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+        )
+    layers = decoder_layers(model)
+    for layer in layers:
         parallelize_module(layer, tp_mesh, plan)
+    if sequence_parallel:
+        # DTensors (not local shards) carry the global shape, so a sequence length
+        # that tp does not divide is sharded unevenly but correctly.
+        parallelize_module(
+            layers[0],
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_output=False,
+            ),
+        )
+        parallelize_module(
+            layers[-1],
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+            ),
+        )
 
 
 def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -107,7 +169,7 @@ class FSDPTrainer:
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
         )
         torch.manual_seed(cfg.seed)
-        self.model = self._shard(load_model(cfg, "float32"))  # fp32 master weights
+        self.model = self.load_sharded_model()  # fp32 master weights
         self.hf_config = self.model.config
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -117,6 +179,8 @@ class FSDPTrainer:
             eps=o.eps,
             weight_decay=o.weight_decay,
         )
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, o, total_optimizer_steps(cfg))
+        self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
         gs = cfg.precision.grad_scaler
         self.scaler = None
         if gs.enabled:
@@ -131,14 +195,60 @@ class FSDPTrainer:
             )
 
     # -- set-up ---------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        """The full fp32 initial model, read on rank 0 (subclasses swap the head)."""
+        return load_model(self.cfg, "float32")
+
+    def build_empty_model(self) -> torch.nn.Module:
+        """The same architecture, built under ``torch.device("meta")`` on every rank."""
+        return build_empty_model(self.cfg)
+
+    def load_sharded_model(self, trainable: bool = True) -> torch.nn.Module:
+        """The initial weights, read once per gang and sharded (all ranks call it).
+
+        Rank 0 reads the full fp32 model on CPU; every rank builds the
+        architecture on the meta device, shards it, allocates only its shards
+        and receives them from rank 0 (``set_model_state_dict`` with
+        ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
+        state dict) are broadcast too, so every rank ends with rank 0's weights.
+        """
+        if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
+            # Offloaded shards live on CPU, which an NCCL broadcast cannot fill:
+            # every rank reads the weights itself, as before.
+            return self._shard(load_model(self.cfg, "float32"), trainable)
+        full_sd: dict[str, torch.Tensor] = {}
+        full_buffers: dict[str, torch.Tensor] = {}
+        if self.is_rank0:
+            loaded = self.build_model()
+            full_sd = loaded.state_dict()
+            full_buffers = {_hf_name(n): b for n, b in loaded.named_buffers()}
+            del loaded
+        with torch.device("meta"):
+            model = self.build_empty_model()
+        model = self._shard(model, trainable)
+        model.to_empty(device=self.device)
+        set_model_state_dict(
+            model,
+            full_sd,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if self.is_rank0:
+                    buf.copy_(full_buffers[_hf_name(name)])
+                if self.env.world_size > 1:
+                    dist.broadcast(buf, src=0)
+        return model
+
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         self._set_attention(model)
         d, p = self.cfg.dtensor, self.cfg.precision
-        model.to(self.device)
+        if not any(t.is_meta for t in model.parameters()):
+            model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
         if d.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"])
+            apply_tensor_parallel(model, self.mesh["tp"], d.sequence_parallel)
         if d.activation_checkpointing and trainable:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper,
@@ -170,6 +280,11 @@ class FSDPTrainer:
         choice = self.cfg.train.attention
         if choice == "auto":
             choice = "flex" if self.device.type == "cuda" else "sdpa"
+        if choice == "flex" and self.device.type != "cuda":
+            raise ValueError(
+                "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+                "use train.attention=sdpa or auto"
+            )
         self.attention = choice
         model.set_attn_implementation("flex_attention" if choice == "flex" else "sdpa")
 
@@ -341,7 +456,7 @@ class FSDPTrainer:
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self._step.add_counts(float(micro.response_mask_RS.sum()), micro.num_sequences)
+        self._step.add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
         for name, (metric_kind, value) in metrics.items():
             self._step.add(name, metric_kind, value)
         return token_out if micro.num_sequences else None
@@ -399,12 +514,16 @@ class FSDPTrainer:
                 mini = batch.slice(start, start + n_rows)
                 self.begin_train_step()
                 try:
+                    outs = []
                     for rows in self.plan_micro_batches(mini):
                         micro = self.make_micro_batch(mini, rows)
                         out = self.train_microbatch(micro)
                         if token_out_BT is not None and epoch == 0 and out is not None:
-                            unpack(out, micro, token_out_BT[start : start + n_rows])
+                            outs.append((out, micro))
                     steps.append(self.finish_train_step())
+                    # Read back after the step: a copy per micro batch would stall the queue.
+                    for out, micro in outs:
+                        unpack(out, micro, token_out_BT[start : start + n_rows])
                 except BaseException:
                     self.abort_train_step()
                     raise
@@ -440,14 +559,14 @@ class FSDPTrainer:
         else:
             stepped = 0.0  # a non-finite grad never reaches the weights
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
+        self.lr_scheduler.step()
+        self.optimizer_steps += 1
         out = {
             "grad_norm": norm,
             "optimizer_step_taken": stepped,
-            "lr": self.optimizer.param_groups[0]["lr"],  # the lr this step used
+            "lr": lr,
         }
-        scheduler = getattr(self, "lr_scheduler", None)
-        if scheduler is not None:
-            scheduler.step()
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
@@ -488,6 +607,37 @@ class FSDPTrainer:
         if dist.is_initialized() and self.env.world_size > 1:
             dist.barrier()
         return str(path)
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save_state(self, path: str | Path) -> str:
+        """Sharded checkpoint of model, optimizer, LR scheduler, grad scaler and RNG (all ranks).
+
+        Written to ``<path>.tmp`` and renamed to ``path`` once complete; see
+        :mod:`rltrain.train.checkpoint` for the layout.
+        """
+        meta = {
+            "world_size": self.env.world_size,
+            "dp": self.dp,
+            "tp": self.tp,
+            "optimizer_steps": self.optimizer_steps,
+        }
+        return save_trainer_state(
+            path,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.scaler,
+            self.env.rank,
+            meta,
+        )
+
+    def load_state(self, path: str | Path) -> dict:
+        """Restore a :meth:`save_state` folder, at this gang's dp/tp (all ranks); returns its meta."""
+        meta = load_trainer_state(
+            path, self.model, self.optimizer, self.lr_scheduler, self.scaler, self.env.rank
+        )
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        return meta
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -32,9 +32,7 @@ class PolicyWorker(FSDPTrainer):
         super().__init__(cfg, env, num_threads)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            from rltrain.models.loader import load_model
-
-            self.reference = self._shard(load_model(cfg, "float32"), trainable=False).eval()
+            self.reference = self.load_sharded_model(trainable=False).eval()
         self.temperature = cfg.rollout.temperature
         self.manifest: RefitManifest | None = None
         self.sender: RefitSender | None = None
@@ -73,9 +71,11 @@ class PolicyWorker(FSDPTrainer):
             )
         model.eval()
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        done = []
         for rows in self.plan_micro_batches(batch):
             micro = self.make_micro_batch(batch, rows)
-            lp, _ = self.token_logprobs(model, micro)
+            done.append((self.token_logprobs(model, micro)[0], micro))
+        for lp, micro in done:  # read back after the last forward was queued
             unpack(lp, micro, out)
         return out
 
@@ -100,18 +100,19 @@ class PolicyWorker(FSDPTrainer):
             micro.ref_logprobs_RS,
             a.kl_coef,
         )
+        # Metric values stay on the device (read back once per step, in finish).
         valid = mask.bool()
         ratio = terms["ratio"]
         T, Mx, Mn = MetricKind.TOKEN_MEAN, MetricKind.MAX, MetricKind.MIN
         metrics = {
-            "entropy": (T, float((ent * mask).sum())),
-            "pg_clipfrac": (T, float((terms["clipped"] * mask).sum())),
-            "ratio_mean": (T, float((ratio * mask).sum())),
-            "ratio_max": (Mx, float(ratio[valid].max()) if valid.any() else -math.inf),
-            "ratio_min": (Mn, float(ratio[valid].min()) if valid.any() else math.inf),
+            "entropy": (T, (ent * mask).sum()),
+            "pg_clipfrac": (T, (terms["clipped"] * mask).sum()),
+            "ratio_mean": (T, (ratio * mask).sum()),
+            "ratio_max": (Mx, torch.where(valid, ratio, -math.inf).max()),
+            "ratio_min": (Mn, torch.where(valid, ratio, math.inf).min()),
         }
         if "kl" in terms:
-            metrics["kl"] = (T, float((terms["kl"] * mask).sum()))
+            metrics["kl"] = (T, (terms["kl"] * mask).sum())
         per_token = terms["loss"] * mask
         if a.loss_aggregation == "seq_mean_token_mean":
             per_seq = per_sequence_sum(per_token, micro)
@@ -119,7 +120,7 @@ class PolicyWorker(FSDPTrainer):
             loss_sum, kind = (per_seq / tokens).sum(), MetricKind.SEQUENCE_MEAN
         else:
             loss_sum, kind = per_token.sum(), MetricKind.TOKEN_MEAN
-        metrics["loss"] = (kind, float(loss_sum.detach()))
+        metrics["loss"] = (kind, loss_sum.detach())
         return loss_sum, kind, metrics, lp.detach()
 
     def train(

@@ -1,0 +1,274 @@
+"""vLLM rollout engine: vLLM's offline ``LLM`` inside the replica's process.
+
+Drop-in for the torch engine (same ``generate`` / ``init_refit`` /
+``refit_receive`` / ``weight_version`` contract, see ``rollout/base.py``).
+Plain Python: ``cluster/`` hosts it in a Ray actor. vLLM is imported only
+when an engine is built, so nothing the CLI or the GPU scripts load pays for it.
+
+How it stays on-policy with the trainer:
+
+* token ids in (``TokensPrompt``), token ids and one logprob per sampled token out;
+* ``logprobs_mode="processed_logprobs"``: logprobs after temperature and the
+  blocked-token mask, i.e. the distribution ``algorithms/logprobs.py`` scores
+  (vLLM's default, raw logprobs, ignores the temperature); blocked tokens are
+  excluded through ``allowed_token_ids`` (every id of the model but them);
+* weights are replaced in place after every refit through the worker's
+  ``reload_weights`` (checkpoint-format names, so the HF names of the trainer
+  load as they are), then the prefix cache is dropped so no KV computed with
+  the old weights is reused.
+
+Engine settings come from ``rollout.vllm`` (config fields, no environment):
+the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+set here before vLLM is imported: a second process per replica would double
+start-up and memory), eager mode, the KV cache size in bytes on CPU and a
+memory fraction on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.config.schema import RunConfig
+from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
+from rltrain.refit import RefitReceiver, make_refit_receiver
+from rltrain.refit.base import RefitManifest, RefitStats
+from rltrain.rollout.base import RolloutBatch, SamplingParams
+
+GIB = 2**30
+# vLLM reads these when its engine is built; they are set from code, never by the user.
+_VLLM_PROCESS_ENV = {
+    # Engine core in the actor's own process (no extra process per replica).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def request_seeds(base: int, n: int) -> list[int]:
+    """One deterministic seed per request row (rows of one group must not share a seed)."""
+    return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
+
+
+class VLLMEngine:
+    """One rollout replica backed by ``vllm.LLM``. ``generate`` is called by the controller;
+    ``init_refit`` once and ``refit_receive`` after every optimizer step by the refit wiring.
+
+    ``device`` is "cpu" or "cuda"; on CUDA the replica's actor sees ``rollout.tp`` GPUs.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0, num_threads: int = 0
+    ):
+        if num_threads:
+            # Before vLLM's CPU worker takes over torch.set_num_threads.
+            torch.set_num_threads(num_threads)
+        self.cfg = cfg
+        self.device = device
+        self.replica_index = replica_index
+        self.tokenizer = load_tokenizer(cfg)
+        self.eos_id = self.tokenizer.eos_token_id
+        self._blocked = set(blocked_token_ids(cfg, self.tokenizer))
+        self._model_dir: tempfile.TemporaryDirectory | None = None
+        model_path = cfg.model.path if cfg.model.path is not None else self._save_tiny_model()
+        self.llm = self._build_llm(model_path)
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        # None when nothing is blocked: vLLM then skips building a vocab-wide mask.
+        self._allowed: list[int] | None = (
+            [t for t in range(vocab) if t not in self._blocked] if self._blocked else None
+        )
+        self._version = 0
+        self._calls = 0
+        self._asleep = False
+        self.refit_receiver: RefitReceiver | None = None
+
+    # -- construction ------------------------------------------------------
+    def _save_tiny_model(self) -> str:
+        """Write the embedded model (weights, config, tokenizer) where vLLM can load it."""
+        self._model_dir = tempfile.TemporaryDirectory(prefix="rltrain-vllm-model-")
+        path = Path(self._model_dir.name)
+        model = load_model(self.cfg, "float32")
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return str(path)
+
+    def _build_llm(self, model_path: str) -> Any:
+        os.environ.update(_VLLM_PROCESS_ENV)
+        from vllm import LLM
+
+        ro, v = self.cfg.rollout, self.cfg.rollout.vllm
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": self.cfg.model.tokenizer or model_path,
+            "dtype": self.cfg.precision.rollout_dtype,
+            "seed": self.cfg.seed * 1000 + self.replica_index + 1,
+            "enforce_eager": v.enforce_eager,
+            "logprobs_mode": "processed_logprobs",
+            "tensor_parallel_size": ro.tp,
+            "max_model_len": v.max_model_len,
+            "disable_log_stats": True,
+        }
+        if ro.tp > 1:
+            # Workers as subprocesses of this actor, on the GPUs Ray gave it (a Ray executor
+            # would try to place its own workers in the run's placement group).
+            kwargs["distributed_executor_backend"] = "mp"
+        if self.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * GIB)
+        else:
+            kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = ro.colocated
+        return LLM(**kwargs)
+
+    # -- engine interface -------------------------------------------------
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Sample one response per prompt row (rows repeat a prompt for several samples).
+
+        Outputs keep request order. Each row gets its own seed: from
+        ``sampling.seed`` when given, else from the run seed, the replica and
+        the call count, so a run is reproducible step by step.
+        """
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep:
+            raise RuntimeError(
+                f"rollout replica {self.replica_index}: generate while asleep; call wake_up first"
+            )
+        t0 = time.perf_counter()
+        self._calls += 1
+        base = (
+            sampling.seed
+            if sampling.seed is not None
+            else (self.cfg.seed * 7919 + self.replica_index) * 100_003 + self._calls
+        )
+        params = [
+            VLLMSamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_new_tokens,
+                # Stop at the tokenizer's EOS only, as the torch engine does (vLLM would
+                # otherwise add generation_config's extra EOS ids).
+                ignore_eos=True,
+                stop_token_ids=[self.eos_id],
+                seed=seed,
+                logprobs=0,  # the sampled token's own logprob only
+                allowed_token_ids=self._allowed,
+                detokenize=False,
+            )
+            for seed in request_seeds(base, len(prompt_ids))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        response_ids, response_logprobs, finished = [], [], []
+        for out in outputs:
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            response_ids.append(ids)
+            response_logprobs.append(
+                [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs, strict=True)]
+            )
+            finished.append(bool(ids) and ids[-1] == self.eos_id)
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids],
+            response_ids=response_ids,
+            response_logprobs=response_logprobs,
+            finished=finished,
+            weight_version=self._version,
+            engine_seconds=time.perf_counter() - t0,
+        )
+
+    # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
+    def sleep(self) -> None:
+        """Offload weights to host memory and drop the KV cache (vLLM sleep level 1)."""
+        self.llm.sleep(level=1)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring weights and KV cache back; a no-op when awake."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # -- refit --------------------------------------------------------------
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> int:
+        """Replace the model's weights in place from HF-named tensors; returns how many loaded.
+
+        Every tensor is copied before vLLM sees it: its loader may keep a
+        reference until all tensors of a layer arrived, and the caller may
+        reuse the source storage (refit receive buffers) meanwhile.
+        """
+        count = 0
+
+        def copies() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, tensor in named_tensors:
+                count += 1
+                yield name, tensor.detach().clone()
+
+        self.wake_up()
+        # In-process (tp=1) vLLM consumes the iterator while later buckets arrive; tensor-parallel
+        # workers live in other processes, so they get the whole list (each loads its shard).
+        weights = copies() if self.cfg.rollout.tp == 1 else list(copies())
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
+        # KV blocks cached for a prompt prefix were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self._version = weight_version
+        return count
+
+    def init_refit(
+        self,
+        manifest: RefitManifest,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        transport: str = "gloo",
+    ) -> None:
+        """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest
+        comes from the policy. vLLM owns its weight storage and fuses parameters (qkv,
+        gate_up), so they cannot be views of the HF-named buckets: every refit is copied
+        in through ``reload_weights``."""
+        r = self.cfg.refit
+        self.refit_receiver = make_refit_receiver(
+            transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify
+        )
+
+    def refit_receive(self) -> RefitStats:
+        """Receive one refit and load it while later buckets arrive; version from the sender."""
+        if self.refit_receiver is None:
+            raise RuntimeError("refit_receive before init_refit")
+        t0 = time.perf_counter()
+        versions: set[int] = set()
+
+        def named() -> Iterator[tuple[str, torch.Tensor]]:
+            for sent_version, name, tensor in self.refit_receiver.receive():
+                versions.add(sent_version)
+                yield name, tensor
+
+        n = self.load_weights(named(), weight_version=-1)
+        (version,) = versions  # one header per refit: every tensor carries the same version
+        self._version = version
+        m = self.refit_receiver.manifest
+        return RefitStats(
+            version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)}
+        )
+
+    def shutdown(self) -> None:
+        """Free the engine and the temporary model folder."""
+        self.llm = None
+        if self._model_dir is not None:
+            self._model_dir.cleanup()
+            self._model_dir = None
