@@ -43,7 +43,7 @@ class MicroBatch:
     position_ids_RS: torch.Tensor
     seq_id_RS: torch.Tensor
     response_mask_RS: torch.Tensor
-    advantages_RS: torch.Tensor  # the sequence's advantage repeated on each of its tokens
+    advantages_RS: torch.Tensor  # per token (PPO) or the sequence's advantage on each token
     old_logprobs_RS: torch.Tensor | None
     ref_logprobs_RS: torch.Tensor | None
     rows: list[int]
@@ -51,6 +51,9 @@ class MicroBatch:
     seq_start: list[int]
     seq_len: list[int]
     packed: bool
+    # PPO's critic: value targets and the values before the update (the clip's anchor).
+    returns_RS: torch.Tensor | None = None
+    old_values_RS: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -181,7 +184,10 @@ def pack(
     for i, (r, row, start, n) in enumerate(zip(rows, seq_row, seq_start, lengths, strict=True)):
         seq_id[row, start : start + n] = i
         pos[row, start : start + n] = torch.arange(n)
-        adv[row, start : start + n] = batch.advantages_B[r].float()
+        if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
+            adv[row, start : start + n] = batch.advantages_BT[r, :n].float()
+        else:
+            adv[row, start : start + n] = batch.advantages_B[r].float()
     if not rows:
         # Two padding tokens in one causal "sequence": one predicted position, so the
         # backward reaches every parameter (with zero gradients) like a real micro batch.
@@ -199,6 +205,8 @@ def pack(
         seq_start=seq_start,
         seq_len=lengths,
         packed=packed,
+        returns_RS=layout(batch.returns_BT),
+        old_values_RS=layout(batch.old_values_BT),
     )
 
 

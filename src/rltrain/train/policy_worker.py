@@ -182,7 +182,7 @@ class PolicyWorker(FSDPTrainer):
         refit group as its root over ``transport`` (the plan's resolved refit transport)."""
         manifest = self.manifest or self.refit_manifest()
         params = {_hf_name(n): p for n, p in self.model.named_parameters()}
-        self.gatherer = BucketGatherer(params, manifest)
+        self.gatherer = BucketGatherer(params, manifest, device=self.device)
         if self.is_rank0:
             r = self.cfg.refit
             self.sender = make_refit_sender(
