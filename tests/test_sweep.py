@@ -19,8 +19,10 @@ RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
 TINY = ["max_steps=2", "logger.tensorboard=false", "checkpoint.save_final=false"]
 
 
-def _run_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+def _run_cli(
+    *args: str, timeout: float = 400, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160", **(env or {})}
     return subprocess.run(
         [*RLTRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -202,21 +204,29 @@ def test_grid_sweep_of_four_tiny_trials(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_failing_trial_is_recorded_and_resume_skips_finished(tmp_path):
-    # A model folder that exists but holds no model: only loading it can find out.
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    # A reward that raises: importable (pre-validation passes), fails only when called.
+    # Under reward.on_error=zero it scores 0 and the trial finishes; under fail it stops it.
+    (tmp_path / "raising_reward.py").write_text(
+        "def score(response, reference):\n    raise RuntimeError('deliberately broken reward')\n"
+    )
     out = tmp_path / "sweep"
-    args = ["sweep", "grpo", f"model.path=null,{broken}", *TINY, f"output_dir={out}"]
-    proc = _run_cli(*args)
+    args = [
+        "sweep",
+        "grpo",
+        "reward.fn=raising_reward:score",
+        "reward.on_error=zero,fail",
+        *TINY,
+        f"output_dir={out}",
+    ]
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = _run_cli(*args, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 of 2 trials failed (trial_001)" in " ".join(proc.stderr.split())
     trials = _trials(out)
     assert trials["trial_000"]["status"] == "completed" and trials["trial_000"]["steps"] == 2
     failed = trials["trial_001"]
-    # The reason is recorded (the loader's own words: which depends on where loading stops).
     assert failed["status"] == "failed" and failed["steps"] == 0
-    assert "tokenizer" in failed["error"] or "broken-model" in failed["error"]
+    assert "deliberately broken reward" in failed["error"]
     assert [(r["status"], r["error"]) for r in _csv(out)] == [
         ("completed", ""),
         ("failed", failed["error"]),
@@ -225,15 +235,15 @@ def test_failing_trial_is_recorded_and_resume_skips_finished(tmp_path):
     stamp = done_metrics.stat().st_mtime_ns
 
     # Without --resume the folder is refused; with it, only the failed trial runs again.
-    proc = _run_cli(*args)
+    proc = _run_cli(*args, env=env)
     assert proc.returncode == 2 and "--resume" in proc.stderr
-    proc = _run_cli(*args, "--resume")
+    proc = _run_cli(*args, "--resume", env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     trials = _trials(out)
     assert trials["trial_000"]["status"] == "completed" and trials["trial_000"]["resumed"]
     assert done_metrics.stat().st_mtime_ns == stamp
     assert trials["trial_001"]["status"] == "failed" and not trials["trial_001"]["resumed"]
-    assert (out / "trial_001" / "trial.log").is_file()
+    assert "deliberately broken reward" in (out / "trial_001" / "trial.log").read_text()
 
 
 @pytest.mark.e2e

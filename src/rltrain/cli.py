@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,7 +18,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "ppo")
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),
@@ -66,8 +67,14 @@ def grpo(overrides: Overrides = None) -> None:
 
 
 @app.command()
+def ppo(overrides: Overrides = None) -> None:
+    """Train with PPO (critic + GAE). With no overrides: the embedded default (tiny model, copy task, CPU)."""
+    _train("ppo", overrides)
+
+
+@app.command()
 def plan(
-    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo.")],
+    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo or ppo.")],
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
@@ -188,7 +195,12 @@ def recipes() -> None:
 
 @app.command()
 def report(
-    run_dir: Annotated[str, typer.Argument(help="Output folder of a run (holds metrics.jsonl).")],
+    run_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Output folder of a run (holds metrics.jsonl) or of a sweep (holds sweep.json)."
+        ),
+    ],
     out: Annotated[
         str | None, typer.Option("--out", help="Folder for the PNGs (default RUN_DIR/report).")
     ] = None,
@@ -196,7 +208,11 @@ def report(
     """Plot a run's metrics (reward, accuracy, loss, KL, entropy, lengths, step time) as PNGs and print a summary."""
     from rltrain.config.errors import ConfigError
     from rltrain.logging.report import load_metrics, plot_run, summary_table
+    from rltrain.sweep.results import is_sweep_dir
 
+    if is_sweep_dir(Path(run_dir)):  # a sweep folder: regenerate its CSV and comparison plot
+        _sweep_report(Path(run_dir))
+        return
     try:
         history = load_metrics(run_dir)
         paths = plot_run(run_dir, out)
@@ -204,6 +220,20 @@ def report(
         _fail(str(exc), 2)
     console.print(summary_table(history, title=f"rltrain report: {run_dir}"))
     console.print(f"{len(paths)} plots in {paths[0].parent}: " + ", ".join(p.name for p in paths))
+
+
+def _sweep_report(sweep_dir: Path) -> None:
+    """``rltrain report SWEEP_DIR``: sweep.json metrics, sweep.csv and the plot, from the trial folders."""
+    from rltrain.sweep.launch import print_outcome
+    from rltrain.sweep.results import write_report
+
+    try:
+        outputs = write_report(sweep_dir)
+    except (KeyError, ValueError) as exc:
+        _fail(f"{sweep_dir}/sweep.json is not a readable sweep record ({exc}); rerun the sweep.", 2)
+    from rltrain.sweep.results import load_sweep
+
+    print_outcome(console, load_sweep(sweep_dir), outputs)
 
 
 @app.command("eval")

@@ -58,6 +58,7 @@ class SweepSpace:
         axes = []
         for p in self.params:
             if p.kind == "interval":
+                assert p.low is not None and p.high is not None
                 ends = (int(p.low), int(p.high)) if p.integer else (p.low, p.high)
                 axes.append([f"{p.key}={v!r}" for v in dict.fromkeys(ends)])
             else:

@@ -252,7 +252,7 @@ def run_sweep(algorithm: str, overrides: list[str], opts: SweepOptions, console:
             outputs = results.write_report(out)
             final = results.load_sweep(out)
             console.print(sweep_table(states, title, opts.metric))
-            _print_outcome(console, final, outputs)
+            print_outcome(console, final, outputs)
     return final
 
 
@@ -268,7 +268,7 @@ def _states_and_source(
     """Trial states (earlier finished ones marked done) and where new trials come from."""
     prior_trials = {t["name"]: t for t in (prior or {}).get("trials", [])}
     if opts.search == "grid":
-        states = []
+        grid: list[TrialState] = []
         for spec in specs:
             state = TrialState(spec)
             old = prior_trials.get(spec.name)
@@ -281,8 +281,8 @@ def _states_and_source(
                 state.status, state.resumed, state.wall_s = "completed", True, old.get("wall_s")
                 state.rows = results.read_metrics(out / spec.name)
             state.continue_run = old is not None and old["status"] == "interrupted"
-            states.append(state)
-        return states, GridSource(states)
+            grid.append(state)
+        return grid, GridSource(grid)
 
     from rltrain.sweep.search import OptunaSource
 
@@ -323,9 +323,10 @@ def _states_and_source(
     return states, source
 
 
-def _print_outcome(console: Console, record: dict, outputs: dict[str, str]) -> None:
+def print_outcome(console: Console, record: dict, outputs: dict[str, str]) -> None:
+    """Trial counts, failed trials with their errors, the best trial, and where the outputs are."""
     trials = record["trials"]
-    counts = {}
+    counts: dict[str, int] = {}
     for t in trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1
     console.print(

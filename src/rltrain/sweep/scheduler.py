@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rltrain.plan import Resources
 from rltrain.sweep.results import read_metrics
@@ -48,7 +49,7 @@ class TrialState:
     pruning: bool = False
     resumed: bool = False  # completed in an earlier invocation (--resume)
     continue_run: bool = False  # interrupted earlier: continue from its last checkpoint if any
-    search_trial: object | None = None  # the Optuna trial, for a search
+    search_trial: Any = None  # the optuna.trial.Trial, for a search
 
     @property
     def dir(self) -> Path:

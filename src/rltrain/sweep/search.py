@@ -116,8 +116,8 @@ class OptunaSource(TrialSource):
         if value is None or math.isnan(float(value)):
             return False
         trial = state.search_trial
-        trial.report(float(value), step)  # type: ignore[union-attr]
-        return bool(trial.should_prune())  # type: ignore[union-attr]
+        trial.report(float(value), step)
+        return bool(trial.should_prune())
 
     def finished(self, state: TrialState) -> None:
         trial, states = state.search_trial, self.optuna.trial.TrialState

@@ -75,12 +75,41 @@ def trial_config(
     return cfg, choices
 
 
+def check_inputs(cfg: RunConfig, checked: dict[str, None]) -> None:
+    """What a run checks before its cluster starts: the model on disk, the tokenizer, the
+    data rows and the reward's import path. Done once per distinct model/data/reward."""
+    from dataclasses import asdict
+
+    key = repr((cfg.model.path, cfg.model.tokenizer, cfg.model.tiny, asdict(cfg.data), cfg.reward))
+    if key in checked:
+        return
+    from rltrain.data import build_task
+    from rltrain.models.loader import check_model_available, load_tokenizer
+
+    check_model_available(cfg)
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a folder that is not a usable model is the user's input
+        raise ConfigError(
+            f"the tokenizer of model.path='{cfg.model.path}' could not be loaded "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); point model.path "
+            "(or model.tokenizer) at a Hugging Face model folder."
+        ) from exc
+    build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
+    checked[key] = None
+
+
 def prepare(specs: list[TrialSpec], algorithm: str, share: Resources, out: Path) -> list[TrialSpec]:
-    """Compose, validate and plan every trial; the first bad one raises ConfigError naming it."""
+    """Compose, validate, plan and check the inputs of every trial; the first bad one
+    raises ConfigError naming the trial, its swept overrides and the key."""
+    checked: dict[str, None] = {}
     for spec in specs:
         try:
             spec.cfg, spec.choices = trial_config(spec.overrides, algorithm, share, out, spec.name)
             spec.plan = make_plan(spec.cfg, share, spec.choices)
+            check_inputs(spec.cfg, checked)
         except ConfigError as exc:
             raise ConfigError(f"{spec.name} ({spec.label}): {exc}") from exc
     return specs
