@@ -286,9 +286,10 @@ def test_help_lists_exactly_the_commands():
     assert result.exit_code == 0, result.output
     panel = result.output.split("Commands", 1)[1]
     listed = re.findall(r"^[│|]\s(\w[\w-]*)\s{2,}", panel, flags=re.M)
-    assert listed == ["grpo", "plan", "sweep", "recipes", "report", "eval"]
+    assert listed == ["grpo", "ppo", "plan", "sweep", "recipes", "report", "eval"]
     assert set(typer.main.get_command(app).commands) == {
         "grpo",
+        "ppo",
         "plan",
         "sweep",
         "recipes",
