@@ -40,5 +40,8 @@ typecheck: setup
 bench: setup  ## per-step cost of the embedded default across actors
 	$(PY) scripts/bench_step.py
 
+bench-refit: setup  ## refit: raw broadcast vs end-to-end on 2 GPUs (ARGS=--smoke on CPU)
+	$(PY) scripts/bench_refit.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -185,3 +185,21 @@ def test_total_optimizer_steps():
     cfg = tiny_config(**{"max_steps": 10, "train.mini_batch_size": 64, "train.epochs": 2})
     # 32 prompts x 8 samples = 256 sequences, 4 mini batches, 2 epochs, 10 steps.
     assert total_optimizer_steps(cfg) == 80
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["optim.lr_schedule=linear"], "optim.lr_schedule=linear"),
+        (["optim.warmup_steps=5"], "optim.warmup_steps=5"),
+        (["optim.lr_schedule=cosine", "optim.min_lr_ratio=1.5"], "optim.min_lr_ratio"),
+        (["checkpoint.keep_last=-1"], "checkpoint.keep_last"),
+        (["resume=auto"], "resume=auto"),
+    ],
+)
+def test_bad_schedule_and_resume_keys_are_named(overrides, key):
+    from rltrain.config.compose import compose
+    from rltrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose(overrides, algorithm="grpo")

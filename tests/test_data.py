@@ -196,3 +196,30 @@ def test_chat_template_applied_when_the_tokenizer_has_one():
     cfg_off = _gsm8k_cfg(**{"data.use_chat_template": "false"})
     plain = DatasetTask(cfg_off.data, cfg_off.seed, tok, cfg_off.reward)
     assert not plain.items[0].prompt.startswith("<")
+
+
+def test_hf_dataset_name_with_a_validation_split(tmp_path):
+    """data.hf_name goes through datasets.load_dataset; a local data folder stands in for the
+    hub cache (no network in tests): its train/test files are the splits."""
+    rows = _rows(30)
+    folder = tmp_path / "gsm8k_hf"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:24]) + "\n")
+    (folder / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows[24:]) + "\n")
+    cfg = _gsm8k_cfg(
+        **{
+            "data.path": "null",
+            "data.hf_name": str(folder),
+            "data.val_split": "test",
+            "data.val_fraction": 0.0,
+            "data.max_prompt_tokens": 2000,
+        }
+    )
+    task = _task(cfg)
+    assert (len(task.items), len(task.validation())) == (24, 6)
+    assert task.validation()[-1].answer == rows[29]["answer"]
+    missing = _gsm8k_cfg(
+        **{"data.path": "null", "data.hf_name": str(tmp_path / "nope"), "data.val_fraction": 0.0}
+    )
+    with pytest.raises(ConfigError, match=r"data.hf_name='.*nope'.*could not be loaded.*HF_HOME"):
+        _task(missing)

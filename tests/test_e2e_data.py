@@ -68,10 +68,26 @@ def test_gsm8k_run_with_eval_report_and_standalone_eval(tmp_path):
     assert proc.stderr.count("prompt too long") == 1
 
     ckpt = out / "checkpoints" / "step_000002"
-    proc = _run_cli("eval", str(ckpt), *DATA, "--json")
+    # A run's checkpoint is evaluated with that run's config (data, eval): no overrides needed.
+    proc = _run_cli("eval", str(ckpt), "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = json.loads(proc.stdout)
     assert metrics["val/prompts"] == 4.0
     # Greedy evaluation of the same weights on the same prompts gives the same accuracy.
     for key in ("val/accuracy", "val/reward_mean", "val/response_length"):
         assert metrics[key] == rows[1][key], key
+
+
+def test_eval_of_a_run_checkpoint_takes_key_value_overrides_only(tmp_path):
+    from rltrain.config.compose import load_run_config, to_yaml
+    from rltrain.config.errors import ConfigError
+    from tests.conftest import tiny_config
+
+    run_cfg = tmp_path / "config.yaml"
+    run_cfg.write_text(to_yaml(tiny_config(**{"eval.max_prompts": 8})))
+    cfg = load_run_config(run_cfg, ["eval.max_prompts=3", "model.path=/ckpt"])
+    assert (cfg.eval.max_prompts, cfg.model.path, cfg.data.task) == (3, "/ckpt", "copy")
+    with pytest.raises(ConfigError, match="give key=value overrides"):
+        load_run_config(run_cfg, ["data=gsm8k"])
+    with pytest.raises(ConfigError, match="did you mean 'eval.max_prompts'"):
+        load_run_config(run_cfg, ["eval.max_prompt=3"])

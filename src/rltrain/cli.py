@@ -18,7 +18,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "ppo")
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),
@@ -67,8 +67,14 @@ def grpo(overrides: Overrides = None) -> None:
 
 
 @app.command()
+def ppo(overrides: Overrides = None) -> None:
+    """Train with PPO (critic + GAE). With no overrides: the embedded default (tiny model, copy task, CPU)."""
+    _train("ppo", overrides)
+
+
+@app.command()
 def plan(
-    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo.")],
+    algorithm: Annotated[str, typer.Argument(help="Algorithm: grpo or ppo.")],
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
@@ -243,14 +249,22 @@ def eval_(
 ) -> None:
     """Greedy accuracy (eval.samples_per_prompt>1: pass@k) of a model on the validation split.
 
-    Pass the run's data overrides (e.g. data=gsm8k data.path=...); model.path is set to MODEL.
+    A checkpoint of a run (RUN/checkpoints/step_N) is evaluated with that run's
+    config.yaml (data, reward, eval) plus key=value overrides; any other model
+    with the composed config (e.g. data=gsm8k data.path=...). model.path is set to MODEL.
     """
+    from pathlib import Path
+
+    from rltrain.algorithms.evaluate import evaluate_model
+    from rltrain.config.compose import load_run_config
     from rltrain.config.errors import ConfigError
 
-    cfg, _ = _compose("grpo", [*(overrides or []), f"model.path={model}"])
-    from rltrain.algorithms.evaluate import evaluate_model
-
+    run_config = Path(model).parent.parent / "config.yaml"
     try:
+        if run_config.is_file():
+            cfg = load_run_config(run_config, [*(overrides or []), f"model.path={model}"])
+        else:
+            cfg, _ = _compose("grpo", [*(overrides or []), f"model.path={model}"])
         metrics = evaluate_model(cfg)
     except ConfigError as exc:
         _fail(str(exc), 2)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, value_run_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -69,6 +69,7 @@ class RunPlan:
     colocated: bool
     memory: dict[str, object]
     choices: dict[str, str]
+    value_batch: BatchPlan | None = None  # PPO: the critic's batch math over its own dp
     # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
     inputs: dict[str, object] = field(default_factory=dict)
 
@@ -244,27 +245,56 @@ def make_plan(
         _check_vllm_on_cpu(cfg)
     model_parallel = d.tp * d.cp
     rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
+    ppo = cfg.algorithm.name == "ppo"
+    vd = value_run_config(cfg).dtensor if ppo else None
+    # PPO's critic takes GPUs of its own: a fixed count when its dp (or the
+    # policy's, which it inherits) is set, else a share of every policy dp rank.
+    value_fixed, value_per_dp = 0, 0
+    if vd is not None:
+        if cfg.value.dtensor.dp is not None or d.dp is not None:
+            value_fixed = vd.dp * vd.tp
+        else:
+            value_per_dp = vd.tp
     if device == "cuda":
         free = resources.num_gpus - rollout_gpus
-        dp = d.dp if d.dp is not None else free // model_parallel
-        if dp < 1 or dp * model_parallel > free:
+        if value_fixed and value_fixed >= free:
+            raise ConfigError(
+                f"the value model's mesh (value.dtensor dp x tp = {value_fixed}) leaves no GPU of the "
+                f"{free} left after rollout for the policy; lower value.dtensor.dp/tp or rollout.replicas."
+            )
+        free -= value_fixed
+        model_parallel_auto = model_parallel + value_per_dp
+        dp = d.dp if d.dp is not None else free // model_parallel_auto
+        if dp < 1 or dp * model_parallel_auto > free:
             raise ConfigError(
                 f"dtensor.dp={d.dp if d.dp is not None else 'auto'} x dtensor.tp={d.tp} x dtensor.cp={d.cp} "
                 f"needs more GPUs than the {free} left for training ({resources.num_gpus} GPUs, "
                 f"{rollout_gpus} for rollout); lower dtensor.tp/dp or rollout.replicas."
             )
-        if d.dp is None and free % model_parallel:
+        if d.dp is None and free % model_parallel_auto:
             raise ConfigError(
-                f"dtensor.tp={d.tp} x dtensor.cp={d.cp} does not divide the {free} training GPUs; "
-                f"use a tp x cp that divides {free}."
+                f"dtensor.tp={d.tp} x dtensor.cp={d.cp}"
+                + (f" + value.dtensor.tp={value_per_dp}" if value_per_dp else "")
+                + f" does not divide the {free} training GPUs; "
+                f"use a tp x cp that divides {free}"
+                + (" or set dtensor.dp." if value_per_dp else ".")
             )
     else:
         dp = d.dp if d.dp is not None else 1
     batch = _batch_plan(cfg, dp)
+    value_dp = 0
+    value_batch = None
+    if vd is not None:
+        value_dp = cfg.value.dtensor.dp or dp
+        try:
+            value_batch = _batch_plan(cfg, value_dp)
+        except ConfigError as exc:
+            raise ConfigError(f"value model (value.dtensor.dp={value_dp}): {exc}") from exc
+    value_world = value_dp * vd.tp * vd.cp if vd is not None else 0
 
     trainer_world = dp * model_parallel
     backend = "nccl" if device == "cuda" else "gloo"
-    n_actors = trainer_world + ro.replicas
+    n_actors = trainer_world + ro.replicas + value_world
     if device == "cuda":
         trainer_bundle: dict[str, float] = {"CPU": 1.0, "GPU": 1.0}
         rollout_bundle: dict[str, float] = {"CPU": 1.0, "GPU": float(ro.tp)}
@@ -320,6 +350,13 @@ def make_plan(
             ],
         ),
     ]
+    if vd is not None:
+        roles.append(_value_role(cfg, vd, value_world, value_dp, trainer_bundle, device, backend))
+        roles[-1].threads = (
+            (threads or 0)
+            if device == "cuda"
+            else threads or max(1, resources.num_cpus // value_world)
+        )
     n_params = estimate_num_params(cfg)
     memory: dict[str, object] = {"num_params": n_params}
     if n_params is not None:
@@ -330,6 +367,9 @@ def make_plan(
             DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp
         )
         memory["refit_bytes_per_step"] = DTYPE_BYTES[p.refit_dtype] * n_params
+        if vd is not None:
+            # Same estimate for the critic's backbone (its LM head is dropped; the 1-wide head is noise).
+            memory["value_bytes_per_rank"] = 16 * n_params // (value_dp * vd.tp)
     return RunPlan(
         algorithm=cfg.algorithm.name,
         device=device,
@@ -356,12 +396,46 @@ def make_plan(
             },
             "rollout": p.rollout_dtype,
             "refit": p.refit_dtype,
+            **({"value": _value_precision(cfg)} if vd is not None else {}),
         },
         colocated=ro.colocated,
         memory=memory,
         choices=dict(choices or {}),
+        value_batch=value_batch,
         inputs=plan_inputs(cfg),
     )
+
+
+def _value_precision(cfg: RunConfig) -> dict[str, object]:
+    vp = value_run_config(cfg).precision
+    return {
+        "master": "float32",
+        "param": vp.param_dtype,
+        "reduce": vp.reduce_dtype,
+        "grad_scaler": vp.grad_scaler.enabled,
+        "growth_interval": vp.grad_scaler.growth_interval,
+        "head": "float32",
+    }
+
+
+def _value_role(
+    cfg: RunConfig, vd, world: int, dp: int, bundle: dict[str, float], device: str, backend: str
+) -> RolePlan:
+    """PPO's critic: its own gang (placement bundles, process group) on its own mesh."""
+    vp = value_run_config(cfg).precision
+    v = cfg.value
+    notes = [
+        f"backbone of {v.model_path or cfg.model.path or 'the tiny model'} + fresh scalar head, lr {v.lr}",
+        f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={vd.tp}" if vd.tp > 1 else ""),
+        f"fp32 master weights, compute {vp.param_dtype}, grad reduce {vp.reduce_dtype}; "
+        "value head and its optimizer state fp32",
+        f"clipped value loss (clip {v.clip}), values right-shifted"
+        + ("" if v.right_shift else " OFF (value.right_shift=false: diagnostic only)"),
+    ]
+    if vp.grad_scaler.enabled:
+        notes.append(f"sharded grad scaler (growth_interval={vp.grad_scaler.growth_interval})")
+    mesh = {"dp": dp, "tp": vd.tp, "cp": vd.cp}
+    return RolePlan("value", world, mesh, dict(bundle), device, vp.param_dtype, backend, 0, notes)
 
 
 def plan_inputs(cfg: RunConfig) -> dict[str, object]:

@@ -43,9 +43,17 @@ def plan_tree(plan: RunPlan) -> Tree:
     batch.add(
         f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} accumulation step(s)"
     )
+    if plan.value_batch is not None:
+        vb = plan.value_batch
+        batch.add(
+            f"value: micro batch {vb.micro_batch} per rank x dp {vb.dp} -> {vb.grad_accum_steps} "
+            f"accumulation step(s), {vb.optimizer_steps_per_rollout} optimizer step(s) per rollout"
+        )
     p = plan.precision
     prec = tree.add(f"precision {p['name']}")
     prec.add(f"policy: {p['policy']}")
+    if "value" in p:
+        prec.add(f"value: {p['value']}")
     prec.add(f"rollout: {p['rollout']}, refit: {p['refit']}")
     rf = plan.refit
     refit = tree.add(

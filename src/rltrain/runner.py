@@ -157,7 +157,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 ctx.restore(resume_from)
                 console.print(
                     f"resumed from {resume_from} (step {ctx.start_step}, "
-                    f"weight version {ctx.weight_version})"
+                    f"weight version {ctx.weight_version})",
+                    soft_wrap=True,
                 )
             startup_s = time.perf_counter() - t0
             with RunProgress(cfg.max_steps, cfg.logger.progress, console) as progress:
@@ -202,6 +203,10 @@ def _algorithm_loop(name: str):
         from rltrain.algorithms.grpo import train_grpo
 
         return train_grpo
+    if name == "ppo":
+        from rltrain.algorithms.ppo import train_ppo
+
+        return train_ppo
     raise ValueError(f"no loop for algorithm {name}")
 
 
@@ -219,5 +224,13 @@ def _summary(history: list[dict], startup_s: float, wall_s: float, outputs: dict
         "reward_last10": avg(last, "reward/mean"),
         "exact_match_first10": avg(first, "reward/exact_match"),
         "exact_match_last10": avg(last, "reward/exact_match"),
+        **(
+            {
+                "explained_variance_first10": avg(first, "value/explained_variance"),
+                "explained_variance_last10": avg(last, "value/explained_variance"),
+            }
+            if history and "value/explained_variance" in history[0]
+            else {}
+        ),
         "outputs": outputs,
     }

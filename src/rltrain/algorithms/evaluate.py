@@ -88,13 +88,14 @@ def evaluate_model(cfg: RunConfig) -> dict[str, float]:
             "the validation split is empty; set data.val_fraction (e.g. 0.02), data.val_path "
             "or data.val_split."
         )
-    if cfg.rollout.engine != "torch":
-        raise ConfigError(
-            f"rltrain eval runs the torch engine in-process; add rollout=torch (rollout.engine="
-            f"{cfg.rollout.engine} needs the Ray rollout pool)."
-        )
-    from rltrain.rollout.torch_engine import TorchEngine
-
     use_cuda = cfg.cluster.device != "cpu" and torch.cuda.is_available()
-    engine = TorchEngine(cfg, "cuda" if use_cuda else "cpu")
+    device = "cuda" if use_cuda else "cpu"
+    if cfg.rollout.engine == "vllm":
+        from rltrain.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(cfg, device)
+    else:
+        from rltrain.rollout.torch_engine import TorchEngine
+
+        engine = TorchEngine(cfg, device)
     return evaluate(engine.generate, task, tokenizer, cfg)

@@ -7,7 +7,6 @@ blocked tokens), otherwise the importance ratio drifts from 1 on-policy.
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 
 
 def scale_logits(
@@ -51,24 +50,41 @@ def token_logprobs(
     return logprobs_BT, entropy_BT
 
 
-def _chunk_logprobs(
-    hidden_NH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    targets_N: torch.Tensor,
-    temperature: float,
-    blocked_ids: torch.Tensor | None,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.nn.functional.linear(hidden_NH, weight_VH)
-    logp_all = torch.log_softmax(scale_logits(logits, temperature, blocked_ids), dim=-1)
-    lp = logp_all.gather(-1, targets_N[:, None]).squeeze(-1)
-    if not with_entropy:
-        return lp, torch.zeros_like(lp)
-    with torch.no_grad():  # a metric: keep it out of the autograd graph
-        logp = logp_all.detach()
-        p = logp.exp()
-        ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
-    return lp, ent
+class _ChunkLogprobs(torch.autograd.Function):
+    """logprob (and entropy) of one chunk of positions; saves no logits for backward.
+
+    Forward: logits = hidden @ W^T (compute dtype) -> fp32, / temperature,
+    blocked ids -inf, log-softmax, gather the targets. Backward recomputes the
+    chunk's softmax: d lp / d scaled logits = onehot(target) - p, so only the
+    hidden slice and the weight are kept between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, blocked_ids, with_entropy):
+        logits = torch.nn.functional.linear(hidden_NH, weight_VH)
+        logp_all = torch.log_softmax(scale_logits(logits, temperature, blocked_ids), dim=-1)
+        lp = logp_all.gather(-1, targets_N[:, None]).squeeze(-1)
+        if with_entropy:
+            p = logp_all.exp()
+            ent = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
+        else:
+            ent = torch.zeros_like(lp)
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, blocked_ids)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp_N, _grad_ent):
+        hidden, weight, targets, blocked = ctx.saved_tensors
+        logits = torch.nn.functional.linear(hidden, weight)
+        p = torch.softmax(scale_logits(logits, ctx.temperature, blocked), dim=-1)
+        grad_scaled = p.mul_(-grad_lp_N[:, None])
+        grad_scaled.scatter_add_(-1, targets[:, None], grad_lp_N[:, None])
+        grad_logits = (grad_scaled / ctx.temperature).to(logits.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -85,16 +101,16 @@ def chunked_token_logprobs(
 
     ``hidden_BTH`` are the final-norm hidden states and ``weight_VH`` the
     output embedding; the logits are formed ``chunk_tokens`` positions at a
-    time (fp32 log-softmax per chunk). Under autograd each chunk is
-    checkpointed: only its hidden-state slice is kept and the chunk's logits
-    are recomputed in backward. Same alignment, masking and values as
+    time (fp32 log-softmax per chunk). Under autograd only each chunk's
+    hidden-state slice is kept; its logits are recomputed in backward. Same
+    alignment, masking and values as
     :func:`token_logprobs` on ``lm_head(hidden)``.
     """
     B, T, H = hidden_BTH.shape
     hidden = hidden_BTH[:, :-1].reshape(-1, H)
     targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device)
     lps, ents = [], []
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight_VH.requires_grad)
+    empty = torch.zeros(0, dtype=torch.long, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, hidden.shape[0])
         args = (
@@ -102,13 +118,10 @@ def chunked_token_logprobs(
             weight_VH,
             targets[start:end],
             temperature,
-            blocked_ids,
+            blocked_ids if blocked_ids is not None else empty,
             with_entropy,
         )
-        if grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
+        lp, ent = _ChunkLogprobs.apply(*args)
         lps.append(lp)
         ents.append(ent)
     lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)

@@ -91,3 +91,42 @@ def clipped_pg_terms(
         out["loss"] = pg + kl_coef * kl
         out["kl"] = kl.detach()
     return out
+
+
+def clipped_value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip: float | None,
+    normalizer: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss, token level.
+
+    loss = sum_t mask * 0.5 * max((V - R)^2, (old + clip(V - old, -c, c) - R)^2) / normalizer,
+    with ``clip=None`` the plain 0.5 (V - R)^2. ``normalizer`` is the valid-token
+    count of the whole optimizer step across data-parallel ranks (as in
+    :func:`clipped_pg_loss`). Returns (loss, un-normalised metric sums:
+    ``vf_loss_sum``, ``vf_clip_sum`` = tokens where the clipped term was taken,
+    ``value_sum``).
+    """
+    mask = mask_BT.to(values_BT.dtype)
+    returns = returns_BT.to(values_BT.dtype)
+    unclipped = (values_BT - returns) ** 2
+    if clip is None:
+        per_token = unclipped
+        clipped_taken = torch.zeros_like(unclipped)
+    else:
+        old = old_values_BT.to(values_BT.dtype)
+        v_clipped = old + (values_BT - old).clamp(-clip, clip)
+        clipped = (v_clipped - returns) ** 2
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_taken = (clipped > unclipped).to(mask.dtype)
+    per_token = 0.5 * per_token
+    loss = masked_sum(per_token, mask) / normalizer
+    stats = {
+        "vf_loss_sum": masked_sum(per_token, mask).detach(),
+        "vf_clip_sum": masked_sum(clipped_taken, mask).detach(),
+        "value_sum": masked_sum(values_BT, mask).detach(),
+    }
+    return loss, stats

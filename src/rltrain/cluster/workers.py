@@ -107,9 +107,12 @@ class Workers:
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
         policy, rollout = plan.role("policy"), plan.role("rollout")
+        value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         bundles = [dict(policy.bundle) for _ in range(policy.world_size)] + [
             dict(rollout.bundle) for _ in range(rollout.world_size)
         ]
+        if value_role is not None:
+            bundles += [dict(value_role.bundle) for _ in range(value_role.world_size)]
         bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
         self.pg = placement_group(bundles, strategy="PACK")
         try:
@@ -117,7 +120,9 @@ class Workers:
         except GetTimeoutError as exc:
             raise WorkerError(
                 f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
-                f"{bundles[-1]} for rollout) within {self.timeout}s; it offers {ray.cluster_resources()}"
+                f"{dict(rollout.bundle)} for rollout"
+                + (", the value ranks as the policy" if value_role is not None else "")
+                + f") within {self.timeout}s; it offers {ray.cluster_resources()}"
             ) from exc
 
         def spawn(bundle_index: int, bundle: dict[str, float]):
@@ -137,6 +142,13 @@ class Workers:
                 for i in range(rollout.world_size)
             ],
         )
+        self.value: Gang | None = None
+        if value_role is not None:
+            first = policy.world_size + rollout.world_size
+            self.value = Gang(
+                "value",
+                [spawn(first + i, bundles[first + i]) for i in range(value_role.world_size)],
+            )
         host, port = wait(
             [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
         )[0]
@@ -153,7 +165,30 @@ class Workers:
             a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
-        wait(builds, self.policy.names() + self.rollout.names(), self.timeout, "building workers")
+        names = self.policy.names() + self.rollout.names()
+        if self.value is not None and value_role is not None:
+            # The critic's own process group: its rank 0 hosts the rendezvous.
+            vhost, vport = wait(
+                [self.value.actors[0].endpoint.remote()], ["value rank 0"], self.timeout, "start-up"
+            )[0]
+            builds += [
+                a.build.remote(
+                    "rltrain.train.value_worker.ValueWorker",
+                    cfg,
+                    DistEnv(
+                        rank,
+                        value_role.world_size,
+                        vhost,
+                        vport,
+                        value_role.backend,
+                        cfg.refit.timeout_s,
+                    ),
+                    value_role.threads,
+                )
+                for rank, a in enumerate(self.value.actors)
+            ]
+            names += self.value.names()
+        wait(builds, names, self.timeout, "building workers")
         self._init_refit()
 
     # -- refit wiring -----------------------------------------------------------------------
@@ -300,12 +335,70 @@ class Workers:
         return metrics, self._gather_rows([o for _, o in out], index, batch.input_ids_BT)
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        return wait(
+        out = wait(
             self.policy.call_all("export_hf", path, metadata),
             self.policy.names(),
             None,
             "checkpoint",
         )[0]
+        if self.value is not None:  # the critic next to the policy: <path>/value
+            wait(
+                self.value.call_all("export_hf", f"{path}/value", {**metadata, "role": "value"}),
+                self.value.names(),
+                None,
+                "value checkpoint",
+            )
+        return out
+
+    # -- value (PPO's critic) ------------------------------------------------------------------
+    def _value_shards(
+        self, batch: TrainBatch
+    ) -> tuple[list[TrainBatch], list[list[int]], list[list[int]], int]:
+        """Rows per value rank: like :meth:`_shards`, over the critic's own dp x tp mesh.
+
+        Returns per rank its TrainBatch, global row indices and row count per
+        mini batch, plus the critic's tp (ranks of one dp group share rows).
+        """
+        assert self.value is not None and self.plan.value_batch is not None, "algorithm is not ppo"
+        dp = self.plan.value_batch.dp
+        tp = len(self.value.actors) // dp
+        mini = self.plan.value_batch.mini_batch
+        lengths = row_lengths(batch)
+        index: list[list[int]] = [[] for _ in range(dp)]
+        counts: list[list[int]] = [[] for _ in range(dp)]
+        for start in range(0, batch.size, mini):
+            for d, group in enumerate(balance_by_tokens(lengths[start : start + mini], dp)):
+                index[d].extend(start + i for i in group)
+                counts[d].append(len(group))
+        ranks = range(len(self.value.actors))
+        return (
+            [batch.select(index[r // tp]) for r in ranks],
+            [index[r // tp] for r in ranks],
+            [counts[r // tp] for r in ranks],
+            tp,
+        )
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
+        assert self.value is not None
+        shards, index, _, tp = self._value_shards(batch)
+        refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
+        parts = wait(refs, self.value.names(), None, "values")
+        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for part, rows in zip(parts[::tp], index[::tp], strict=True):
+            out[rows] = part
+        return out
+
+    def train_value(self, batch: TrainBatch) -> dict[str, float]:
+        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
+        (already reduced over the critic's dp ranks)."""
+        assert self.value is not None
+        shards, _, counts, _ = self._value_shards(batch)
+        refs = [
+            a.call.remote("train", s, c)
+            for a, s, c in zip(self.value.actors, shards, counts, strict=True)
+        ]
+        return wait(refs, self.value.names(), None, "value train")[0]
 
     # -- trainer checkpoints ----------------------------------------------------------------
     def trainer_gangs(self) -> list[Gang]:
@@ -331,11 +424,13 @@ class Workers:
 
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement group."""
-        with contextlib.suppress(Exception):  # best effort on the way out
-            ray.get(self.policy.call_all("shutdown"), timeout=10)
+        value_actors = self.value.actors if self.value is not None else []
+        for gang in [self.policy] + ([self.value] if self.value is not None else []):
+            with contextlib.suppress(Exception):  # best effort on the way out
+                ray.get(gang.call_all("shutdown"), timeout=10)
         if self.cfg.rollout.engine == "vllm":  # frees the engine and its model folder
             with contextlib.suppress(Exception):
                 ray.get(self.rollout.call_all("shutdown"), timeout=10)
-        for a in self.policy.actors + self.rollout.actors:
+        for a in self.policy.actors + self.rollout.actors + value_actors:
             ray.kill(a)
         remove_placement_group(self.pg)

@@ -262,3 +262,34 @@ def load_yaml(path: str | Path) -> RunConfig:
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg)
     return cfg
+
+
+def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A run's config.yaml with ``key=value`` overrides on top (``rltrain eval`` of a run's checkpoint).
+
+    Group selections (``data=gsm8k``) do not apply to a resolved config: they
+    raise ConfigError saying to set the node's keys instead.
+    """
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if "=" not in o or "." not in key:
+            raise ConfigError(
+                f"override '{o}' cannot apply to the run's resolved config {path}; "
+                "give key=value overrides such as eval.max_prompts=100 (group options are already chosen)."
+            )
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(RunConfig),
+            OmegaConf.load(path),
+            OmegaConf.from_dotlist(list(overrides)),
+        )
+    except Exception as exc:  # noqa: BLE001 - unknown keys and bad values are the user's input
+        key = getattr(exc, "full_key", "") or ""
+        if key and re.search(r"not in|Key '", str(exc)):
+            raise _unknown_key_error(key) from exc
+        raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from exc
+    from rltrain.config.validate import validate
+
+    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg

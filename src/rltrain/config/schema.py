@@ -24,6 +24,15 @@ class AlgorithmConfig:
     # Divide group-centred rewards by the group std (Dr.GRPO sets this false).
     normalize_adv_by_std: bool = True
     adv_eps: float = 1e-6
+    # PPO (GAE): discount and trace decay of the actor's advantages; the critic's
+    # returns use value_gamma/value_lam (null = gamma/lam).
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_gamma: float | None = None
+    value_lam: float | None = None
+    whiten_advantages: bool = True
+    # PPO: steps before this one train only the critic (critic warm-up); 1 = from the start.
+    policy_training_start_step: int = 1
     # How per-token losses become the step's loss: token_mean (over every valid
     # token of the step) or seq_mean_token_mean (token mean per sequence, then
     # the mean over sequences).
@@ -279,6 +288,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class ValueDTensorConfig:
+    """The value model's mesh; every null field takes the policy's (``dtensor``) value."""
+
+    dp: int | None = None
+    tp: int | None = None
+    activation_checkpointing: bool | None = None
+    cpu_offload: bool | None = None
+
+
+@dataclass
+class ValueConfig:
+    """PPO's critic: the policy's backbone (or another model) with a fresh fp32 scalar head."""
+
+    model_path: str | None = None  # null = the policy's model (model.path / the tiny model)
+    lr: float = 1e-4
+    # Clip range of the value update around the old values; null = unclipped.
+    clip: float | None = 0.2
+    # fp32 | bf16 | fp16 for the backbone; null = the run's precision. The head
+    # and its optimizer state stay fp32 whatever this says.
+    precision: str | None = None
+    dtensor: ValueDTensorConfig = field(default_factory=ValueDTensorConfig)
+    # Diagnostic only (the right-shift ablation): false aligns V[t] with the state
+    # *after* token t, which is wrong for PPO. Keep true for training.
+    right_shift: bool = True
+
+
+@dataclass
 class RunConfig:
     """The whole run. Top-level keys seed, max_steps and output_dir are stable."""
 
@@ -298,6 +334,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    value: ValueConfig = field(default_factory=ValueConfig)  # used by algorithm=ppo only
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     # null = a fresh run; "auto" = continue from the newest complete checkpoint
@@ -306,3 +343,37 @@ class RunConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+# The precision group's options as (compute dtype, grad scaler on): what
+# value.precision=<name> selects for the critic's backbone.
+PRECISION_PRESETS = {
+    "fp32": ("float32", False),
+    "bf16": ("bfloat16", False),
+    "fp16": ("float16", True),
+}
+
+
+def value_run_config(cfg: RunConfig) -> RunConfig:
+    """The RunConfig the value worker's shared trainer machinery reads.
+
+    The policy's config with the critic's model path, learning rate, precision
+    and mesh substituted (null fields inherit the policy's). Pure; ``cfg`` is
+    not modified.
+    """
+    from dataclasses import replace
+
+    v = cfg.value
+    model = replace(cfg.model, path=v.model_path if v.model_path is not None else cfg.model.path)
+    if v.model_path is not None and cfg.model.tokenizer is None and cfg.model.path is not None:
+        model.tokenizer = cfg.model.path  # the policy's tokenizer produced the token ids
+    precision = replace(cfg.precision, grad_scaler=replace(cfg.precision.grad_scaler))
+    if v.precision is not None:
+        dtype, scaler = PRECISION_PRESETS[v.precision]
+        precision.name, precision.param_dtype = v.precision, dtype
+        precision.grad_scaler.enabled = scaler
+    overrides = {
+        k: getattr(v.dtensor, k) for k in ("dp", "tp", "activation_checkpointing", "cpu_offload")
+    }
+    dtensor = replace(cfg.dtensor, **{k: x for k, x in overrides.items() if x is not None})
+    optim = replace(cfg.optim, lr=v.lr)
+    return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim)

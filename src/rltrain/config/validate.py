@@ -7,11 +7,11 @@ Checks that need the cluster's size (dp auto, batch divisibility) live in
 from __future__ import annotations
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import DTYPES, RunConfig
+from rltrain.config.schema import DTYPES, PRECISION_PRESETS, RunConfig
 
 ENGINES = ("torch", "vllm")
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "ppo")
 TASKS = ("copy", "dataset")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
@@ -33,7 +33,7 @@ def validate(cfg: RunConfig) -> None:
     a = cfg.algorithm
     _choice("algorithm.name", a.name, ALGORITHMS)
     _positive("algorithm.prompts_per_step", a.prompts_per_step)
-    if a.samples_per_prompt < 2:
+    if a.name == "grpo" and a.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.samples_per_prompt={a.samples_per_prompt}: GRPO normalises rewards within a group, "
             "so it needs at least 2 samples per prompt."
@@ -52,6 +52,11 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     _choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
+    if t.attention == "flex" and cfg.cluster.device == "cpu":
+        raise ConfigError(
+            "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+            "use train.attention=sdpa or auto on cluster.device=cpu."
+        )
     _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
     o = cfg.optim
     if o.lr <= 0:
@@ -201,6 +206,41 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "resume=auto looks for checkpoints in the run's output folder; "
             "set output_dir (or run_name) to the run to continue."
+        )
+    if a.name == "ppo":
+        validate_ppo(cfg)
+
+
+def validate_ppo(cfg: RunConfig) -> None:
+    """PPO's GAE knobs and the ``value`` node (the critic)."""
+    a, v = cfg.algorithm, cfg.value
+    for key in ("gamma", "lam", "value_gamma", "value_lam"):
+        x = getattr(a, key)
+        if x is not None and not 0.0 <= x <= 1.0:
+            raise ConfigError(f"algorithm.{key}={x} must be in [0, 1].")
+    if a.policy_training_start_step < 1:
+        raise ConfigError(
+            f"algorithm.policy_training_start_step={a.policy_training_start_step} must be >= 1 "
+            "(1 = the policy trains from the first step)."
+        )
+    if v.lr <= 0:
+        raise ConfigError(f"value.lr={v.lr} must be > 0.")
+    if v.clip is not None and v.clip <= 0:
+        raise ConfigError(f"value.clip={v.clip} must be > 0, or null for an unclipped value loss.")
+    if v.precision is not None:
+        _choice("value.precision", v.precision, tuple(PRECISION_PRESETS))
+    if v.precision == "fp16" and cfg.precision.reduce_dtype != "float32":
+        raise ConfigError(
+            "value.precision=fp16 needs fp32 gradient reduction; set precision.reduce_dtype=float32."
+        )
+    d = v.dtensor
+    if d.dp is not None:
+        _positive("value.dtensor.dp", d.dp)
+    if d.tp is not None:
+        _positive("value.dtensor.tp", d.tp)
+    if (d.tp or cfg.dtensor.tp) == 1 and cfg.dtensor.sequence_parallel:
+        raise ConfigError(
+            "dtensor.sequence_parallel=true needs value.dtensor.tp>1 too; set value.dtensor.tp or turn it off."
         )
 
 

@@ -36,7 +36,7 @@ class RunProgress:
     def update(self, step: int, m: dict[str, float]) -> None:
         stats = (
             f"reward {m['reward/mean']:.3f}  exact {m.get('reward/exact_match', float('nan')):.2f}  "
-            f"loss {m['loss']:+.4f}  {m['throughput/steps_per_s']:.1f} step/s  "
+            f"loss {m.get('loss', float('nan')):+.4f}  {m['throughput/steps_per_s']:.1f} step/s  "
             f"{m['throughput/tokens_per_s']:.0f} tok/s"
         )
         self.progress.update(self.task, completed=step, stats=stats)
@@ -50,7 +50,7 @@ def summary_table(
     table.add_column("what")
     table.add_column("value", justify="right")
     first, last = history[:10], history[-10:]
-    for key in ("reward/mean", "reward/exact_match"):
+    for key in ("reward/mean", "reward/exact_match", "value/explained_variance"):
         if history and key in history[0]:
             table.add_row(f"{key} (first 10 steps)", f"{mean(r[key] for r in first):.3f}")
             table.add_row(f"{key} (last 10 steps)", f"{mean(r[key] for r in last):.3f}")

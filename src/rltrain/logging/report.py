@@ -118,7 +118,18 @@ def plot_metric(
     label = label or key
     smoothed = smooth(values)
     if len(steps) <= 30 or smoothed == values:
-        ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5, label=label, color=color)
+        # Sparse series (val/* every N steps) get bigger markers drawn on top of dense ones.
+        size = 6 if len(steps) < len(history) else 3
+        ax.plot(
+            steps,
+            values,
+            marker="o",
+            markersize=size,
+            linewidth=1.5,
+            label=label,
+            color=color,
+            zorder=3,
+        )
     else:
         (line,) = ax.plot(steps, values, linewidth=0.8, alpha=0.3, color=color)
         ax.plot(steps, smoothed, linewidth=1.8, label=f"{label} (smoothed)", color=line.get_color())
@@ -126,6 +137,9 @@ def plot_metric(
 
 
 def _style(ax, title: str, ylabel: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -168,7 +182,14 @@ def _draw_timing(ax, history: list[dict[str, float]]) -> None:
     steps = [int(r["step"]) for r in history]
     if stages and steps:
         stacks = [[float(r.get(k, 0.0)) for r in history] for k in stages]
-        ax.stackplot(steps, stacks, labels=[k.removeprefix("time/") for k in stages], alpha=0.85)
+        labels = [k.removeprefix("time/") for k in stages]
+        if len(steps) <= 30:  # few steps read better as stacked bars
+            bottom = [0.0] * len(steps)
+            for label, stack in zip(labels, stacks, strict=True):
+                ax.bar(steps, stack, bottom=bottom, label=label, alpha=0.85)
+                bottom = [b + v for b, v in zip(bottom, stack, strict=True)]
+        else:
+            ax.stackplot(steps, stacks, labels=labels, alpha=0.85)
         total = max(sum(col) for col in zip(*stacks, strict=True))
         ax.set_ylim(0, total * 1.35 or 1.0)  # headroom for the legend above the stack
         ax.legend(fontsize=8, loc="upper left", ncol=min(4, len(stages)))

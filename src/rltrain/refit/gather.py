@@ -106,8 +106,11 @@ class BucketGatherer:
         manifest: RefitManifest,
         root: int = 0,
         group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
     ):
         self.params = named_params
+        # Where the collective runs (the trainer's device; shards may sit on the CPU when offloaded).
+        self.device = device or next(iter(named_params.values())).device
         self.manifest = manifest
         self.group = group
         self.world = (
@@ -189,7 +192,7 @@ class BucketGatherer:
         chunk = self._chunk_numel[bucket.index]
         if chunk == 0:
             return
-        device = next(iter(self.params.values())).device
+        device = self.device
         send = torch.empty(chunk, dtype=dtype, device=device)
         for part in parts[self.rank]:
             local = _local(self.params[part.name])

@@ -180,7 +180,7 @@ class RewardFunction:
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
-        if self._child is None or not self._child.alive:
+        if self._child is None:
             self._child = _ChildRunner(self.fn)
         return self._child.call((response, reference), kwargs, self.timeout_s)
 
@@ -216,43 +216,50 @@ class RewardFunction:
 
 
 class _ChildRunner:
-    """A child process that runs reward calls (off the main thread); killed and restarted on a timeout.
+    """A child process that runs reward calls (off the main thread); replaced when a call overruns.
 
     ``spawn`` keeps the child free of the parent's threads and locks (Ray,
-    torch). Start-up (imports) is waited for separately, so it never counts
-    against a call's timeout.
+    torch). The replacement child starts right after the kill and imports
+    while the caller moves on; its start-up never counts against a call's timeout.
     """
 
     STARTUP_TIMEOUT_S = 120.0
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
-        self.alive = True
+        self._spawn()
+
+    def _spawn(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_end = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child_end, self.fn), daemon=True)
         self.proc.start()
         child_end.close()
-        if not self.conn.poll(self.STARTUP_TIMEOUT_S):
-            self.close()
-            raise RuntimeError("the reward child process did not start")
-        self.conn.recv()  # "ready"
+        self.ready = False
 
     def call(self, args: tuple, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        if not self.ready:
+            if not self.conn.poll(self.STARTUP_TIMEOUT_S):
+                raise RuntimeError("the reward child process did not start")
+            self.conn.recv()  # "ready"
+            self.ready = True
         self.conn.send((args, kwargs))
         if not self.conn.poll(timeout_s):
-            self.close()  # the next call starts a fresh child
+            self._kill()
+            self._spawn()
             raise RewardTimeout
         ok, value = self.conn.recv()
         if ok:
             return value
         raise value
 
-    def close(self) -> None:
-        self.alive = False
+    def _kill(self) -> None:
         self.proc.kill()
         self.proc.join(5)
         self.conn.close()
+
+    def close(self) -> None:
+        self._kill()
 
 
 def _serve(conn, fn: Callable[..., Any]) -> None:

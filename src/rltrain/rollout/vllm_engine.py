@@ -238,8 +238,9 @@ class VLLMEngine:
         transport: str = "gloo",
     ) -> None:
         """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest
-        comes from the policy. vLLM owns its weight storage, so every refit is copied in
-        through ``reload_weights`` (one copy)."""
+        comes from the policy. vLLM owns its weight storage and fuses parameters (qkv,
+        gate_up), so they cannot be views of the HF-named buckets: every refit is copied
+        in through ``reload_weights``."""
         r = self.cfg.refit
         self.refit_receiver = make_refit_receiver(
             transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify

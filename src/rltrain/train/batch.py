@@ -25,6 +25,11 @@ class TrainBatch:
     engine_logprobs_BT: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
+    # PPO: per-token GAE advantages (used instead of advantages_B when set), the
+    # critic's targets, and its values before the update (the clip's anchor).
+    advantages_BT: torch.Tensor | None = None
+    returns_BT: torch.Tensor | None = None
+    old_values_BT: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

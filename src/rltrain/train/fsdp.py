@@ -46,11 +46,22 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
-    """Megatron-style TP of each decoder block: q/k/v/gate/up column-, o/down row-parallel."""
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
+    """Megatron-style TP of each decoder block: q/k/v/gate/up column-, o/down row-parallel.
+
+    ``sequence_parallel``: between the blocks' matmuls the residual stream and
+    the RMSNorms run on sequence shards (DTensor ``Shard(1)``): attention and
+    MLP inputs are all-gathered, o/down outputs reduce-scattered over the
+    sequence. The first block shards its input, the last one gathers its
+    output, so embedding, final norm and head see full sequences as without it.
+    """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
@@ -70,8 +81,50 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
-    for layer in decoder_layers(model):
+    if sequence_parallel:
+        plan.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                # HF calls self_attn with keyword arguments only.
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    use_local_output=True,
+                ),
+                "self_attn.o_proj": RowwiseParallel(
+                    output_layouts=Shard(1), use_local_output=False
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+        )
+    layers = decoder_layers(model)
+    for layer in layers:
         parallelize_module(layer, tp_mesh, plan)
+    if sequence_parallel:
+        # DTensors (not local shards) carry the global shape, so a sequence length
+        # that tp does not divide is sharded unevenly but correctly.
+        parallelize_module(
+            layers[0],
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_output=False,
+            ),
+        )
+        parallelize_module(
+            layers[-1],
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+            ),
+        )
 
 
 def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -142,6 +195,14 @@ class FSDPTrainer:
             )
 
     # -- set-up ---------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        """The full fp32 initial model, read on rank 0 (subclasses swap the head)."""
+        return load_model(self.cfg, "float32")
+
+    def build_empty_model(self) -> torch.nn.Module:
+        """The same architecture, built under ``torch.device("meta")`` on every rank."""
+        return build_empty_model(self.cfg)
+
     def load_sharded_model(self, trainable: bool = True) -> torch.nn.Module:
         """The initial weights, read once per gang and sharded (all ranks call it).
 
@@ -151,15 +212,19 @@ class FSDPTrainer:
         ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
         state dict) are broadcast too, so every rank ends with rank 0's weights.
         """
+        if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
+            # Offloaded shards live on CPU, which an NCCL broadcast cannot fill:
+            # every rank reads the weights itself, as before.
+            return self._shard(load_model(self.cfg, "float32"), trainable)
         full_sd: dict[str, torch.Tensor] = {}
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
-            loaded = load_model(self.cfg, "float32")
+            loaded = self.build_model()
             full_sd = loaded.state_dict()
             full_buffers = {_hf_name(n): b for n, b in loaded.named_buffers()}
             del loaded
         with torch.device("meta"):
-            model = build_empty_model(self.cfg)
+            model = self.build_empty_model()
         model = self._shard(model, trainable)
         model.to_empty(device=self.device)
         set_model_state_dict(
@@ -183,7 +248,7 @@ class FSDPTrainer:
         if not trainable:
             model.requires_grad_(False)
         if d.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"])
+            apply_tensor_parallel(model, self.mesh["tp"], d.sequence_parallel)
         if d.activation_checkpointing and trainable:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper,
@@ -215,6 +280,11 @@ class FSDPTrainer:
         choice = self.cfg.train.attention
         if choice == "auto":
             choice = "flex" if self.device.type == "cuda" else "sdpa"
+        if choice == "flex" and self.device.type != "cuda":
+            raise ValueError(
+                "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+                "use train.attention=sdpa or auto"
+            )
         self.attention = choice
         model.set_attn_implementation("flex_attention" if choice == "flex" else "sdpa")
 
@@ -386,7 +456,7 @@ class FSDPTrainer:
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self._step.add_counts(float(micro.response_mask_RS.sum()), micro.num_sequences)
+        self._step.add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
         for name, (metric_kind, value) in metrics.items():
             self._step.add(name, metric_kind, value)
         return token_out if micro.num_sequences else None
@@ -444,12 +514,16 @@ class FSDPTrainer:
                 mini = batch.slice(start, start + n_rows)
                 self.begin_train_step()
                 try:
+                    outs = []
                     for rows in self.plan_micro_batches(mini):
                         micro = self.make_micro_batch(mini, rows)
                         out = self.train_microbatch(micro)
                         if token_out_BT is not None and epoch == 0 and out is not None:
-                            unpack(out, micro, token_out_BT[start : start + n_rows])
+                            outs.append((out, micro))
                     steps.append(self.finish_train_step())
+                    # Read back after the step: a copy per micro batch would stall the queue.
+                    for out, micro in outs:
+                        unpack(out, micro, token_out_BT[start : start + n_rows])
                 except BaseException:
                     self.abort_train_step()
                     raise

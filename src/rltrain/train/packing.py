@@ -43,7 +43,7 @@ class MicroBatch:
     position_ids_RS: torch.Tensor
     seq_id_RS: torch.Tensor
     response_mask_RS: torch.Tensor
-    advantages_RS: torch.Tensor  # the sequence's advantage repeated on each of its tokens
+    advantages_RS: torch.Tensor  # per token (PPO) or the sequence's advantage on each token
     old_logprobs_RS: torch.Tensor | None
     ref_logprobs_RS: torch.Tensor | None
     rows: list[int]
@@ -51,6 +51,9 @@ class MicroBatch:
     seq_start: list[int]
     seq_len: list[int]
     packed: bool
+    # PPO's critic: value targets and the values before the update (the clip's anchor).
+    returns_RS: torch.Tensor | None = None
+    old_values_RS: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -62,10 +65,20 @@ class MicroBatch:
         return (self.seq_id_RS >= 0).long()
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        """Every tensor on ``device``; host-to-GPU copies go through pinned memory
+        without blocking, so queueing the next micro batch never waits for the GPU."""
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if cuda and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
         return replace(
             self,
             **{
-                f.name: getattr(self, f.name).to(device)
+                f.name: move(getattr(self, f.name))
                 for f in fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
@@ -157,7 +170,10 @@ def pack(
     for i, (r, row, start, n) in enumerate(zip(rows, seq_row, seq_start, lengths, strict=True)):
         seq_id[row, start : start + n] = i
         pos[row, start : start + n] = torch.arange(n)
-        adv[row, start : start + n] = batch.advantages_B[r].float()
+        if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
+            adv[row, start : start + n] = batch.advantages_BT[r, :n].float()
+        else:
+            adv[row, start : start + n] = batch.advantages_B[r].float()
     if not rows:
         # Two padding tokens in one causal "sequence": one predicted position, so the
         # backward reaches every parameter (with zero gradients) like a real micro batch.
@@ -175,6 +191,8 @@ def pack(
         seq_start=seq_start,
         seq_len=lengths,
         packed=packed,
+        returns_RS=layout(batch.returns_BT),
+        old_values_RS=layout(batch.old_values_BT),
     )
 
 
@@ -195,5 +213,6 @@ def per_sequence_sum(values_RS: torch.Tensor, micro: MicroBatch) -> torch.Tensor
     """Sum of ``values_RS`` over the tokens of each sequence: shape [num_sequences] (>= 1)."""
     seq = micro.seq_id_RS.to(values_RS.device)
     valid = seq >= 0
+    # Padding adds 0 to sequence 0: no boolean indexing, so no host sync.
     out = torch.zeros(max(micro.num_sequences, 1), dtype=values_RS.dtype, device=values_RS.device)
-    return out.index_add(0, seq[valid], values_RS[valid])
+    return out.index_add(0, seq.clamp(min=0).flatten(), (values_RS * valid).flatten())

@@ -71,9 +71,11 @@ class PolicyWorker(FSDPTrainer):
             )
         model.eval()
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        done = []
         for rows in self.plan_micro_batches(batch):
             micro = self.make_micro_batch(batch, rows)
-            lp, _ = self.token_logprobs(model, micro)
+            done.append((self.token_logprobs(model, micro)[0], micro))
+        for lp, micro in done:  # read back after the last forward was queued
             unpack(lp, micro, out)
         return out
 
@@ -98,18 +100,19 @@ class PolicyWorker(FSDPTrainer):
             micro.ref_logprobs_RS,
             a.kl_coef,
         )
+        # Metric values stay on the device (read back once per step, in finish).
         valid = mask.bool()
         ratio = terms["ratio"]
         T, Mx, Mn = MetricKind.TOKEN_MEAN, MetricKind.MAX, MetricKind.MIN
         metrics = {
-            "entropy": (T, float((ent * mask).sum())),
-            "pg_clipfrac": (T, float((terms["clipped"] * mask).sum())),
-            "ratio_mean": (T, float((ratio * mask).sum())),
-            "ratio_max": (Mx, float(ratio[valid].max()) if valid.any() else -math.inf),
-            "ratio_min": (Mn, float(ratio[valid].min()) if valid.any() else math.inf),
+            "entropy": (T, (ent * mask).sum()),
+            "pg_clipfrac": (T, (terms["clipped"] * mask).sum()),
+            "ratio_mean": (T, (ratio * mask).sum()),
+            "ratio_max": (Mx, torch.where(valid, ratio, -math.inf).max()),
+            "ratio_min": (Mn, torch.where(valid, ratio, math.inf).min()),
         }
         if "kl" in terms:
-            metrics["kl"] = (T, float((terms["kl"] * mask).sum()))
+            metrics["kl"] = (T, (terms["kl"] * mask).sum())
         per_token = terms["loss"] * mask
         if a.loss_aggregation == "seq_mean_token_mean":
             per_seq = per_sequence_sum(per_token, micro)
@@ -117,7 +120,7 @@ class PolicyWorker(FSDPTrainer):
             loss_sum, kind = (per_seq / tokens).sum(), MetricKind.SEQUENCE_MEAN
         else:
             loss_sum, kind = per_token.sum(), MetricKind.TOKEN_MEAN
-        metrics["loss"] = (kind, float(loss_sum.detach()))
+        metrics["loss"] = (kind, loss_sum.detach())
         return loss_sum, kind, metrics, lp.detach()
 
     def train(
@@ -179,7 +182,7 @@ class PolicyWorker(FSDPTrainer):
         refit group as its root over ``transport`` (the plan's resolved refit transport)."""
         manifest = self.manifest or self.refit_manifest()
         params = {_hf_name(n): p for n, p in self.model.named_parameters()}
-        self.gatherer = BucketGatherer(params, manifest)
+        self.gatherer = BucketGatherer(params, manifest, device=self.device)
         if self.is_rank0:
             r = self.cfg.refit
             self.sender = make_refit_sender(

@@ -1,0 +1,525 @@
+"""Trainer throughput on RL batches: the policy worker beside a plain HF + FSDP2 loop.
+
+Qwen2.5-1.5B shapes (random init; hidden 1536, 28 layers, 12 heads, 2 kv
+heads, intermediate 8960, vocab 151936, tied embeddings), bf16 params / fp32
+reduce. Each phase runs in its own processes (torch.multiprocessing, NCCL;
+single-GPU phases run two at a time, one per GPU):
+
+* ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch)
+* ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
+* ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
+  (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
+* ``policy_fp16``  - as policy_full with precision fp16 (sharded grad scaler)
+* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows
+
+FLOPs per token = 6 N + 6 L H S (N parameters, tied embedding counted once;
+S the sequence length); MFU is over the bf16 matmul peak measured in the same
+run. Writes ``bench_train-<device>.json`` with a ``summary`` object.
+No Ray, no Hydra (GPU machines have neither): the RunConfig is built directly.
+
+    python scripts/bench_train.py --out $OUT            # GPU (2 GPUs for dp2/tp2)
+    python scripts/bench_train.py --smoke --out /tmp/b  # same code paths, CPU/gloo, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+QWEN_1_5B = {
+    "hidden_size": 1536,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "intermediate_size": 8960,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+}
+SMOKE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+}
+
+
+# -- set-up ----------------------------------------------------------------------------
+def write_model(path: Path, shape: dict, device: str) -> int:
+    """Random-init Qwen2 with ``shape`` saved as an HF folder (bf16) plus a tokenizer; returns N."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rltrain.models.tiny import build_tokenizer
+
+    config = Qwen2Config(**shape, rope_theta=1e6)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    tok = build_tokenizer("abcd")
+    tok.save_pretrained(path)
+    del model
+    return n
+
+
+def make_cfg(
+    model_dir: str,
+    precision: str,
+    packing: bool,
+    max_tokens: int,
+    micro: int,
+    tp: int,
+    attention: str,
+):
+    from rltrain.config.schema import RunConfig
+
+    cfg = RunConfig()
+    cfg.model.name, cfg.model.path = "bench", model_dir
+    p = cfg.precision
+    p.name = precision
+    p.param_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
+    p.reduce_dtype = "float32"
+    p.grad_scaler.enabled = precision == "fp16"
+    cfg.train.packing = packing
+    cfg.train.max_tokens_per_micro_batch = max_tokens
+    cfg.train.micro_batch_size = micro
+    cfg.train.attention = attention
+    cfg.dtensor.tp = tp
+    cfg.optim.lr = 1e-6
+    return cfg
+
+
+def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int):
+    """Right-padded TrainBatch of (prompt, response) lengths; old logprobs left None (fused step)."""
+    from rltrain.train.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(p + r for p, r in lengths)
+    ids = torch.randint(10, vocab, (B, T), generator=g)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T)
+    for i, (p, r) in enumerate(lengths):
+        attn[i, : p + r] = 1
+        resp[i, p : p + r] = 1
+    return TrainBatch(ids * attn, attn, resp, torch.randn(B, generator=g), torch.zeros(B, T))
+
+
+def rl_mix(rows: int, seed: int, scale: float = 1.0) -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(int(128 * scale), int(512 * scale) + 1, (rows,), generator=g)
+    resp = torch.exp(torch.randn(rows, generator=g) * 1.0 + math.log(600)).clamp(32, 4096)
+    resp = (resp * scale).clamp(min=8).long()
+    return [(int(p), int(r)) for p, r in zip(prompts, resp, strict=True)]
+
+
+# -- phases (one process per rank) ---------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def run_policy(env, cfg, batch, warmup: int, steps: int) -> dict:
+    """Timed PolicyWorker.train steps on this rank's rows; tokens counted on this rank."""
+    from rltrain.train.policy_worker import PolicyWorker
+
+    worker = PolicyWorker(cfg, env)
+    device = worker.device
+    times = []
+    real = float(batch.attention_mask_BT.sum())
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        metrics, _ = worker.train(batch, [batch.size])
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    out = {
+        "step_s": sum(times) / len(times),
+        "real_tokens_per_step": real,
+        "tokens_per_s": real / (sum(times) / len(times)),
+        "peak_mem_gb": _peak_gb(device),
+        "attention": worker.attention,
+        "micro_batches": len(worker.plan_micro_batches(batch)),
+        "loss": metrics["loss"],
+    }
+    worker.shutdown()
+    del worker
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def run_baseline(env, model_dir: str, batch, micro: int, warmup: int, steps: int) -> dict:
+    """Plain HF causal-LM loss (full logits) + FSDP2 (bf16 / fp32 reduce) + AdamW, no rltrain code."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.train.distributed import init_distributed
+
+    device = init_distributed(env)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.config.use_cache = False
+    mesh = init_device_mesh(device.type, (env.world_size,))
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    times = []
+    real = float(batch.attention_mask_BT.sum())
+    n_micro = math.ceil(batch.size / micro)
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for m in batch.split(micro):
+            ids, attn = m.input_ids_BT.to(device), m.attention_mask_BT.to(device)
+            labels = ids.masked_fill(m.response_mask_BT.to(device) == 0, -100)
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            (loss / n_micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    out = {
+        "step_s": sum(times) / len(times),
+        "real_tokens_per_step": real,
+        "tokens_per_s": real / (sum(times) / len(times)),
+        "peak_mem_gb": _peak_gb(device),
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def _phase(rank: int, world: int, gpu0: int, port: int, job: dict, out_dir: str) -> None:
+    """Entry of one rank of one phase: writes <name>.json (rank 0) or <name>.error."""
+    from rltrain.train.distributed import DistEnv
+
+    name = job["name"]
+    try:
+        smoke = job["smoke"]
+        torch.set_num_threads(1 if smoke else 8)
+        env = DistEnv(
+            rank,
+            world,
+            "127.0.0.1",
+            port,
+            "gloo" if smoke else "nccl",
+            600.0,
+            local_rank=gpu0 + rank,
+        )
+        rows = job["rows"]
+        # dp ranks take equal shares of the rows; tp ranks share all of them
+        if job.get("dp", 1) > 1:
+            per = len(rows) // world
+            rows = rows[rank * per : (rank + 1) * per]
+        batch = make_batch(rows, job["vocab"], seed=1 + rank * (job.get("dp", 1) > 1))
+        results = {}
+        for variant in job["variants"]:
+            if variant["kind"] == "baseline":
+                results[variant["label"]] = run_baseline(
+                    env, job["model_dir"], batch, variant["micro"], job["warmup"], job["steps"]
+                )
+            else:
+                cfg = make_cfg(
+                    job["model_dir"],
+                    variant["precision"],
+                    variant["packing"],
+                    variant["max_tokens"],
+                    variant["micro"],
+                    job.get("tp", 1),
+                    variant["attention"],
+                )
+                results[variant["label"]] = run_policy(env, cfg, batch, job["warmup"], job["steps"])
+        if rank == 0:
+            Path(out_dir, f"{name}.json").write_text(json.dumps(results))
+    except BaseException:
+        Path(out_dir, f"{name}.error.{rank}").write_text(traceback.format_exc())
+        raise
+
+
+def launch(jobs: list[dict], out_dir: str, timeout_s: float) -> None:
+    """Start the jobs concurrently (each on its own GPUs / process group) and wait for all."""
+    from rltrain.train.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    for job in jobs:
+        port = free_port()
+        for rank in range(job["world"]):
+            p = ctx.Process(
+                target=_phase, args=(rank, job["world"], job["gpu0"], port, job, out_dir)
+            )
+            p.start()
+            procs.append((job["name"], p))
+    deadline = time.monotonic() + timeout_s
+    for name, p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            Path(out_dir, f"{name}.error.timeout").write_text(f"timed out after {timeout_s}s")
+
+
+def matmul_peak_tflops(device: str, smoke: bool) -> float:
+    n = 512 if smoke else 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    iters = 3 if smoke else 50
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny shapes")
+    parser.add_argument("--out", default=os.environ.get("OUT", "outputs"))
+    parser.add_argument(
+        "--max-tokens", type=int, default=8192, help="packed tokens per micro batch"
+    )
+    parser.add_argument("--phases", default="full,rl_mix,fp16,dp2,tp2")
+    parser.add_argument("--round-timeout", type=float, default=240.0, help="seconds per round")
+    args = parser.parse_args()
+    smoke = args.smoke
+    if not smoke and torch.cuda.device_count() < 1:
+        sys.exit("error: scripts/bench_train.py needs a CUDA device; use --smoke on CPU.")
+    device = "cpu" if smoke else "cuda"
+    device_name = "cpu-smoke" if smoke else torch.cuda.get_device_name(0)
+    ngpu = 2 if smoke else torch.cuda.device_count()
+    shape = SMOKE if smoke else QWEN_1_5B
+    seq = 128 if smoke else 4096
+    max_tokens = 256 if smoke else args.max_tokens
+    warmup, steps = (1, 2) if smoke else (2, 3)
+    work = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    model_dir = str(work / "model")
+    t0 = time.perf_counter()
+    n_params = write_model(Path(model_dir), shape, device)
+    peak = matmul_peak_tflops(device, smoke)
+    print(
+        f"model written ({n_params / 1e9:.3f}B params) in {time.perf_counter() - t0:.1f}s; "
+        f"bf16 matmul peak {peak:.1f} TFLOP/s",
+        flush=True,
+    )
+    full_rows = [(seq // 8, seq - seq // 8)] * 8
+    mix = rl_mix(64, seed=0, scale=1 / 32 if smoke else 1.0)
+    base = {
+        "model_dir": model_dir,
+        "vocab": shape["vocab_size"],
+        "smoke": smoke,
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+    def policy(label, precision="bf16", packing=True, micro=None, attention="auto", tokens=None):
+        return {
+            "kind": "policy",
+            "label": label,
+            "precision": precision,
+            "packing": packing,
+            "max_tokens": tokens or max_tokens,
+            "micro": micro,
+            "attention": attention,
+        }
+
+    phases = set(args.phases.split(","))
+    # two single-GPU jobs at a time (GPU 0 and GPU 1), then the two-GPU jobs
+    rounds = [
+        [
+            {
+                **base,
+                "name": "policy_full",
+                "world": 1,
+                "gpu0": 0,
+                "rows": full_rows,
+                "variants": [policy("bf16")],
+                "on": "full",
+            },
+            {
+                **base,
+                "name": "baseline_full",
+                "world": 1,
+                "gpu0": min(1, ngpu - 1),
+                "rows": full_rows,
+                "variants": [{"kind": "baseline", "label": "bf16", "micro": 2}],
+                "on": "full",
+            },
+        ],
+        [
+            {
+                **base,
+                "name": "policy_rl_mix",
+                "world": 1,
+                "gpu0": 0,
+                "rows": mix,
+                "on": "rl_mix",
+                "warmup": 1,
+                "steps": 2,
+                "variants": [
+                    policy("packed", tokens=2 * max_tokens),
+                    policy("padded", packing=False, micro=2, attention="sdpa"),
+                    policy("packed_1x"),
+                ],
+            },
+            {
+                **base,
+                "name": "policy_fp16",
+                "world": 1,
+                "gpu0": min(1, ngpu - 1),
+                "rows": full_rows,
+                "variants": [
+                    policy("fp16", precision="fp16"),
+                    policy("bf16_sdpa", attention="sdpa"),
+                ],
+                "on": "fp16",
+            },
+        ],
+        [
+            {
+                **base,
+                "name": "policy_dp2",
+                "world": 2,
+                "gpu0": 0,
+                "dp": 2,
+                "rows": full_rows * 2,
+                "variants": [policy("bf16")],
+                "on": "dp2",
+            }
+        ],
+        [
+            {
+                **base,
+                "name": "policy_tp2",
+                "world": 2,
+                "gpu0": 0,
+                "tp": 2,
+                "rows": full_rows,
+                "variants": [policy("bf16")],
+                "on": "tp2",
+            }
+        ],
+    ]
+    out_dir = str(work / "results")
+    os.makedirs(out_dir)
+
+    def write_result() -> None:
+        phases_out, errors = {}, {}
+        for f in Path(out_dir).iterdir():
+            if f.suffix == ".json":
+                phases_out[f.stem] = json.loads(f.read_text())
+            else:
+                errors[f.name] = f.read_text()[-3000:]
+        L, H = shape["num_hidden_layers"], shape["hidden_size"]
+        flops_per_token = 6 * n_params + 6 * L * H * seq
+        peak_flops = peak * 1e12
+
+        def get(phase, label, key):
+            return phases_out.get(phase, {}).get(label, {}).get(key)
+
+        def ratio(a, b):
+            return a / b if a is not None and b else None
+
+        def mfu(tps):
+            return tps * flops_per_token / peak_flops if tps is not None else None
+
+        pol_tps = get("policy_full", "bf16", "tokens_per_s")
+        dp2_rank_tps = get("policy_dp2", "bf16", "tokens_per_s")  # rank 0's tokens over the step
+        summary = {
+            "mfu_full_rows": mfu(pol_tps),
+            "baseline_mfu_full_rows": mfu(get("baseline_full", "bf16", "tokens_per_s")),
+            "peak_mem_over_baseline": ratio(
+                get("policy_full", "bf16", "peak_mem_gb"),
+                get("baseline_full", "bf16", "peak_mem_gb"),
+            ),
+            "packed_over_padded_real_tokens": ratio(
+                get("policy_rl_mix", "packed", "tokens_per_s"),
+                get("policy_rl_mix", "padded", "tokens_per_s"),
+            ),
+            "fp16_over_bf16_step_time": ratio(
+                get("policy_fp16", "fp16", "step_s"), get("policy_full", "bf16", "step_s")
+            ),
+            # both ranks hold equal shares: total = 2 x rank 0's tokens/s
+            "dp2_scaling": ratio(
+                2 * dp2_rank_tps if dp2_rank_tps else None, 2 * pol_tps if pol_tps else None
+            ),
+            "tp2_tokens_per_s": get("policy_tp2", "bf16", "tokens_per_s"),
+        }
+        result = {
+            "device": device_name,
+            "gpus": ngpu,
+            "torch": torch.__version__,
+            "smoke": smoke,
+            "shape": shape,
+            "params": n_params,
+            "flops_per_token": flops_per_token,
+            "bf16_matmul_peak_tflops": peak,
+            "seq_len_full_rows": seq,
+            "max_tokens_per_micro_batch": max_tokens,
+            "rl_mix_real_tokens": sum(p + r for p, r in mix),
+            "summary": summary,
+            "phases": phases_out,
+            "errors": errors,
+        }
+        tag = "cpu-smoke" if smoke else device_name.lower().replace("nvidia ", "").replace(" ", "-")
+        out = Path(args.out) / f"bench_train-{tag}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(summary, indent=2))
+        if errors:
+            print("errors in:", ", ".join(errors), flush=True)
+            for k, v in errors.items():
+                print(f"--- {k}\n{v}", flush=True)
+        print(f"wrote {out}")
+
+    for jobs in rounds:
+        jobs = [j for j in jobs if j["on"] in phases]
+        if not jobs:
+            continue
+        if ngpu < 2 and len(jobs) == 1 and jobs[0]["world"] == 2:
+            continue
+        t1 = time.perf_counter()
+        if ngpu < 2 and len(jobs) == 2:  # one GPU: one job at a time
+            for j in jobs:
+                launch([j], out_dir, args.round_timeout)
+        else:
+            launch(jobs, out_dir, args.round_timeout)
+        print(f"{[j['name'] for j in jobs]} done in {time.perf_counter() - t1:.1f}s", flush=True)
+        write_result()  # partial results survive a later round that runs out of time
+
+
+if __name__ == "__main__":
+    main()

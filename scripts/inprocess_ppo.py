@@ -1,0 +1,141 @@
+"""The PPO loop (``rltrain.algorithms.ppo.train_ppo``) with its workers in one process.
+
+No Ray: a policy, a value worker and a torch engine (each a gang of one,
+gloo) stand behind the same interface as ``cluster.workers.Workers``, and the
+refit is a direct copy of the policy's full tensors. The loop, the workers
+and the math are the ones ``rltrain ppo`` runs; only the actor boundary is
+gone, so CPU experiments of many runs (the right-shift ablation) fit in
+minutes on a shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rltrain.config.schema import RunConfig
+from rltrain.plan import Resources, RunPlan, make_plan
+from rltrain.refit.base import RefitStats
+from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.rollout.torch_engine import TorchEngine
+from rltrain.train.batch import TrainBatch
+from rltrain.train.distributed import DistEnv, free_port
+from rltrain.train.policy_worker import PolicyWorker
+from rltrain.train.value_worker import ValueWorker
+
+
+class LocalWorkers:
+    """Policy, critic and engine in this process; the methods ``train_ppo`` calls."""
+
+    def __init__(self, cfg: RunConfig, num_threads: int = 1):
+        env = DistEnv(0, 1, "127.0.0.1", free_port(), "gloo")
+        # Both trainers share this process's (world size 1) default process group.
+        self.policy = PolicyWorker(cfg, env, num_threads)
+        self.value = ValueWorker(cfg, env, num_threads)
+        self.engine = TorchEngine(cfg, "cpu", 0, num_threads)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        return self.engine.generate(prompt_ids, sampling)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.value.values(batch)
+
+    def train_value(self, batch: TrainBatch) -> dict[str, float]:
+        return self.value.train(batch)
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        return self.policy.compute_logprobs(batch, reference)
+
+    def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
+        return self.policy.train(batch)
+
+    def refit(self, weight_version: int) -> RefitStats:
+        t0 = time.perf_counter()
+        tensors = self.policy.full_tensors()
+        self.engine.load_weights(tensors.items(), weight_version)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return RefitStats(weight_version, time.perf_counter() - t0, nbytes, 1)
+
+    def shutdown(self) -> None:
+        self.policy.shutdown()
+
+
+@dataclass
+class LocalContext:
+    """The subset of ``runner.RunContext`` the loop reads (no checkpoints)."""
+
+    cfg: RunConfig
+    plan: RunPlan
+    workers: LocalWorkers
+    task: object
+    tokenizer: object
+    output_dir: Path | None = None
+    start_step: int = 0
+    weight_version: int = 0
+
+    def checkpoint(self, step: int, weight_version: int) -> str:
+        return ""
+
+
+def run_ppo_in_process(
+    cfg: RunConfig, num_threads: int = 1, on_step=None
+) -> list[dict[str, float]]:
+    """``cfg.max_steps`` PPO steps; returns one metrics dict per step (``on_step(step, m)`` too)."""
+    from rltrain.algorithms.ppo import train_ppo
+    from rltrain.data import build_task
+
+    plan = make_plan(cfg, Resources(num_cpus=num_threads, num_gpus=0))
+    workers = LocalWorkers(cfg, num_threads)
+    ctx = LocalContext(cfg, plan, workers, build_task(cfg.data, cfg.seed), workers.engine.tokenizer)
+    history: list[dict[str, float]] = []
+    try:
+
+        def log(step: int, metrics: dict[str, float]) -> None:
+            history.append({"step": step, **metrics})
+            if on_step is not None:
+                on_step(step, metrics)
+
+        train_ppo(ctx, log)
+    finally:
+        workers.shutdown()
+    return history
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rltrain.config.compose import compose
+
+    parser = argparse.ArgumentParser(
+        description="One in-process PPO run; prints a line per 10 steps."
+    )
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    cfg, _ = compose(args.overrides, algorithm="ppo")
+    t0 = time.perf_counter()
+    window: list[dict[str, float]] = []
+
+    def report(step: int, m: dict[str, float]) -> None:
+        window.append(m)
+        if step % 10 == 0:
+            em = sum(r["reward/exact_match"] for r in window) / len(window)
+            ev = sum(r["value/explained_variance"] for r in window) / len(window)
+            print(f"steps {step - 9}-{step}: exact {em:.3f}  ev {ev:+.3f}", flush=True)
+            window.clear()
+
+    rows = run_ppo_in_process(cfg, args.threads, report)
+    print(
+        json.dumps(
+            {
+                "wall_s": time.perf_counter() - t0,
+                "last10": sum(r["reward/exact_match"] for r in rows[-10:]) / 10,
+            }
+        )
+    )

@@ -1,0 +1,151 @@
+"""The synchronous PPO loop, in data-flow order.
+
+prompts -> generate -> reward -> values -> logprobs (policy, reference) -> GAE
+-> critic update -> actor update -> refit -> log/checkpoint
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from rltrain.algorithms.evaluate import evaluate
+from rltrain.algorithms.gae import gae, token_rewards
+from rltrain.algorithms.grpo import step_seed, token_mult_prob_error
+from rltrain.data import encode_groups, score_groups
+from rltrain.logging.metrics import StageTimer
+from rltrain.rollout.base import SamplingParams
+from rltrain.train.batch import build_train_batch
+
+
+def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
+    """Run ``ctx.cfg.max_steps`` PPO steps on ``ctx.workers`` (policy, value, rollout).
+
+    ``ctx`` is a :class:`rltrain.runner.RunContext`; a resumed run continues after
+    ``ctx.start_step`` with the restored policy and critic. Before
+    ``algorithm.policy_training_start_step`` only the critic trains (warm-up):
+    the policy, and so the rollout weights, stay as they are.
+    """
+    cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
+    a, ro = cfg.algorithm, cfg.rollout
+    sampling = SamplingParams(
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        max_new_tokens=ro.max_new_tokens,
+        top_k=ro.top_k,
+    )
+    # The KL penalty needs the old logprobs before GAE, so it cannot take them from
+    # the training forward; without it, on-policy with one optimizer step, it can.
+    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and a.kl_coef == 0
+    weight_version = ctx.weight_version
+    for step in range(ctx.start_step + 1, cfg.max_steps + 1):
+        t_step = time.perf_counter()
+        timer = StageTimer()
+        train_policy = step >= a.policy_training_start_step
+        # Seeded from (seed, step): a step samples the same tokens, resumed or not.
+        step_sampling = replace(sampling, seed=step_seed(cfg.seed, step))
+
+        # step 1: prompts (each repeated samples_per_prompt times)
+        items = task.sample(a.prompts_per_step)
+        prompt_ids = encode_groups(tok, items, a.samples_per_prompt)
+
+        # step 2: generate with the engines' current weights (version = weight_version)
+        with timer("generate"):
+            rollout = workers.generate(prompt_ids, step_sampling)
+        assert rollout.weight_version == weight_version, "rollout used stale weights"
+
+        # step 3: reward of each whole response (decoded without special tokens)
+        with timer("reward"):
+            scored = score_groups(
+                task, tok, items, rollout.response_ids, rollout.finished, a.samples_per_prompt
+            )
+            scores = torch.tensor([s.reward for s in scored])
+            exact = torch.tensor([s.exact_match for s in scored])
+        batch = build_train_batch(rollout, torch.zeros(len(scored)), tok.pad_token_id)
+        mask = batch.response_mask_BT
+
+        # step 4: values of the state before every token (critic, right-shifted)
+        with timer("values"):
+            batch.old_values_BT = workers.values(batch)
+
+        # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
+        kl_BT = None
+        with timer("logprobs"):
+            if not (fuse_old_logprobs and train_policy):
+                batch.old_logprobs_BT = workers.logprobs(batch)
+            if a.kl_coef > 0:
+                ref_logprobs = workers.logprobs(batch, reference=True)
+                kl_BT = (batch.old_logprobs_BT - ref_logprobs) * mask  # k1, per sampled token
+
+        # step 6: GAE: the score on the last response token (minus the KL penalty per token)
+        rewards_BT = token_rewards(scores, mask, kl_BT, a.kl_coef)
+        batch.advantages_BT, batch.returns_BT = gae(
+            rewards_BT,
+            batch.old_values_BT,
+            mask,
+            a.gamma,
+            a.lam,
+            a.value_gamma,
+            a.value_lam,
+            whiten=a.whiten_advantages,
+        )
+
+        # step 7: critic update(s) first: its targets were computed with the old values
+        with timer("train_value"):
+            value_metrics = workers.train_value(batch)
+
+        # step 8: actor update(s) (ppo epochs x mini batches), after the critic's warm-up
+        policy_metrics: dict[str, float] = {}
+        if train_policy:
+            with timer("train"):
+                policy_metrics, fused_old = workers.train(batch)
+                if fused_old is not None:
+                    batch.old_logprobs_BT = fused_old
+
+            # step 9: refit the rollout engines with the new policy weights
+            with timer("refit"):
+                weight_version += 1
+                refit = workers.refit(weight_version)
+            policy_metrics.update({"refit/bytes": float(refit.bytes)})
+
+        # step 10: metrics and checkpoint
+        step_s = time.perf_counter() - t_step
+        n_tokens = float(mask.sum())
+        metrics = {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()),
+            "reward/exact_match": float(exact.mean()),
+            "advantages/abs_mean": float((batch.advantages_BT.abs() * mask).sum() / n_tokens),
+            "returns/mean": float((batch.returns_BT * mask).sum() / n_tokens),
+            "response/length_mean": n_tokens / batch.size,
+            "response/finished_frac": sum(rollout.finished) / len(rollout.finished),
+            **value_metrics,
+            **policy_metrics,
+            "policy_trained": float(train_policy),
+            "weight_version": float(weight_version),
+            **task.reward_metrics(),
+            **timer.metrics(),
+            "time/generate_engine": rollout.engine_seconds,
+            "time/step": step_s,
+            "throughput/steps_per_s": 1.0 / step_s,
+            "throughput/tokens_per_s": n_tokens / step_s,
+        }
+        if batch.old_logprobs_BT is not None:
+            metrics["token_mult_prob_error"] = token_mult_prob_error(
+                batch.old_logprobs_BT, batch.engine_logprobs_BT, mask
+            )
+        if kl_BT is not None:
+            metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
+        # greedy evaluation on the validation split (val/accuracy), with the new weights
+        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
+            metrics.update(evaluate(workers.generate, task, tok, cfg))
+        on_step(step, metrics)
+        if (
+            cfg.checkpoint.every_n_steps
+            and step % cfg.checkpoint.every_n_steps == 0
+            and step < cfg.max_steps
+        ):
+            ctx.checkpoint(step, weight_version)

@@ -1,0 +1,194 @@
+"""Value worker (PPO's critic): the shared FSDP2 trainer with a scalar head and the value loss.
+
+Plain Python (no Ray); ``cluster/`` wraps it as an actor. The backbone is the
+policy's model (or ``value.model_path``) without its LM head, topped by a fresh
+``nn.Linear(hidden, 1)``. Mesh, precision, micro-batching, optimizer step and
+export are :class:`FSDPTrainer`'s; only the head and the loss live here.
+
+Every rank gets the rows of its data-parallel shard (tp ranks of one dp group
+get the same rows) and every method is called on all ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from rltrain.algorithms.losses import clipped_value_loss
+from rltrain.algorithms.values import explained_variance, explained_variance_sums, right_shift
+from rltrain.config.schema import RunConfig, value_run_config
+from rltrain.models.loader import build_empty_model, load_model
+from rltrain.train.batch import TrainBatch
+from rltrain.train.distributed import DistEnv
+from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.metrics import MetricKind
+from rltrain.train.packing import MicroBatch, unpack
+
+# Names of the explained-variance sufficient statistics in the step metrics.
+EV_SUMS = ("ev/n", "ev/sum_r", "ev/sum_rr", "ev/sum_e", "ev/sum_ee")
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's backbone with a scalar head: forward gives the raw per-column values.
+
+    ``forward(...)[:, i]`` is the value of the state after token i (it sees
+    tokens 0..i); :func:`rltrain.algorithms.values.right_shift` aligns it to
+    the actions.
+    """
+
+    def __init__(self, backbone: torch.nn.Module, config) -> None:
+        super().__init__()
+        self.model = backbone  # named like the causal LM's so FSDP/TP helpers find model.layers
+        self.config = config
+        self.value_head = torch.nn.Linear(config.hidden_size, 1)
+        # Small init: the first values are ~0 and the first updates fit the return's scale.
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (config.hidden_size + 1))
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def set_attn_implementation(self, name: str) -> None:
+        """Attention kernel of the backbone (the trainer picks sdpa or flex)."""
+        self.model.set_attn_implementation(name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        R, S, H = hidden.shape
+        # 2-D in, fresh tensor out: FSDP2 hooks must not see views (in-place ops on them
+        # would skip its pre-backward hook).
+        return self.value_head(hidden.reshape(R * S, H)).view(R, S).clone()
+
+
+class ValueWorker(FSDPTrainer):
+    """One rank of the critic. ``cfg`` is the run's config; the ``value`` node picks
+    the model, learning rate, precision and mesh (null fields inherit the policy's)."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
+        self.run_cfg = cfg
+        super().__init__(value_run_config(cfg), env, num_threads)
+
+    # -- set-up -----------------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        causal_lm = load_model(self.cfg, "float32")
+        return ValueModel(_backbone(causal_lm), causal_lm.config)
+
+    def build_empty_model(self) -> torch.nn.Module:
+        causal_lm = build_empty_model(self.cfg)  # under torch.device("meta")
+        return ValueModel(_backbone(causal_lm), causal_lm.config)
+
+    def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+        # The head is its own FSDP unit with an fp32 policy: its forward, backward and
+        # gradient reduce stay fp32 whatever the backbone computes in (a bf16/fp16
+        # update of a small critic signal rounds to zero). Its master weights and
+        # AdamW state are fp32 like every parameter here.
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        if not any(t.is_meta for t in model.value_head.parameters()):
+            model.value_head.to(self.device)
+        fully_shard(model.value_head, mesh=self.mesh["dp"], mp_policy=fp32)
+        return super()._shard(model, trainable)
+
+    # -- forward ------------------------------------------------------------------------
+    def forward_values(self, micro: MicroBatch) -> torch.Tensor:
+        """Per-token values_RS of a micro batch (packed or padded), fp32.
+
+        ``values_RS[:, t]`` is the value of the state before token t: the right
+        shift restarts at every sequence (position id 0), so packed sequences
+        never see a neighbour's value. The same call scores a batch and feeds
+        the loss. ``value.right_shift=false`` (a diagnostic) skips the shift.
+        """
+        raw = self.model(micro.input_ids_RS, **self.attention_kwargs(micro)).float()
+        if not self.run_cfg.value.right_shift:
+            return raw
+        return right_shift(raw, micro.position_ids_RS)
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """values_BT (CPU, fp32) of this rank's rows, 0 outside the response mask."""
+        self.model.eval()
+        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for rows in self.plan_micro_batches(batch):
+            micro = self.make_micro_batch(batch, rows)
+            unpack(self.forward_values(micro) * micro.response_mask_RS, micro, out)
+        return out
+
+    # -- training -------------------------------------------------------------------------
+    def microbatch_loss(self, micro: MicroBatch):
+        """Clipped value loss of one micro batch, summed over its valid tokens
+        (see FSDPTrainer.microbatch_loss); metrics are local sums, including the
+        explained-variance sums (kind SUM) that :meth:`train` combines exactly."""
+        if micro.returns_RS is None or micro.old_values_RS is None:
+            raise ValueError("ValueWorker.train needs batch.returns_BT and batch.old_values_BT")
+        mask = micro.response_mask_RS
+        values = self.forward_values(micro)
+        # normalizer 1: the split step divides by the global token count once it is known.
+        loss_sum, stats = clipped_value_loss(
+            values, micro.old_values_RS, micro.returns_RS, mask, self.run_cfg.value.clip, 1.0
+        )
+        T, S = MetricKind.TOKEN_MEAN, MetricKind.SUM
+        metrics = {
+            "value/loss": (T, float(loss_sum.detach())),
+            "value/mean": (T, float(stats["value_sum"])),
+            "value/clipfrac": (T, float(stats["vf_clip_sum"])),
+        }
+        ev = explained_variance_sums(values, micro.returns_RS, mask).tolist()
+        for name, x in zip(EV_SUMS, ev, strict=True):
+            metrics[name] = (S, x)
+        return loss_sum, MetricKind.TOKEN_MEAN, metrics, values.detach()
+
+    def train(
+        self, batch: TrainBatch, mini_batch_rows: list[int] | None = None
+    ) -> dict[str, float]:
+        """Clipped value regression of this rank's rows onto ``batch.returns_BT``.
+
+        Needs ``returns_BT`` and ``old_values_BT`` (what :meth:`values` gave
+        before the update). Mini batches (``mini_batch_rows`` per mini batch;
+        null = equal parts of ``train.mini_batch_size / dp``), ``train.epochs``
+        passes and micro batches as the policy's, through the shared split
+        step: the loss is the token mean over each mini batch on every dp rank.
+        Explained variance is exact over the whole batch: its sums add over
+        micro batches and dp ranks across the first epoch (each row once, with
+        its mini batch's pre-update weights). Returns metrics reduced over dp.
+        """
+        t0 = time.perf_counter()
+        a, t = self.run_cfg.algorithm, self.cfg.train
+        if mini_batch_rows is None:
+            mini_rows = (t.mini_batch_size or a.prompts_per_step * a.samples_per_prompt) // self.dp
+            mini_batch_rows = [
+                min(mini_rows, batch.size - i) for i in range(0, batch.size, mini_rows)
+            ]
+        steps = self.train_steps(batch, mini_batch_rows, t.epochs)
+        first_epoch = steps[: len(mini_batch_rows)]
+        ev = torch.tensor([sum(s[k] for s in first_epoch) for k in EV_SUMS], dtype=torch.float64)
+        metrics = {
+            "value/loss": sum(s["value/loss"] for s in steps) / len(steps),
+            "value/explained_variance": explained_variance(ev),
+            "value/mean": sum(s["value/mean"] for s in first_epoch) / len(first_epoch),
+            "value/clipfrac": sum(s["value/clipfrac"] for s in steps) / len(steps),
+            "value/grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
+            "value/lr": steps[-1]["lr"],
+            "value/optimizer_steps": float(len(steps)),
+        }
+        if self.scaler is not None:
+            metrics["value/loss_scale"] = steps[-1]["loss_scale"]
+            metrics["value/skipped_steps"] = float(
+                sum(1 - s["optimizer_step_taken"] for s in steps)
+            )
+        metrics["time/value_worker"] = time.perf_counter() - t0
+        return metrics
+
+
+def _backbone(causal_lm: torch.nn.Module) -> torch.nn.Module:
+    backbone = getattr(causal_lm, "model", None)
+    if backbone is None:
+        raise TypeError(f"{type(causal_lm).__name__} has no .model backbone for a value head")
+    return backbone
