@@ -147,6 +147,10 @@ def test_prevalidation_rejects_a_bad_trial_before_any_starts(tmp_path):
 
     proc = _run_cli("sweep", "grpo", "optim.lr=interval(1e-4,1e-2)", f"output_dir={out}")
     assert proc.returncode == 2 and "--search optuna" in proc.stderr
+    # Any algorithm command: ppo trials are composed and planned the same way.
+    proc = _run_cli("sweep", "ppo", "optim.lr=1e-3,-1", *TINY, f"output_dir={out}")
+    assert proc.returncode == 2
+    assert "error: trial_001 (optim.lr=-1): optim.lr=-1.0 must be > 0." in proc.stderr
     proc = _run_cli("sweep", "nosuch", "seed=0,1")
     assert proc.returncode == 2 and "unknown algorithm 'nosuch'" in proc.stderr
 
