@@ -35,6 +35,10 @@ from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
 
 
+class OverflowStormError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for inf/nan gradients (fp16 loss scaling)."""
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The transformer blocks of an HF causal LM (``model.model.layers``)."""
     inner = getattr(model, "model", None)
@@ -183,6 +187,7 @@ class FSDPTrainer:
         self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
         gs = cfg.precision.grad_scaler
         self.scaler = None
+        self.consecutive_skips = 0  # optimizer steps in a row the grad scaler skipped
         if gs.enabled:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -562,6 +567,7 @@ class FSDPTrainer:
             self.scaler.step(self.optimizer)  # skips the step itself when grads are inf/nan
             self.scaler.update()
             stepped = float(math.isfinite(norm))
+            self._count_skip(stepped == 0.0)
         elif math.isfinite(norm):
             self.optimizer.step()
         else:
@@ -578,6 +584,23 @@ class FSDPTrainer:
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
+
+    def _count_skip(self, skipped: bool) -> None:
+        """Stop an fp16 overflow storm instead of spinning on skipped steps.
+
+        Every rank sees the same (globally reduced) grad norm, so every rank
+        raises at the same step and the gang stops together.
+        """
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        limit = self.cfg.precision.grad_scaler.max_consecutive_skips
+        if limit and self.consecutive_skips >= limit:
+            assert self.scaler is not None
+            raise OverflowStormError(
+                f"precision.grad_scaler.max_consecutive_skips={limit} reached: the last {limit} "
+                f"optimizer steps all had inf/nan gradients (loss scale now "
+                f"{float(self.scaler.get_scale()):.3g}), so training is diverging; lower optim.lr, "
+                "use precision=bf16, or raise the limit (0 = never stop)"
+            )
 
     # -- weights out --------------------------------------------------------------
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
