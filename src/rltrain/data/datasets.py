@@ -218,7 +218,7 @@ class DatasetTask:
         return order
 
     def sample(self, num_prompts: int) -> list[PromptItem]:
-        out = []
+        out: list[PromptItem] = []
         while len(out) < num_prompts:
             if self.cursor == len(self._order):
                 self.epoch += 1

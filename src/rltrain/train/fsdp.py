@@ -334,12 +334,20 @@ class FSDPTrainer:
 
     def make_micro_batch(self, batch: TrainBatch, rows: list[int]) -> MicroBatch:
         """``rows`` of ``batch`` laid out per ``train.packing``, on this rank's device."""
-        # flex compiles per row length: padding packed rows to a multiple of its
-        # block size keeps the number of distinct shapes small.
-        multiple = 128 if self.attention == "flex" else 1
-        return pack(batch, rows, self.cfg.train.packing, self.tokenizer.pad_token_id, multiple).to(
-            self.device
-        )
+        # flex: one row per micro batch (it skips the masked blocks), padded to a
+        # multiple of its block size so few distinct shapes get compiled. sdpa
+        # computes every query x key pair of a row, so there rows hold at most
+        # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
+        flex = self.attention == "flex"
+        longest = max((int(batch.attention_mask_BT[r].sum()) for r in rows), default=2)
+        return pack(
+            batch,
+            rows,
+            self.cfg.train.packing,
+            self.tokenizer.pad_token_id,
+            row_multiple=128 if flex else 1,
+            row_tokens=None if flex else longest,
+        ).to(self.device)
 
     # -- forward ------------------------------------------------------------------
     def attention_kwargs(self, micro: MicroBatch) -> dict[str, object]:
