@@ -203,7 +203,8 @@ def fill_from(tensors: Mapping[str, torch.Tensor]) -> FillBucket:
 def bind_bucket_storage(
     manifest: RefitManifest, params: Mapping[str, torch.Tensor]
 ) -> list[torch.Tensor] | None:
-    """One flat tensor per bucket; every named parameter becomes a view into it.
+    """One flat tensor per bucket (slices of one allocation); every named parameter
+    becomes a view into it.
 
     The current values are copied over once, and ``param.data`` is re-pointed,
     so modules that share a parameter (tied embeddings) keep sharing it.
@@ -217,13 +218,24 @@ def bind_bucket_storage(
     device = params[names[0]].device
     if any(params[n].dtype != dtype or params[n].device != device for n in names):
         return None
-    storage = [torch.empty(b.numel, dtype=dtype, device=device) for b in manifest.buckets]
+    # One allocation for the whole model, buckets as slices of it: one IPC handle
+    # shares it all, and the bucket slices stay adjacent like the manifest.
+    flat_all = torch.empty(manifest.total_numel, dtype=dtype, device=device)
+    storage = list(bucket_slices(manifest, flat_all))
     with torch.no_grad():
         for bucket, flat in zip(manifest.buckets, storage, strict=True):
             for name, view in unpack_bucket(bucket, flat):
                 view.copy_(params[name])
                 params[name].data = view
     return storage
+
+
+def bucket_slices(manifest: RefitManifest, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Per bucket, its slice of a [total_numel] tensor laid out bucket after bucket."""
+    start = 0
+    for bucket in manifest.buckets:
+        yield flat[start : start + bucket.numel]
+        start += bucket.numel
 
 
 _CHECKSUM_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -43,12 +43,20 @@ from rltrain.refit.gloo import broadcast
 
 
 def make_nccl_group(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device: torch.device,
+    ctas: int | None = None,
 ) -> dist.ProcessGroup:
     """A standalone NCCL group of ``world_size`` ranks rendezvousing at host:port.
 
     The communicator is connected eagerly on ``device`` so that a rendezvous
-    failure shows up here rather than in the first refit.
+    failure shows up here rather than in the first refit. ``ctas`` (None: NCCL's
+    choice) fixes the number of CTAs (channels) of this communicator only, through
+    its ``ncclConfig_t`` rather than the process-wide ``NCCL_*_NCHANNELS``.
     """
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
@@ -57,6 +65,9 @@ def make_nccl_group(
     # A high-priority NCCL stream gets SMs first when the pack kernels of the next
     # bucket fill the GPU, so the broadcast is not delayed behind them.
     opts.is_high_priority_stream = True
+    if ctas is not None and hasattr(opts, "config"):
+        opts.config.min_ctas = ctas
+        opts.config.max_ctas = ctas
     device = cuda_device(device)
     torch.cuda.set_device(device)
     group = dist.ProcessGroupNCCL(
