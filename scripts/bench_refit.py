@@ -245,26 +245,33 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         ctas: int | None = None,
         first_bucket_bytes: int | None | str = "default",
         pack: bool = True,
+        ramp: bool = True,
+        pack_sms: int | None = None,
     ) -> dict:
         if first_bucket_bytes == "default":
-            manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers)
+            manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers, ramp)
             first_bucket_bytes = bucket_bytes // 8
         else:
             manifest = plan_buckets(
-                shapes, "bfloat16", bucket_bytes, num_buffers, first_bucket_bytes
+                shapes, "bfloat16", bucket_bytes, num_buffers, first_bucket_bytes, ramp
             )
         if cuda:
             g = group_for(ctas)
-            sender = (
-                NcclRefitSender(manifest, HOST, 0, 2, timeout, device, group=g)
-                if rank == 0
-                else None
-            )
-            receiver = (
-                None
-                if rank == 0
-                else NcclRefitReceiver(manifest, HOST, 0, 1, 2, timeout, device, group=g)
-            )
+            ok = torch.ones(1, device=device)
+            sender = receiver = None
+            try:
+                if rank == 0:
+                    sender = NcclRefitSender(
+                        manifest, HOST, 0, 2, timeout, device, group=g, pack_sms=pack_sms
+                    )
+                else:
+                    receiver = NcclRefitReceiver(manifest, HOST, 0, 1, 2, timeout, device, group=g)
+            except Exception:
+                ok.zero_()
+                print(f"rank {rank}: building the refit ends failed:\n{traceback.format_exc()}")
+            group.allreduce([ok]).wait()  # both ranks give up together
+            if int(ok.item()) != 2:
+                raise RuntimeError("a rank could not build its refit end (see its log)")
         else:
             sender = receiver = None
             port = next(next_port)
@@ -300,6 +307,9 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "ctas": ctas,
             "first_bucket_bytes": first_bucket_bytes,
             "first_bucket_tensors": len(manifest.buckets[0].slots),
+            "ramp": ramp,
+            "pack_sms": pack_sms,
+            "bucket_mib": [round(b.numel * 2 / MiB) for b in manifest.buckets],
             "seconds": s,
             "ratio": raw_s / s,
             "GBps": total_bytes / s / 1e9,
@@ -309,7 +319,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             row["note"] = "broadcast of the buckets only (no gather/cast/pack; weights not checked)"
         log(
             f"refit {bucket_bytes // MiB:5d} MiB x {num_buffers} copy>={copy_numel} ctas={ctas} "
-            f"first={first_bucket_bytes} pack={pack}: {s * 1e3:7.2f} ms "
+            f"first={first_bucket_bytes} pack={pack} ramp={ramp} sms={pack_sms}: {s * 1e3:7.2f} ms "
             f"ratio {raw_s / s:.3f} ({len(manifest.buckets)} buckets)"
         )
         return row
@@ -351,13 +361,20 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         result["variants"] = []
         todo = [
             {"pack": False},
+            {"pack": False, "ramp": False},
+            {"ramp": False},
+            {"bucket_bytes": 512 * MiB, "ramp": False},
             {"copy_numel": 2**62},
-            {"first_bucket_bytes": None},
-            {"first_bucket_bytes": 8 * MiB},
             {"num_buffers": 3},
         ]
         if cuda:
-            todo += [{"ctas": c} for c in (8, 16, 32)]
+            todo += [
+                {"pack_sms": 32},
+                {"pack_sms": 48},
+                {"pack_sms": 66},
+                {"bucket_bytes": 512 * MiB, "pack_sms": 48},
+                {"ctas": 64},
+            ]
         for v in todo:
             kw = {"bucket_bytes": b, "num_buffers": nb, **v}
             result["variants"].append(measure(**kw))
@@ -433,11 +450,11 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             receiver = IpcRefitReceiver(manifest, HOST, ports[-1], 1, 2, ipc_timeout, dev0)
             engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
             assert engine.refit_in_place
-        times = []
+        times, stats = [], []
         for k in range(args.repeats + 1):
             step_weights(50 + k)
             if rank == 0:
-                seconds = timer.time(lambda v=200 + k: sender.send(gatherer.pack, v))
+                seconds = timer.time(lambda v=200 + k: stats.append(sender.send(gatherer.pack, v)))
             else:
                 seconds = timer.time(engine.refit_receive)
                 assert engine.weight_version() == 200 + k
@@ -451,6 +468,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 "device_copy_seconds": copy_s,
                 "ratio": copy_s / ipc_s,
                 "runs": times,
+                "sender_breakdown_last": stats[-1].extra,
                 "design": "packed straight into the engine's flat weights (one IPC handle, "
                 "shared once); one store round trip each way per refit",
             }

@@ -140,6 +140,7 @@ class IpcRefitSender:
             f"refit v{weight_version}: policy rank 0 waiting for the rollout replicas to stop "
             "reading their weights",
         )
+        t_ready = time.perf_counter()
         # The weights were last written on the main stream (the optimizer step).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         checks: list[torch.Tensor] = []
@@ -151,22 +152,30 @@ class IpcRefitSender:
                     other[bucket.index].copy_(first)
                 if self.verify:
                     checks.append(bucket_checksum(first))
-        # One wait per refit: every byte is in place before any replica is told.
-        self.stream.synchronize()
-        if self.verify:
-            self.store.set(f"{n}/checksums", pickle.dumps(torch.stack(checks).cpu()))
-        self.store.set(f"{n}/done", f"{weight_version},{self.manifest.total_numel}")
-        if n > 0:  # the previous refit's keys are no longer read by anyone
+        t_enqueued = time.perf_counter()
+        if n > 0:  # the previous refit's keys are read by no one now; dropped while the GPU packs
             self.store.delete_key(f"{n - 1}/done")
             for r in range(self.replicas):
                 self.store.delete_key(f"{n - 1}/ready/{r}")
             if self.verify:
                 self.store.delete_key(f"{n - 1}/checksums")
+        # One wait per refit: every byte is in place before any replica is told.
+        self.stream.synchronize()
+        t_packed = time.perf_counter()
+        if self.verify:
+            self.store.set(f"{n}/checksums", pickle.dumps(torch.stack(checks).cpu()))
+        self.store.set(f"{n}/done", f"{weight_version},{self.manifest.total_numel}")
+        extra = {
+            "wait_ready_s": t_ready - t0,
+            "enqueue_s": t_enqueued - t_ready,
+            "pack_s": t_packed - t_ready,
+        }
         return RefitStats(
             weight_version,
             time.perf_counter() - t0,
             self.manifest.total_bytes,
             len(self.manifest.buckets),
+            extra,
         )
 
 
