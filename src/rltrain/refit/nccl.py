@@ -22,6 +22,7 @@ bytes land where the engine reads them with no copy.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
@@ -88,16 +89,24 @@ def pack_streams(device: torch.device, n: int, pack_sms: int | None) -> list[tor
     """
     if not pack_sms:
         return [torch.cuda.Stream(device) for _ in range(n)]
-    from torch.cuda.green_contexts import GreenContext
+    try:
+        from torch.cuda.green_contexts import GreenContext
 
-    ctx = GreenContext.create(num_sms=pack_sms, device_id=device.index)
-    stream = ctx.Stream() if hasattr(ctx, "Stream") else None
-    if stream is None:  # older torch: a stream created while the context is current
-        ctx.set_context()
-        try:
-            stream = torch.cuda.Stream(device)
-        finally:
-            ctx.pop_context()
+        ctx = GreenContext.create(num_sms=pack_sms, device_id=device.index)
+        stream = ctx.Stream() if hasattr(ctx, "Stream") else None
+        if stream is None:  # older torch: a stream created while the context is current
+            ctx.set_context()
+            try:
+                stream = torch.cuda.Stream(device)
+            finally:
+                ctx.pop_context()
+    except (ImportError, RuntimeError, TypeError) as exc:  # no green contexts in this build/driver
+        warnings.warn(
+            f"refit.pack_sms={pack_sms}: CUDA green contexts are unavailable ({exc}); "
+            "the refit packs on all SMs (set refit.pack_sms=null to silence this)",
+            stacklevel=2,
+        )
+        return [torch.cuda.Stream(device) for _ in range(n)]
     _GREEN_CONTEXTS.append(ctx)  # the stream lives as long as its context
     return [stream] * n
 
