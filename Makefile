@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rltrain-installed
 ARGS ?=
 
-.PHONY: setup run test test-fast lint format typecheck bench clean
+.PHONY: setup run test test-fast lint format typecheck bench bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ typecheck: setup
 
 bench: setup  ## per-step cost of the embedded default across actors
 	$(PY) scripts/bench_step.py
+
+bench-memory: setup  ## RSS slope of driver + actors over 300 steps of the embedded default
+	$(PY) scripts/bench_memory.py
 
 bench-refit: setup  ## refit: raw broadcast vs end-to-end on 2 GPUs (ARGS=--smoke on CPU)
 	$(PY) scripts/bench_refit.py $(ARGS)

@@ -389,6 +389,8 @@ def test_vllm_head_dim_below_32_on_cpu(tmp_path):
     (model / "config.json").write_text(
         json.dumps(
             {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
                 "hidden_size": 64,
                 "num_attention_heads": 4,
                 "num_hidden_layers": 2,

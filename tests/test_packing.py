@@ -39,20 +39,34 @@ def mixed_batch(B: int = 7, T: int = 12, seed: int = 0) -> TrainBatch:
     )
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_pack_unpack_round_trip_is_exact(packed):
+@pytest.mark.parametrize("layout", ["one_row", "rows_of_longest", "padded"])
+def test_pack_unpack_round_trip_is_exact(layout):
     batch = mixed_batch()
-    rows = [5, 1, 3, 0]
-    micro = pack(batch, rows, packed, pad_id=0, row_multiple=8 if packed else 1)
+    rows = [5, 2, 3, 4, 6]  # lengths 12, 6, 3, 6, 10
+    packed = layout != "padded"
+    lengths = row_lengths(batch)
+    longest = max(lengths[r] for r in rows)
+    micro = pack(
+        batch,
+        rows,
+        packed,
+        pad_id=0,
+        row_multiple=8 if layout == "one_row" else 1,
+        row_tokens=longest if layout == "rows_of_longest" else None,
+    )
     if packed:
-        assert micro.input_ids_RS.shape[0] == 1
-        assert micro.input_ids_RS.shape[1] % 8 == 0
-        lengths = row_lengths(batch)
+        R, S = micro.input_ids_RS.shape
+        if layout == "one_row":
+            assert R == 1 and S % 8 == 0
+        else:
+            assert longest == S and 1 < R < len(rows)  # a row holds two sequences
         assert int((micro.seq_id_RS >= 0).sum()) == sum(lengths[r] for r in rows)
         # position ids restart at 0 for every sequence
-        for i, (start, n) in enumerate(zip(micro.seq_start, micro.seq_len, strict=True)):
-            assert micro.position_ids_RS[0, start : start + n].tolist() == list(range(n))
-            assert (micro.seq_id_RS[0, start : start + n] == i).all()
+        for i, (row, start, n) in enumerate(
+            zip(micro.seq_row, micro.seq_start, micro.seq_len, strict=True)
+        ):
+            assert micro.position_ids_RS[row, start : start + n].tolist() == list(range(n))
+            assert (micro.seq_id_RS[row, start : start + n] == i).all()
     for field, src in (
         ("input_ids_RS", batch.input_ids_BT),
         ("response_mask_RS", batch.response_mask_BT),

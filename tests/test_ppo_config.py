@@ -37,7 +37,7 @@ def test_cli_plan_json_shows_value_role_fp16_scaler_tp2():
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr

@@ -20,7 +20,7 @@ TINY = ["max_steps=2", "logger.tensorboard=false", "checkpoint.save_final=false"
 
 
 def _run_cli(
-    *args: str, timeout: float = 400, env: dict[str, str] | None = None
+    *args: str, timeout: float = 900, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160", **(env or {})}
     return subprocess.run(
@@ -147,12 +147,16 @@ def test_prevalidation_rejects_a_bad_trial_before_any_starts(tmp_path):
 
     proc = _run_cli("sweep", "grpo", "optim.lr=interval(1e-4,1e-2)", f"output_dir={out}")
     assert proc.returncode == 2 and "--search optuna" in proc.stderr
+    # Any algorithm command: ppo trials are composed and planned the same way.
+    proc = _run_cli("sweep", "ppo", "optim.lr=1e-3,-1", *TINY, f"output_dir={out}")
+    assert proc.returncode == 2
+    assert "error: trial_001 (optim.lr=-1): optim.lr=-1.0 must be > 0." in proc.stderr
     proc = _run_cli("sweep", "nosuch", "seed=0,1")
     assert proc.returncode == 2 and "unknown algorithm 'nosuch'" in proc.stderr
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_grid_sweep_of_four_tiny_trials(tmp_path):
     out = tmp_path / "sweep"
     args = ["sweep", "grpo", "optim.lr=1e-3,3e-3", "seed=0,1", *TINY, f"output_dir={out}"]
@@ -202,7 +206,7 @@ def test_grid_sweep_of_four_tiny_trials(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_failing_trial_is_recorded_and_resume_skips_finished(tmp_path):
     # A reward that raises: importable (pre-validation passes), fails only when called.
     # Under reward.on_error=zero it scores 0 and the trial finishes; under fail it stops it.
@@ -217,6 +221,8 @@ def test_failing_trial_is_recorded_and_resume_skips_finished(tmp_path):
         "reward.on_error=zero,fail",
         *TINY,
         f"output_dir={out}",
+        "--max-parallel",
+        "2",
     ]
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = _run_cli(*args, env=env)
@@ -247,7 +253,7 @@ def test_failing_trial_is_recorded_and_resume_skips_finished(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_optuna_search_of_three_trials(tmp_path):
     out = tmp_path / "search"
     proc = _run_cli(
@@ -282,7 +288,7 @@ def test_optuna_search_of_three_trials(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_ctrl_c_stops_trials_and_resume_continues_from_checkpoint(tmp_path):
     import signal
     import time

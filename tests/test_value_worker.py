@@ -65,7 +65,13 @@ def reference_step(cfg, batch, old_values):
     lm = load_model(vcfg)
     model = ValueModel(lm.model, lm.config)
     o = vcfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
     values = right_shift(model(batch.input_ids_BT, batch.attention_mask_BT))
     mask = batch.response_mask_BT
     loss, _ = clipped_value_loss(

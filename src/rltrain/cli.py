@@ -46,10 +46,10 @@ def _train(algorithm: str, overrides: list[str] | None) -> None:
     cfg, choices = _compose(algorithm, overrides)
     from rltrain.cluster.workers import WorkerError
     from rltrain.refit.gloo import RefitError
-    from rltrain.runner import run
+    from rltrain.runner import run_with_restarts
 
     try:
-        run(cfg, choices, console)
+        run_with_restarts(cfg, choices, console)
     except ConfigError as exc:
         _fail(str(exc), 2)
     except (WorkerError, RefitError) as exc:
@@ -82,17 +82,26 @@ def plan(
     if algorithm not in ALGORITHMS:
         _fail(f"unknown algorithm '{algorithm}'; available: {', '.join(ALGORITHMS)}.", 2)
     cfg, choices = _compose(algorithm, overrides)
-    from rltrain.cluster.ray_cluster import local_resources
+    from rltrain.cluster.placement import place, placement_rows, role_bundles
+    from rltrain.cluster.ray_cluster import local_nodes, local_resources, read_cluster_nodes
     from rltrain.config.errors import ConfigError
+    from rltrain.config.validate import check_inputs
     from rltrain.plan import Resources, make_plan
 
     c = cfg.cluster
-    if c.mode == "local":
-        resources = local_resources(c)
-    else:  # attaching is not planning: use what the config says the cluster has
-        resources = Resources(num_cpus=c.num_cpus or 0, num_gpus=c.num_gpus or 0)
     try:
+        check_inputs(cfg, hub_ids=False)  # plan a hub model without downloading it
+        if c.mode == "local":
+            resources = local_resources(c)
+            nodes = local_nodes(c)
+        else:  # attach just long enough to read the nodes, so the plan shows real placement
+            nodes = read_cluster_nodes(c)
+            resources = Resources(
+                num_cpus=int(sum(n.resources.get("CPU", 0) for n in nodes)),
+                num_gpus=int(sum(n.resources.get("GPU", 0) for n in nodes)),
+            )
         run_plan = make_plan(cfg, resources, choices)
+        run_plan.placement = placement_rows(place(role_bundles(run_plan, c), nodes))
     except ConfigError as exc:
         _fail(str(exc), 2)
     if as_json:

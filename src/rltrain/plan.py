@@ -72,6 +72,9 @@ class RunPlan:
     value_batch: BatchPlan | None = None  # PPO: the critic's batch math over its own dp
     # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
     inputs: dict[str, object] = field(default_factory=dict)
+    # role -> node of each rank ("ip (node id)"): forecast by `rltrain plan`,
+    # then what Ray actually chose once a run has started.
+    placement: dict[str, list[str]] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)

@@ -63,6 +63,10 @@ def plan_tree(plan: RunPlan) -> Tree:
         refit.add(str(rf["reason"]))
     if rf.get("verify"):
         refit.add("checksum of every bucket compared on both sides (refit.verify=true)")
+    if plan.placement:
+        nodes = tree.add("placement (node of each rank)")
+        for role, labels in plan.placement.items():
+            nodes.add(f"{role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(labels)))
     mem = tree.add("memory estimate")
     for k, v in plan.memory.items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")

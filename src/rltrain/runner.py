@@ -105,16 +105,51 @@ def resolve_output_dir(cfg: RunConfig) -> tuple[str, Path]:
     return run_name, out
 
 
+def prepare_output_dir(out: Path) -> None:
+    """Create the run folder and prove it writable; a ConfigError naming output_dir otherwise."""
+    import tempfile
+
+    from rltrain.config.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"output_dir={out} is a file; give a folder path (it is created if missing)."
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out, prefix=".rltrain-write-check"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"output_dir={out} cannot be created or written ({exc.strerror or exc}); "
+            "give a folder you can write, e.g. output_dir=runs/my-run."
+        ) from exc
+
+
 def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     """Run the configured algorithm end to end; returns the summary numbers."""
     t0 = time.perf_counter()
-    from rltrain.cluster.ray_cluster import local_resources, ray_cluster
+    from rltrain.cluster.placement import place, placement_rows, role_bundles
+    from rltrain.cluster.ray_cluster import (
+        check_reachable,
+        cluster_nodes,
+        local_nodes,
+        local_resources,
+        ray_cluster,
+    )
+    from rltrain.config.validate import check_inputs
 
-    # Plan first (pure): a config that cannot run fails before Ray starts.
+    # Inputs, plan (pure), cluster address and output folder first: a run that
+    # cannot start fails here, before Ray starts or anything is written.
+    check_inputs(cfg)
     resources: Resources | None = (
         local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
     )
     plan = make_plan(cfg, resources, choices) if resources else None
+    if plan is not None:  # local: the one node is known, so a shortfall shows before Ray starts
+        place(role_bundles(plan, cfg.cluster), local_nodes(cfg.cluster))
+    if cfg.cluster.mode == "ray":
+        check_reachable(cfg.cluster)
     # Inputs next (model on disk, data rows, reward.fn importable): exit 2 before Ray starts.
     from rltrain.data import build_task
     from rltrain.models.loader import check_model_available, load_tokenizer
@@ -124,7 +159,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     run_name, out = resolve_output_dir(cfg)
     resume_from = find_resume(cfg, out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(out)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
     from rltrain.cluster.workers import Workers
@@ -134,6 +169,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     with ray_cluster(cfg.cluster, resources) as cluster_res:
         if plan is None:
             plan = make_plan(cfg, cluster_res, choices)
+        # Fail fast on a shortfall (what is missing, named) instead of pending on a reservation.
+        plan.placement = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
         (out / "plan.json").write_text(plan.to_json())
         console.print(
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
@@ -152,6 +189,12 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         )
         workers = Workers(cfg, plan)
         try:
+            plan.placement = _report_placement(workers.placement, cluster_nodes(), console)
+            (out / "plan.json").write_text(plan.to_json())
+            ctx = RunContext(
+                cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
+            )
+
             ctx = RunContext(cfg, plan, workers, task, tokenizer, out)
             if resume_from is not None:
                 ctx.restore(resume_from)
@@ -183,6 +226,49 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _write_report(out, console)
     return summary
+
+
+def run_with_restarts(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
+    """:func:`run`, restarted from the last checkpoint after a machine fault.
+
+    A worker that died or stopped answering (or a refit that timed out) ends
+    the attempt; while ``cluster.restarts`` allows, the run starts again in the
+    same output folder with ``resume=auto``. A worker that raised (a bug, a
+    diverging run) is not retried: it would fail the same way.
+    """
+    from rltrain.cluster.workers import WorkerError
+    from rltrain.refit.base import RefitError
+
+    left = cfg.cluster.restarts
+    if left and cfg.output_dir is None:  # every attempt must find the same checkpoints
+        cfg.output_dir = str(resolve_output_dir(cfg)[1])
+    while True:
+        try:
+            return run(cfg, choices, console)
+        except (WorkerError, RefitError) as exc:
+            if left == 0 or getattr(exc, "fault", "timeout") == "failed":
+                raise
+            left -= 1
+            from rich.markup import escape
+
+            console.print(
+                f"[yellow]restarting from the last checkpoint[/] after: {escape(str(exc))} "
+                f"({left} restart(s) left)",
+                highlight=False,
+            )
+            cfg.resume = "auto"
+
+
+def _report_placement(placement: list[dict], nodes: list, console: Console) -> dict[str, list[str]]:
+    """Print which node holds which role; returns role -> "ip (node id) pid N" per rank."""
+    labels = {n.node_id: n.label for n in nodes}
+    rows: dict[str, list[str]] = {}
+    for w in placement:
+        node = labels.get(w["node_id"], f"{w['ip']} ({w['node_id'][:8]})")
+        rows.setdefault(w["role"], []).append(f"{node} pid {w['pid']}")
+    for role, where in rows.items():
+        console.print(f"  {role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(where)))
+    return rows
 
 
 def _write_report(out: Path, console: Console) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rltrain.cluster.placement import NodeInfo
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import ClusterConfig
 from rltrain.plan import Resources
@@ -31,6 +35,36 @@ def cluster_resources() -> Resources:
 
     res = ray.cluster_resources()
     return Resources(num_cpus=int(res.get("CPU", 0)), num_gpus=int(res.get("GPU", 0)))
+
+
+def local_nodes(cfg: ClusterConfig) -> list[NodeInfo]:
+    """The one node a local cluster will have (no Ray started)."""
+    from rltrain.train.distributed import node_ip
+
+    res = local_resources(cfg)
+    return [NodeInfo("local", node_ip(), {"CPU": float(res.num_cpus), "GPU": float(res.num_gpus)})]
+
+
+def cluster_nodes() -> list[NodeInfo]:
+    """The live nodes of the Ray cluster this process is connected to, head first."""
+    import ray
+
+    return [
+        NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+def read_cluster_nodes(cfg: ClusterConfig) -> list[NodeInfo]:
+    """Attach to the cluster of ``cfg`` just long enough to list its nodes (``rltrain plan``)."""
+    import ray
+
+    check_reachable(cfg)
+    if ray.is_initialized():
+        return cluster_nodes()
+    with ray_cluster(cfg):
+        return cluster_nodes()
 
 
 @contextmanager
@@ -62,6 +96,7 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
             )
         else:
             address = cfg.address or "auto"
+            check_reachable(cfg)
             try:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             except (ConnectionError, RuntimeError) as exc:
@@ -73,3 +108,109 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
     finally:
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of 'host:port' or 'ray://host:port'; None when there is no port to probe."""
+    bare = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = bare.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def resolve_address(address: str) -> str:
+    """The host:port ``address`` stands for ('auto' = the cluster `ray start` recorded here)."""
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+    except ImportError:  # Ray moved its helper: let ray.init resolve it
+        return address
+    try:
+        return canonicalize_bootstrap_address_or_die("auto")
+    except (ConnectionError, ValueError) as exc:
+        raise ConfigError(
+            "cluster.mode=ray with cluster.address=auto found no running Ray cluster on this machine; "
+            "start one with 'ray start --head' (then 'ray start --address=<head-ip>:6379' on the other "
+            "nodes), give cluster.address=<head-ip>:6379, or use cluster=local."
+        ) from exc
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Point file descriptor 2 at /dev/null for the block (C++ logs bypass sys.stderr)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _gcs_handshake(address: str, timeout_s: float) -> str | None:
+    """None when Ray's GCS answers at ``address`` within ``timeout_s``, else why not.
+
+    Asks for the cluster id, the first thing ray.init asks, in a helper thread
+    so that the wait stays bounded whatever the other end does.
+    """
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:  # Ray moved its client: leave the check to ray.init
+        return None
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            GcsClient(address=address)
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not a usable Ray head"
+            outcome.append(exc)
+
+    thread = threading.Thread(target=ask, name="rltrain-gcs-probe", daemon=True)
+    with _quiet_stderr():  # the C++ client logs each failed attempt; the error sentence says it all
+        thread.start()
+        thread.join(max(0.1, timeout_s))
+    if not outcome:
+        return "a port is open there but no Ray head answered"
+    exc = outcome[0]
+    if exc is None or "auth" in str(exc).lower():  # a Ray head that wants a token: ray.init tells
+        return None
+    return f"a port is open there but it is not a Ray head: {str(exc).splitlines()[0]}"
+
+
+def check_reachable(cfg: ClusterConfig) -> None:
+    """Fail within cluster.connect_timeout_s unless Ray's GCS answers at the cluster's address.
+
+    ray.init would otherwise retry the connection for minutes. A TCP connect
+    names a refused or unreachable port at once; a GCS handshake then tells a
+    Ray head from a port that merely accepts connections (a proxy, another
+    service). It starts nothing and holds no resources.
+    """
+    address = resolve_address(cfg.address or "auto")
+    target = _host_port(address)
+    if target is None:
+        return
+    timeout = cfg.connect_timeout_s
+    t0 = time.monotonic()
+    reason = None
+    try:
+        with socket.create_connection(target, timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+    if reason is None:
+        reason = _gcs_handshake(f"{target[0]}:{target[1]}", timeout - (time.monotonic() - t0))
+    if reason is not None:
+        raise ConfigError(
+            f"no Ray cluster answers at cluster.address={address} within "
+            f"cluster.connect_timeout_s={timeout:g}s ({reason}); start one with "
+            "'ray start --head' on the head node (then 'ray start --address=<head-ip>:6379' on the others), "
+            "fix cluster.address, or use cluster=local."
+        )

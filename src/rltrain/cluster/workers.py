@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,6 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rltrain.cluster.placement import RoleBundles, role_bundles
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitStats
@@ -35,7 +38,16 @@ ENGINE_CLASSES = {
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed or stopped answering; the message names it."""
+    """A worker process failed or stopped answering; the message names it.
+
+    ``fault`` is "died" (the process is gone), "timeout" (it stopped answering)
+    or "failed" (it raised): the first two are faults of the machine, which a
+    restart from the last checkpoint can outlive.
+    """
+
+    def __init__(self, message: str, fault: str = "failed"):
+        super().__init__(message)
+        self.fault = fault
 
 
 class WorkerHost:
@@ -45,6 +57,14 @@ class WorkerHost:
         from rltrain.train.distributed import free_port, node_ip
 
         return node_ip(), free_port()
+
+    def where(self) -> dict[str, Any]:
+        """Node id, node IP and process id of this actor (for the placement report)."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     def build(self, class_path: str, *args: Any) -> bool:
         module, _, name = class_path.rpartition(".")
@@ -59,29 +79,35 @@ RemoteHost = ray.remote(WorkerHost)
 
 
 def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
-    """ray.get that names the stuck or dead worker instead of hanging or dumping a trace."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except GetTimeoutError as exc:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        stuck = [n for r, n in zip(refs, names, strict=True) if r not in ready]
-        raise WorkerError(f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s") from exc
-    except RayActorError as exc:
-        dead = _first_failed(refs, names)
-        raise WorkerError(f"{what}: {dead} died ({str(exc).splitlines()[0]})") from exc
-    except RayTaskError as exc:
-        failed = _first_failed(refs, names)
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        raise WorkerError(f"{what}: {failed} failed: {type(cause).__name__}: {cause}") from exc
+    """ray.get that names the stuck or dead worker instead of hanging or dumping a trace.
 
-
-def _first_failed(refs: list, names: list[str]) -> str:
-    for ref, name in zip(refs, names, strict=True):
+    Results are taken as they arrive, so the first worker that dies or fails
+    ends the wait at once, even while its peers are still blocked in a
+    collective with it (they are torn down by :meth:`Workers.shutdown`).
+    ``timeout_s`` bounds the whole wait; None waits without a bound.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            stuck = [n for r, n in zip(refs, names, strict=True) if r in pending]
+            raise WorkerError(
+                f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s", "timeout"
+            )
+        ref = ready[0]
+        name = names[refs.index(ref)]
         try:
             ray.get(ref, timeout=0)
-        except Exception:  # noqa: BLE001 - probing which one failed
-            return name
-    return "a worker"
+        except RayActorError as exc:
+            raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
+        except RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise WorkerError(f"{what}: {name} failed: {type(cause).__name__}: {cause}") from exc
+        except GetTimeoutError:  # cannot happen for a ready ref; keep waiting if it does
+            pending.append(ref)
+    return ray.get(refs)
 
 
 @dataclass
@@ -103,60 +129,73 @@ class Workers:
     """Every actor of a run: the policy gang and the rollout pool, plus the refit wiring."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
+        self.pgs: list = []
+        self.policy = Gang("policy", [])
+        self.rollout = Gang("rollout", [])
+        self.value: Gang | None = None  # PPO's critic
+        try:
+            self._start(cfg, plan)
+        except BaseException:
+            # A start that failed half way frees what it took (actors, reservations).
+            self.failed = True
+            self.shutdown()
+            raise
+
+    def _start(self, cfg: RunConfig, plan: RunPlan) -> None:
         self.cfg = cfg
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
+        self.call_timeout = cfg.cluster.call_timeout_s
+        self.failed = False  # set when a call failed: shutdown then kills without waiting
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
-        bundles = [dict(policy.bundle) for _ in range(policy.world_size)] + [
-            dict(rollout.bundle) for _ in range(rollout.world_size)
-        ]
-        if value_role is not None:
-            bundles += [dict(value_role.bundle) for _ in range(value_role.world_size)]
-        bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
-        self.pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=self.timeout)
-        except GetTimeoutError as exc:
-            raise WorkerError(
-                f"the cluster cannot place {len(bundles)} workers ({bundles[0]} each for the policy, "
-                f"{dict(rollout.bundle)} for rollout"
-                + (", the value ranks as the policy" if value_role is not None else "")
-                + f") within {self.timeout}s; it offers {ray.cluster_resources()}"
-            ) from exc
+        pgs = {rb.role: self._placement_group(rb) for rb in role_bundles(plan, cfg.cluster)}
 
-        def spawn(bundle_index: int, bundle: dict[str, float]):
+        def spawn(pg, bundle_index: int):
+            bundle = pg.bundle_specs[bundle_index]
             return RemoteHost.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=bundle_index
+                    pg, placement_group_bundle_index=bundle_index
                 ),
             ).remote()
 
-        self.policy = Gang("policy", [spawn(i, bundles[i]) for i in range(policy.world_size)])
+        self.policy = Gang("policy", [spawn(pgs["policy"], i) for i in range(policy.world_size)])
         self.rollout = Gang(
-            "rollout",
-            [
-                spawn(policy.world_size + i, bundles[policy.world_size + i])
-                for i in range(rollout.world_size)
-            ],
+            "rollout", [spawn(pgs["rollout"], i) for i in range(rollout.world_size)]
         )
-        self.value: Gang | None = None
         if value_role is not None:
-            first = policy.world_size + rollout.world_size
             self.value = Gang(
-                "value",
-                [spawn(first + i, bundles[first + i]) for i in range(value_role.world_size)],
+                "value", [spawn(pgs["value"], i) for i in range(value_role.world_size)]
             )
+        gangs = [g for g in (self.policy, self.rollout, self.value) if g is not None]
+        # Where each process landed (role, rank, node, pid): printed at start, kept in plan.json.
+        where = wait(
+            [a.where.remote() for g in gangs for a in g.actors],
+            [n for g in gangs for n in g.names()],
+            self.timeout,
+            "start-up",
+        )
+        ranks = [
+            (g.role, i)
+            for g in (self.policy, self.rollout, self.value)
+            if g is not None
+            for i in range(len(g.actors))
+        ]
+        self.placement: list[dict[str, Any]] = [
+            {"role": role, "rank": rank, **w} for (role, rank), w in zip(ranks, where, strict=True)
+        ]
         host, port = wait(
             [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
         )[0]
+        collective_s = cfg.cluster.collective_timeout_s
         builds = [
             a.build.remote(
                 "rltrain.train.policy_worker.PolicyWorker",
                 cfg,
-                DistEnv(rank, policy.world_size, host, port, policy.backend, cfg.refit.timeout_s),
+                DistEnv(rank, policy.world_size, host, port, policy.backend, collective_s),
                 policy.threads,
             )
             for rank, a in enumerate(self.policy.actors)
@@ -181,7 +220,7 @@ class Workers:
                         vhost,
                         vport,
                         value_role.backend,
-                        cfg.refit.timeout_s,
+                        collective_s,
                     ),
                     value_role.threads,
                 )
@@ -190,6 +229,28 @@ class Workers:
             names += self.value.names()
         wait(builds, names, self.timeout, "building workers")
         self._init_refit()
+
+    def _placement_group(self, rb: RoleBundles):
+        """Reserve one role's bundles; a reservation that cannot be met ends in a WorkerError."""
+        pg = placement_group(rb.bundles, strategy=rb.strategy)
+        self.pgs.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=self.timeout)
+        except GetTimeoutError as exc:
+            raise WorkerError(
+                f"the cluster could not place the {rb.role} role ({len(rb.bundles)} x {rb.bundles[0]}, "
+                f"{rb.strategy}) within cluster.startup_timeout_s={self.timeout:g}s; free now: "
+                f"{ray.available_resources()} (other jobs may hold the rest)"
+            ) from exc
+        return pg
+
+    def _wait(self, refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
+        """:func:`wait`, remembering a failure so that shutdown does not wait on stuck peers."""
+        try:
+            return wait(refs, names, timeout_s, what)
+        except WorkerError:
+            self.failed = True
+            raise
 
     # -- refit wiring -----------------------------------------------------------------------
     def _init_refit(self) -> None:
@@ -226,7 +287,7 @@ class Workers:
             wait(self.rollout.call_all("wake_up"), self.rollout.names(), None, "rollout wake-up")
         send = self.policy.call_all("refit_send", weight_version)
         recv = self.rollout.call_all("refit_receive")
-        out = wait(
+        out = self._wait(
             send + recv,
             self.policy.names() + self.rollout.names(),
             self.cfg.refit.timeout_s * 2,
@@ -257,8 +318,8 @@ class Workers:
             for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
             if c
         ]
-        parts: list[RolloutBatch] = wait(
-            refs, self.rollout.names(list(range(len(refs)))), None, "generate"
+        parts: list[RolloutBatch] = self._wait(
+            refs, self.rollout.names(list(range(len(refs)))), self.call_timeout, "generate"
         )
         if self.cfg.rollout.colocated:  # free the GPU memory for the trainer until the refit
             wait(self.rollout.call_all("sleep"), self.rollout.names(), None, "rollout sleep")
@@ -315,8 +376,11 @@ class Workers:
             a.call.remote("compute_logprobs", s, reference)
             for a, s in zip(self.policy.actors, shards, strict=True)
         ]
-        out = wait(
-            refs, self.policy.names(), None, "reference logprobs" if reference else "logprobs"
+        out = self._wait(
+            refs,
+            self.policy.names(),
+            self.call_timeout,
+            "reference logprobs" if reference else "logprobs",
         )
         return self._gather_rows(out, index, batch.input_ids_BT)
 
@@ -328,24 +392,24 @@ class Workers:
             a.call.remote("train", s, c)
             for a, s, c in zip(self.policy.actors, shards, counts, strict=True)
         ]
-        out = wait(refs, self.policy.names(), None, "train")
+        out = self._wait(refs, self.policy.names(), self.call_timeout, "train")
         metrics, old = out[0]
         if old is None:
             return metrics, None
         return metrics, self._gather_rows([o for _, o in out], index, batch.input_ids_BT)
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        out = wait(
+        out = self._wait(
             self.policy.call_all("export_hf", path, metadata),
             self.policy.names(),
-            None,
+            self.call_timeout,
             "checkpoint",
         )[0]
         if self.value is not None:  # the critic next to the policy: <path>/value
-            wait(
+            self._wait(
                 self.value.call_all("export_hf", f"{path}/value", {**metadata, "role": "value"}),
                 self.value.names(),
-                None,
+                self.call_timeout,
                 "value checkpoint",
             )
         return out
@@ -383,7 +447,7 @@ class Workers:
         assert self.value is not None
         shards, index, _, tp = self._value_shards(batch)
         refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
-        parts = wait(refs, self.value.names(), None, "values")
+        parts = self._wait(refs, self.value.names(), self.call_timeout, "values")
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
         for part, rows in zip(parts[::tp], index[::tp], strict=True):
             out[rows] = part
@@ -398,7 +462,7 @@ class Workers:
             a.call.remote("train", s, c)
             for a, s, c in zip(self.value.actors, shards, counts, strict=True)
         ]
-        return wait(refs, self.value.names(), None, "value train")[0]
+        return self._wait(refs, self.value.names(), self.call_timeout, "value train")[0]
 
     # -- trainer checkpoints ----------------------------------------------------------------
     def trainer_gangs(self) -> list[Gang]:
@@ -411,7 +475,7 @@ class Workers:
         for gang in self.trainer_gangs():
             refs += gang.call_all("save_state", f"{path}/{gang.role}")
             names += gang.names()
-        wait(refs, names, None, "saving trainer state")
+        self._wait(refs, names, self.call_timeout, "saving trainer state")
         return [g.role for g in self.trainer_gangs()]
 
     def load_state(self, path: str) -> None:
@@ -420,17 +484,27 @@ class Workers:
         for gang in self.trainer_gangs():
             refs += gang.call_all("load_state", f"{path}/{gang.role}")
             names += gang.names()
-        wait(refs, names, None, f"loading trainer state from {path}")
+        self._wait(refs, names, self.call_timeout, f"loading trainer state from {path}")
 
     def shutdown(self) -> None:
-        """Tear the process groups down, then kill the actors and free the placement group."""
+        """Tear the process groups down, then kill the actors and free the placement groups.
+
+        After a failed call the surviving ranks may sit in a collective with a
+        dead peer and would never answer: they are killed without waiting.
+        Otherwise they get cluster.failure_timeout_s to leave their groups.
+        """
+        grace = self.cfg.cluster.failure_timeout_s
         value_actors = self.value.actors if self.value is not None else []
-        for gang in [self.policy] + ([self.value] if self.value is not None else []):
-            with contextlib.suppress(Exception):  # best effort on the way out
-                ray.get(gang.call_all("shutdown"), timeout=10)
-        if self.cfg.rollout.engine == "vllm":  # frees the engine and its model folder
-            with contextlib.suppress(Exception):
-                ray.get(self.rollout.call_all("shutdown"), timeout=10)
+        if not self.failed:
+            for gang in [self.policy] + ([self.value] if self.value is not None else []):
+                with contextlib.suppress(Exception):  # best effort on the way out
+                    ray.get(gang.call_all("shutdown"), timeout=grace)
+            if self.rollout.actors and self.cfg.rollout.engine == "vllm":
+                with contextlib.suppress(Exception):  # frees the engine and its model folder
+                    ray.get(self.rollout.call_all("shutdown"), timeout=grace)
         for a in self.policy.actors + self.rollout.actors + value_actors:
-            ray.kill(a)
-        remove_placement_group(self.pg)
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        for pg in self.pgs:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)

@@ -117,8 +117,22 @@ def _schema_keys(path: str) -> list[str] | None:
     return list(node.keys()) if isinstance(node, DictConfig) else None
 
 
+def _is_free_dict(path: str) -> bool:
+    """Whether the schema node at ``path`` is a dict[str, X] (its keys are the user's, added with '+')."""
+    node: Any = OmegaConf.structured(RunConfig)
+    for part in [p for p in path.split(".") if p]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, DictConfig) and node._metadata.object_type is dict
+
+
 def _unknown_key_error(full_key: str) -> ConfigError:
     parent, _, leaf = full_key.rpartition(".")
+    if _is_free_dict(parent):
+        return ConfigError(
+            f"'{full_key}' is a new entry of the map '{parent}'; add it with '+{full_key}=VALUE'."
+        )
     keys = _schema_keys(parent) or []
     near = difflib.get_close_matches(leaf, keys, n=1)
     where = f"'{parent}'" if parent else "the top level"
@@ -183,7 +197,7 @@ def _reject_schema_append(override: str) -> None:
     if not override.startswith("+"):
         return
     key = override.lstrip("+").split("=", 1)[0]
-    if key in GROUPS:
+    if key in GROUPS or _is_free_dict(key.rpartition(".")[0]):
         return
     parent, _, leaf = key.rpartition(".")
     if leaf in (_schema_keys(parent) or []):

@@ -89,6 +89,9 @@ class GradScalerConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    # Stop the run after this many optimizer steps in a row were skipped for
+    # inf/nan gradients (an overflow storm that will not recover); 0 = never.
+    max_consecutive_skips: int = 20
 
 
 @dataclass
@@ -267,6 +270,25 @@ class ClusterConfig:
     # divided among the trainer ranks (roles take turns, so they do not compete).
     torch_threads: int | None = None
     startup_timeout_s: float = 120.0
+    # mode=ray: how long to try reaching cluster.address before giving up.
+    connect_timeout_s: float = 15.0
+    # Placement groups: pack = each role on as few nodes as possible (a trainer
+    # gang on one node where it fits), spread = one process per node in turn.
+    placement: str = "pack"
+    # Extra Ray resources each process of a role asks for, to pin roles to
+    # nodes started with `ray start --resources='{"trainer_node": 1}'`.
+    policy_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    # Bound on one worker call of the loop (generate, logprobs, train, checkpoint).
+    call_timeout_s: float = 1800.0
+    # Once a worker died or failed mid-call: how long its peers (possibly blocked
+    # in a collective with it) get to finish or be torn down before they are killed.
+    failure_timeout_s: float = 30.0
+    # torch.distributed timeout of a gang: rendezvous and every collective.
+    collective_timeout_s: float = 600.0
+    # Restart a run whose worker died or stopped answering, from its last
+    # checkpoint (resume=auto), at most this many times; 0 = fail at once.
+    restarts: int = 0
 
 
 @dataclass

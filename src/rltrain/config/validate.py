@@ -211,6 +211,7 @@ def validate(cfg: RunConfig) -> None:
             "resume=auto looks for checkpoints in the run's output folder; "
             "set output_dir (or run_name) to the run to continue."
         )
+    _validate_faults(cfg)
     if a.name == "ppo":
         validate_ppo(cfg)
 
@@ -341,3 +342,49 @@ def validate_reward_eval(cfg: RunConfig) -> None:
         _positive("eval.max_prompts", ev.max_prompts)
     if ev.max_new_tokens is not None:
         _positive("eval.max_new_tokens", ev.max_new_tokens)
+
+
+def _validate_faults(cfg: RunConfig) -> None:
+    """Timeouts, placement and the overflow-storm limit."""
+    c = cfg.cluster
+    for key in ("connect_timeout_s", "call_timeout_s", "failure_timeout_s", "collective_timeout_s"):
+        value = getattr(c, key)
+        if value <= 0:
+            raise ConfigError(f"cluster.{key}={value} must be > 0 (seconds).")
+    _choice("cluster.placement", c.placement, ("pack", "spread"))
+    for role in ("policy", "rollout"):
+        for name, amount in getattr(c, f"{role}_resources").items():
+            if amount <= 0 or name in ("CPU", "GPU", "memory"):
+                raise ConfigError(
+                    f"cluster.{role}_resources.{name}={amount}: give a custom node resource "
+                    "(not CPU/GPU/memory) with an amount > 0."
+                )
+    if c.restarts < 0:
+        raise ConfigError(f"cluster.restarts={c.restarts} must be >= 0 (0 = no restarts).")
+    if c.restarts and not cfg.checkpoint.every_n_steps:
+        raise ConfigError(
+            f"cluster.restarts={c.restarts} restarts from the last checkpoint, but "
+            "checkpoint.every_n_steps=0 writes none before the end; set checkpoint.every_n_steps."
+        )
+    skips = cfg.precision.grad_scaler.max_consecutive_skips
+    if skips < 0:
+        raise ConfigError(
+            f"precision.grad_scaler.max_consecutive_skips={skips} must be >= 0 (0 = never stop)."
+        )
+
+
+def check_inputs(cfg: RunConfig, hub_ids: bool = True) -> None:
+    """File-system checks of the inputs a run reads (model and tokenizer folders).
+
+    Separate from :func:`validate` because it touches disk (and, for an HF id,
+    the hub or its local cache); runs before the plan and before any cluster
+    starts. ``hub_ids=False`` checks local paths only: ``rltrain plan`` must
+    explain a run on a machine that has not downloaded its model.
+    """
+    from rltrain.models.source import check_model_source, check_tokenizer_source, looks_local
+
+    path = cfg.model.path
+    if path is not None and (hub_ids or looks_local(path)):
+        check_model_source(path, "model.path")
+    if cfg.model.tokenizer is not None:
+        check_tokenizer_source(cfg.model.tokenizer, "model.tokenizer")

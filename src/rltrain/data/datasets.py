@@ -66,6 +66,14 @@ def read_rows(cfg: DataConfig, path: str | None, split: str) -> tuple[list[dict[
                 f"data file '{path}' does not exist; set data.path=/path/to/train.jsonl "
                 "(a .jsonl/.json/.parquet file) or data.hf_name=NAME for a dataset in the local HF cache."
             )
+        if p.stat().st_size == 0:
+            raise ConfigError(
+                f"data file '{path}' is empty; point data.path at a file with the training rows."
+            )
+        # datasets logs the parse error itself before raising; the ConfigError below says it once.
+        ds_log = logging.getLogger("datasets")
+        level = ds_log.level
+        ds_log.setLevel(logging.CRITICAL)
         try:
             ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
         except Exception as exc:  # noqa: BLE001 - malformed file content is the user's input
@@ -73,6 +81,8 @@ def read_rows(cfg: DataConfig, path: str | None, split: str) -> tuple[list[dict[
                 f"data file '{path}' could not be read as {fmt} ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); fix the file."
             ) from exc
+        finally:
+            ds_log.setLevel(level)
         return ds.to_list(), str(p)
     name = cfg.hf_name
     try:
@@ -208,7 +218,7 @@ class DatasetTask:
         return order
 
     def sample(self, num_prompts: int) -> list[PromptItem]:
-        out = []
+        out: list[PromptItem] = []
         while len(out) < num_prompts:
             if self.cursor == len(self._order):
                 self.epoch += 1

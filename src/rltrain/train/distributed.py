@@ -72,11 +72,19 @@ def init_distributed(env: DistEnv) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=env.backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=env.timeout_s),
-        )
+        try:
+            dist.init_process_group(
+                backend=env.backend,
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=env.timeout_s),
+            )
+        except RuntimeError as exc:  # DistStoreError / DistNetworkError: a rank never showed up
+            raise RuntimeError(
+                f"rank {env.rank} of {env.world_size} could not join the {env.backend} process group "
+                f"at {env.master_addr}:{env.master_port} within {env.timeout_s:g}s "
+                f"(cluster.collective_timeout_s); rank 0 or a peer did not arrive: "
+                f"{str(exc).splitlines()[0]}"
+            ) from exc
     return device

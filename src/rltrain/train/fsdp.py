@@ -35,6 +35,10 @@ from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
 
 
+class OverflowStormError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for inf/nan gradients (fp16 loss scaling)."""
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The transformer blocks of an HF causal LM (``model.model.layers``)."""
     inner = getattr(model, "model", None)
@@ -183,6 +187,7 @@ class FSDPTrainer:
         self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
         gs = cfg.precision.grad_scaler
         self.scaler = None
+        self.consecutive_skips = 0  # optimizer steps in a row the grad scaler skipped
         if gs.enabled:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -329,12 +334,20 @@ class FSDPTrainer:
 
     def make_micro_batch(self, batch: TrainBatch, rows: list[int]) -> MicroBatch:
         """``rows`` of ``batch`` laid out per ``train.packing``, on this rank's device."""
-        # flex compiles per row length: padding packed rows to a multiple of its
-        # block size keeps the number of distinct shapes small.
-        multiple = 128 if self.attention == "flex" else 1
-        return pack(batch, rows, self.cfg.train.packing, self.tokenizer.pad_token_id, multiple).to(
-            self.device
-        )
+        # flex: one row per micro batch (it skips the masked blocks), padded to a
+        # multiple of its block size so few distinct shapes get compiled. sdpa
+        # computes every query x key pair of a row, so there rows hold at most
+        # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
+        flex = self.attention == "flex"
+        longest = max((int(batch.attention_mask_BT[r].sum()) for r in rows), default=2)
+        return pack(
+            batch,
+            rows,
+            self.cfg.train.packing,
+            self.tokenizer.pad_token_id,
+            row_multiple=128 if flex else 1,
+            row_tokens=None if flex else longest,
+        ).to(self.device)
 
     # -- forward ------------------------------------------------------------------
     def attention_kwargs(self, micro: MicroBatch) -> dict[str, object]:
@@ -554,6 +567,7 @@ class FSDPTrainer:
             self.scaler.step(self.optimizer)  # skips the step itself when grads are inf/nan
             self.scaler.update()
             stepped = float(math.isfinite(norm))
+            self._count_skip(stepped == 0.0)
         elif math.isfinite(norm):
             self.optimizer.step()
         else:
@@ -570,6 +584,23 @@ class FSDPTrainer:
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
+
+    def _count_skip(self, skipped: bool) -> None:
+        """Stop an fp16 overflow storm instead of spinning on skipped steps.
+
+        Every rank sees the same (globally reduced) grad norm, so every rank
+        raises at the same step and the gang stops together.
+        """
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        limit = self.cfg.precision.grad_scaler.max_consecutive_skips
+        if limit and self.consecutive_skips >= limit:
+            assert self.scaler is not None
+            raise OverflowStormError(
+                f"precision.grad_scaler.max_consecutive_skips={limit} reached: the last {limit} "
+                f"optimizer steps all had inf/nan gradients (loss scale now "
+                f"{float(self.scaler.get_scale()):.3g}), so training is diverging; lower optim.lr, "
+                "use precision=bf16, or raise the limit (0 = never stop)"
+            )
 
     # -- weights out --------------------------------------------------------------
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

@@ -135,21 +135,35 @@ def plan_micro_batches(
 
 
 def pack(
-    batch: TrainBatch, rows: list[int], packed: bool, pad_id: int, row_multiple: int = 1
+    batch: TrainBatch,
+    rows: list[int],
+    packed: bool,
+    pad_id: int,
+    row_multiple: int = 1,
+    row_tokens: int | None = None,
 ) -> MicroBatch:
     """Lay out ``rows`` of ``batch`` as one micro batch (see :class:`MicroBatch`).
 
-    packed: one row of sum(lengths) tokens (rounded up to ``row_multiple``
-    with padding). padded: one row per sequence, trimmed to the longest.
-    ``rows=[]`` gives the empty micro batch (two padding tokens, no valid target).
+    packed: sequences concatenated into rows of at most ``row_tokens`` tokens
+    (first-fit decreasing; None = a single row of all of them), each row
+    padded to the longest, rounded up to ``row_multiple``. padded: one row per
+    sequence, trimmed to the longest. ``rows=[]`` gives the empty micro batch
+    (two padding tokens, no valid target).
     """
     lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
     if packed:
-        total = sum(lengths)
-        S = -(-max(total, 2) // row_multiple) * row_multiple
-        R = 1
-        seq_row = [0] * len(rows)
-        seq_start = [sum(lengths[:i]) for i in range(len(rows))]
+        capacity = row_tokens if row_tokens is not None else max(sum(lengths), 1)
+        bins = plan_micro_batches(lengths, capacity, None) if rows else [[]]
+        seq_row, seq_start = [0] * len(rows), [0] * len(rows)
+        fill = []
+        for b, members in enumerate(bins):
+            offset = 0
+            for i in members:
+                seq_row[i], seq_start[i] = b, offset
+                offset += lengths[i]
+            fill.append(offset)
+        R = len(bins)
+        S = -(-max(*fill, 2) // row_multiple) * row_multiple
     else:
         R, S = max(len(rows), 1), max(lengths, default=2)
         seq_row = list(range(len(rows)))

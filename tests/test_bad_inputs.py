@@ -1,0 +1,345 @@
+"""The bad-input table: malformed config, files, model paths, cluster addresses and CLI usage.
+
+Every case must end with exit 2 before any cluster starts, one sentence on
+stderr naming the culprit, no traceback, and nothing written that a later run
+could mistake for a run's output. ``docs/bad-inputs.md`` is rendered from
+CASES (``python -m tests.test_bad_inputs > docs/bad-inputs.md``) and a test
+keeps the two in step.
+
+Most cases call the CLI in-process (typer's CliRunner: same code path, no
+interpreter start); the ones marked ``subprocess`` run ``python -m rltrain.cli``
+for real so that stderr is checked exactly as a user sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rltrain.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "bad-inputs.md"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One malformed input. ``{tmp}`` in argv is a fresh temporary folder made by ``setup``."""
+
+    id: str
+    area: str
+    argv: list[str]
+    needles: list[str]
+    behaviour: str
+    setup: str = ""  # a key of SETUPS: files the case needs under {tmp}
+    subprocess: bool = False
+    usage: bool = False  # a CLI usage error: Typer's usage box instead of one 'error:' line
+    skip_output_dir: bool = False  # the case sets output_dir itself
+    # A line that may come before the error: the per-row skip notice of a data file.
+    notice: str = ""
+
+
+def _folder(tmp: Path, name: str, config: object | bytes) -> None:
+    path = tmp / name
+    path.mkdir(parents=True)
+    data = config if isinstance(config, bytes) else json.dumps(config).encode()
+    (path / "config.json").write_bytes(data)
+
+
+def _jsonl(tmp: Path, name: str, rows: list[dict]) -> None:
+    (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+SETUPS = {
+    "empty_jsonl": lambda tmp: (tmp / "empty.jsonl").write_bytes(b""),
+    "non_utf8_jsonl": lambda tmp: (tmp / "latin.jsonl").write_bytes(
+        b'{"question": "caf\xe9"}\n\xff\xfe'
+    ),
+    "wrong_fields": lambda tmp: _jsonl(tmp, "rows.jsonl", [{"q": "1+1", "a": "2"}] * 3),
+    "huge_prompts": lambda tmp: _jsonl(
+        tmp, "huge.jsonl", [{"question": "many words " * 2000, "answer": "1"}] * 3
+    ),
+    "file": lambda tmp: (tmp / "afile").write_text("not a folder"),
+    "empty_dir": lambda tmp: (tmp / "empty").mkdir(),
+    "classifier": lambda tmp: _folder(
+        tmp, "bert", {"model_type": "bert", "architectures": ["BertForSequenceClassification"]}
+    ),
+    "non_utf8_config": lambda tmp: _folder(tmp, "garbled", b"\xff\xfe{\x00garbage"),
+    "causal_and_empty": lambda tmp: (
+        _folder(tmp, "qwen", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}),
+        (tmp / "empty").mkdir(),
+    ),
+}
+
+C, F, M, R, U = "config", "files and folders", "model paths", "cluster", "CLI usage"
+D, W, S = "data", "reward plug-ins", "sweep"
+CASES = [
+    # -- config -----------------------------------------------------------------------------
+    Case("unknown-key", C, ["grpo", "dtensor.tpp=2"], ["dtensor.tpp", "did you mean 'dtensor.tp'"],
+         "names the key and the closest valid key"),
+    Case("unknown-top-level-key", C, ["grpo", "max_step=3"], ["'max_step'", "did you mean 'max_steps'"],
+         "names the key and the closest valid key"),
+    Case("unknown-option", C, ["grpo", "precision=fp8"], ["'fp8'", "bf16, fp16, fp32"],
+         "lists the group's options"),
+    Case("wrong-type-float", C, ["grpo", "optim.lr=fast"], ["'optim.lr'", "fast"],
+         "names the key and the value that is not a float"),
+    Case("wrong-type-int", C, ["grpo", "max_steps=ten"], ["'max_steps'", "ten"],
+         "names the key and the value that is not an int"),
+    Case("append-existing-key", C, ["grpo", "+dtensor.tp=2"], ["'+dtensor.tp='", "write 'dtensor.tp=...'"],
+         "tells to drop the '+'"),
+    Case("append-unknown-key", C, ["grpo", "+dtensor.foo=1"], ["'+dtensor.foo='", "dtensor.foo"],
+         "refuses to add keys to the typed config"),
+    Case("map-entry-without-plus", C, ["grpo", "cluster.policy_resources.gpu_a100=1"],
+         ["cluster.policy_resources.gpu_a100", "'+cluster.policy_resources.gpu_a100=VALUE'"],
+         "tells to add a map entry with '+'"),
+    Case("override-without-equals", C, ["grpo", "optim.lr"], ["'optim.lr'", "key=value"],
+         "shows the key=value form"),
+    Case("missing-recipe", C, ["grpo", "recipe=nope"], ["'nope'", "recipe", "toy-dp2"],
+         "lists the shipped recipes"),
+    Case("algorithm-override", C, ["grpo", "algorithm=grpo"], ["'algorithm='", "rltrain grpo"],
+         "the command picks the algorithm"),
+    Case("one-sample-per-prompt", C, ["grpo", "algorithm.samples_per_prompt=1"],
+         ["algorithm.samples_per_prompt=1", "at least 2"], "GRPO needs a group of 2 or more"),
+    Case("batch-math-micro", C, ["grpo", "algorithm.prompts_per_step=30", "train.micro_batch_size=128"],
+         ["train.micro_batch_size=128", "240 sequences"], "names the sizes and the divisors to use"),
+    Case("batch-math-mini", C, ["grpo", "train.mini_batch_size=100"],
+         ["train.mini_batch_size=100", "256 sequences"], "mini batch must divide the rollout batch"),
+    Case("impossible-mesh", C,
+         ["plan", "grpo", "cluster.device=cuda", "cluster.num_gpus=4", "cluster.num_cpus=16", "dtensor.tp=2"],
+         ["dtensor.tp=2", "does not divide the 3 training GPUs"], "tp must divide the trainer GPUs"),
+    Case("cuda-without-gpus", C, ["plan", "grpo", "cluster.device=cuda", "cluster.num_gpus=0"],
+         ["cluster.device=cuda", "no GPUs"], "asks for cluster.device=auto or cpu"),
+    Case("fp16-without-scaler", C, ["grpo", "precision=fp16", "precision.grad_scaler.enabled=false"],
+         ["precision.grad_scaler.enabled"], "fp16 needs its grad scaler"),
+    Case("negative-skip-limit", C, ["grpo", "precision.grad_scaler.max_consecutive_skips=-1"],
+         ["max_consecutive_skips=-1", ">= 0"], "0 = never stop, negatives are refused"),
+    Case("zero-timeout", C, ["grpo", "cluster.call_timeout_s=0"], ["cluster.call_timeout_s=0", "> 0"],
+         "every wait needs a positive bound"),
+    Case("unknown-placement", C, ["grpo", "cluster.placement=diagonal"], ["cluster.placement=diagonal", "pack, spread"],
+         "lists pack and spread"),
+    Case("answer-longer-than-max-tokens", C, ["grpo", "rollout.max_new_tokens=3"],
+         ["rollout.max_new_tokens=3", "rollout.max_new_tokens>=4"], "says the smallest value that fits"),
+    Case("resource-no-node-offers", C, ["grpo", "+cluster.policy_resources.trainer_node=0.01"],
+         ["no node offers 'trainer_node'", "ray start --resources"],
+         "shortfall: names the missing resource and how to offer it"),
+    Case("refit-nccl-on-cpu", C, ["plan", "grpo", "refit=nccl"], ["refit.transport=nccl needs GPUs", "refit=gloo"],
+         "names the transport and the CPU fallback"),
+    Case("tiny-refit-buckets", C, ["grpo", "refit.bucket_bytes=1000"], ["refit.bucket_bytes=1000", "1 MiB"],
+         "asks for buckets of at least 1 MiB"),
+    Case("warmup-without-schedule", C, ["grpo", "optim.warmup_steps=10"],
+         ["optim.warmup_steps=10", "optim.lr_schedule=linear_warmup"], "says which schedule uses it"),
+    # -- sweep values ------------------------------------------------------------------------------
+    Case("sweep-value-wrong-type", S, ["sweep", "grpo", "optim.lr=fast,1e-4", "output_dir={tmp}/sweep"],
+         ["'optim.lr'", "fast"], "every trial's config is composed before anything runs",
+         skip_output_dir=True),
+    Case("sweep-unknown-key", S, ["sweep", "grpo", "optim.lrr=1e-4,3e-4", "output_dir={tmp}/sweep"],
+         ["'optim.lrr'", "did you mean 'optim.lr'"], "names the key and the closest valid key",
+         skip_output_dir=True),
+    Case("sweep-optuna-without-trials", S,
+         ["sweep", "grpo", "optim.lr=1e-4,3e-4", "--search", "optuna", "output_dir={tmp}/sweep"],
+         ["--search optuna needs --trials"], "asks for the number of trials", skip_output_dir=True),
+    # -- files and folders ---------------------------------------------------------------------
+    Case("output-dir-uncreatable", F, ["grpo", "output_dir=/proc/nope"],
+         ["output_dir=/proc/nope", "cannot be created or written"], "asks for a writable folder",
+         subprocess=True, skip_output_dir=True),
+    Case("output-dir-is-a-file", F, ["grpo", "output_dir={tmp}/afile"], ["afile is a file"],
+         "asks for a folder path", setup="file", skip_output_dir=True),
+    Case("output-dir-under-a-file", F, ["grpo", "output_dir={tmp}/afile/run"],
+         ["afile/run cannot be created or written"], "asks for a writable folder", setup="file",
+         skip_output_dir=True),
+    Case("resume-not-a-checkpoint", F, ["grpo", "resume={tmp}/empty"],
+         ["resume=", "is not a complete checkpoint (no run_state.json)"],
+         "asks for a checkpoints/step_<n> folder or resume=auto", setup="empty_dir"),
+    Case("resume-auto-without-output-dir", F, ["grpo", "resume=auto"],
+         ["resume=auto", "set output_dir (or run_name)"], "needs the run folder to look in",
+         skip_output_dir=True),
+    # -- model paths ----------------------------------------------------------------------------
+    Case("model-path-missing", M, ["grpo", "model.path=/nonexistent/model"],
+         ["model.path=/nonexistent/model does not exist"], "before Ray starts", subprocess=True),
+    Case("model-path-is-a-file", M, ["grpo", "model.path={tmp}/afile"], ["is a file, not a model folder"],
+         "asks for the folder with config.json", setup="file"),
+    Case("model-path-no-config", M, ["plan", "grpo", "model.path={tmp}/empty"], ["has no config.json"],
+         "not an HF model folder", setup="empty_dir"),
+    Case("model-not-causal-lm", M, ["grpo", "model.path={tmp}/bert"],
+         ["not a causal language model", "BertForSequenceClassification"],
+         "names the architecture that is not a causal LM", setup="classifier"),
+    Case("model-config-not-utf8", M, ["grpo", "model.path={tmp}/garbled"], ["not a readable JSON file"],
+         "names the unreadable config.json", setup="non_utf8_config"),
+    Case("model-hub-id-offline", M, ["grpo", "model.path=rltrain-test/no-such-model"],
+         ["model.path='rltrain-test/no-such-model'", "local HF cache"],
+         "hub unreachable: looked up in the local HF cache only"),
+    Case("tokenizer-folder-empty", M, ["grpo", "model.path={tmp}/qwen", "model.tokenizer={tmp}/empty"],
+         ["model.tokenizer=", "no tokenizer.json"], "names the folder without tokenizer files",
+         setup="causal_and_empty"),
+    # -- data ------------------------------------------------------------------------------------
+    Case("data-file-missing", D, ["grpo", "data=gsm8k", "data.path={tmp}/none.jsonl"],
+         ["data file", "none.jsonl' does not exist"], "names the file and both ways to give data"),
+    Case("data-file-empty", D, ["grpo", "data=gsm8k", "data.path={tmp}/empty.jsonl"],
+         ["empty.jsonl' is empty"], "names the empty file", setup="empty_jsonl"),
+    Case("data-file-not-utf8", D, ["grpo", "data=gsm8k", "data.path={tmp}/latin.jsonl"],
+         ["latin.jsonl' could not be read as json", "fix the file"],
+         "names the unreadable file (the datasets library's own log line is silenced)",
+         setup="non_utf8_jsonl", subprocess=True),
+    Case("data-missing-fields", D, ["grpo", "data=gsm8k", "data.path={tmp}/rows.jsonl"],
+         ["no usable rows", "the field 'question' is missing", "data.prompt_field=question"],
+         "every row skipped (one notice line), then the error names the field",
+         setup="wrong_fields", notice="data: skipped 3 of 3 rows"),
+    Case("data-huge-prompts", D,
+         ["grpo", "data=gsm8k", "data.path={tmp}/huge.jsonl", "data.max_prompt_tokens=64"],
+         ["no usable rows", "more than data.max_prompt_tokens=64"],
+         "every row too long (one notice line), then the error names the limit",
+         setup="huge_prompts", notice="data: skipped 3 of 3 rows"),
+    Case("data-template-without-prompt", D, ["grpo", "data=gsm8k", "data.prompt_template=Solve."],
+         ["data.prompt_template='Solve.'", "{prompt}"], "says where {prompt} goes"),
+    # -- reward plug-ins ---------------------------------------------------------------------------
+    Case("reward-import-error", W, ["grpo", "reward.fn=tests.fixtures.rewards.broken_module:fn"],
+         ["reward.fn='tests.fixtures.rewards.broken_module:fn'", "a_package_that_does_not_exist"],
+         "names the module that failed to import"),
+    Case("reward-missing-function", W, ["grpo", "reward.fn=tests.fixtures.rewards.user_rewards:missing"],
+         ["has no attribute 'missing'"], "names the missing attribute"),
+    Case("reward-wrong-signature", W,
+         ["grpo", "reward.fn=tests.fixtures.rewards.user_rewards:one_argument"],
+         ["has the signature (response", "fn(response: str, reference: str)"],
+         "shows the signature it needs"),
+    Case("reward-not-an-import-path", W, ["grpo", "reward.fn=rltrain.rewards.math.score"],
+         ["is not an import path", "package.module:function"], "shows the module:function form"),
+    # -- cluster ---------------------------------------------------------------------------------
+    Case("ray-address-refused", R, ["grpo", "cluster=ray", "cluster.address=127.0.0.1:1"],
+         ["cluster.address=127.0.0.1:1", "ray start --head"],
+         "within cluster.connect_timeout_s, says how to start a cluster", subprocess=True),
+    Case("ray-address-not-ray", R,
+         ["plan", "grpo", "cluster=ray", "cluster.address=192.0.2.200:6379", "cluster.connect_timeout_s=2"],
+         ["cluster.address=192.0.2.200:6379", "connect_timeout_s=2s"],
+         "`rltrain plan` attaches too, with the same bound"),
+    # -- CLI usage --------------------------------------------------------------------------------
+    Case("unknown-command", U, ["trian"], ["No such command 'trian'"], "usage box, exit 2",
+         usage=True, subprocess=True),
+    Case("missing-argument", U, ["plan"], ["Missing argument 'algorithm'"], "usage box, exit 2",
+         usage=True),
+    Case("unknown-flag", U, ["grpo", "--fast"], ["No such option: --fast"], "usage box, exit 2",
+         usage=True),
+    Case("unknown-algorithm", U, ["plan", "dqn"], ["unknown algorithm 'dqn'"], "lists the algorithms"),
+]  # fmt: skip
+
+
+def _argv(case: Case, tmp: Path) -> list[str]:
+    argv = [a.replace("{tmp}", str(tmp)) for a in case.argv]
+    if argv[0] == "grpo" and not case.skip_output_dir:
+        argv.append(f"output_dir={tmp}/run")
+    return argv
+
+
+def _check_message(case: Case, code: int, stderr: str, stdout: str) -> None:
+    assert code == 2, f"exit {code}: {stdout}{stderr}"
+    assert "Traceback" not in stderr + stdout
+    text = " ".join(stderr.split())
+    for needle in case.needles:
+        assert needle in text, f"{needle!r} not in {text!r}"
+    if case.usage:
+        return
+    assert stdout.strip() == "", stdout
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if case.notice and len(lines) == 2:
+        assert lines[0].startswith(case.notice), lines[0]
+        lines = lines[1:]
+    assert len(lines) == 1, f"expected one line, got {stderr!r}"
+    assert lines[0].startswith("error: ") and lines[0].rstrip().endswith((".", "?")), lines[0]
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """Any attempt to start or attach Ray, or a hub lookup over the network, fails the case."""
+    import ray
+
+    from rltrain.models import source
+
+    calls: list[str] = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append("ray.init"))
+    monkeypatch.setattr(source, "hub_reachable", lambda *a: False)  # no network here
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path, no_cluster):
+    if case.setup:
+        SETUPS[case.setup](tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    argv = _argv(case, tmp_path)
+    if case.subprocess:
+        env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "rltrain.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        _check_message(case, proc.returncode, proc.stderr, proc.stdout)
+    else:
+        result = CliRunner().invoke(app, argv, env={"COLUMNS": "200"})
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+            result.exception
+        )
+        _check_message(case, result.exit_code, result.stderr, result.stdout)
+        assert no_cluster == []
+    # Nothing half-written: the temporary folder holds exactly what the case put there.
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_table_has_every_area_and_enough_cases():
+    assert len(CASES) >= 25
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert {c.area for c in CASES} == {C, F, M, R, U, D, W, S}
+
+
+def render_table() -> str:
+    """docs/bad-inputs.md, rendered from CASES."""
+    lines = [
+        "# Bad inputs and what rltrain does with them",
+        "",
+        "Generated from `tests/test_bad_inputs.py` (`python -m tests.test_bad_inputs >",
+        "docs/bad-inputs.md`); the test suite fails when the two differ. Every row",
+        "exits with code 2 before any Ray cluster starts, prints one sentence (CLI",
+        "usage errors: Typer's usage box) naming the culprit, shows no traceback and",
+        "leaves nothing behind. `{tmp}` stands for a folder the test prepares.",
+        "",
+        "| area | input | behaviour | message names |",
+        "| --- | --- | --- | --- |",
+    ]
+    for c in CASES:
+        argv = " ".join(c.argv).replace("|", "\\|")
+        needles = "; ".join(f"`{n}`" for n in c.needles).replace("|", "\\|")
+        lines.append(f"| {c.area} | `rltrain {argv}` | exit 2: {c.behaviour} | {needles} |")
+    lines += ["", "Inputs that only show while a run is going, tested where they are handled:", ""]
+    lines += [f"- {row}" for row in RUNTIME_ROWS]
+    return "\n".join(lines) + "\n"
+
+
+RUNTIME_ROWS = [
+    "a data file with some bad rows (missing field, empty prompt, prompt over "
+    "`data.max_prompt_tokens`): those rows are skipped and counted, one notice line; "
+    "`data.strict=true` stops instead (`tests/test_data.py`)",
+    "a reward that raises or returns NaN: scores 0 and is counted (`reward.on_error=zero`), or stops "
+    "the run with one sentence (`reward.on_error=fail`); one that runs past `reward.timeout_s` "
+    "scores 0 (`tests/test_rewards.py`)",
+    "an fp16 overflow storm: exit 1 after `precision.grad_scaler.max_consecutive_skips` skipped "
+    "steps; a trainer rank or rollout replica that dies: exit 1 naming role and rank, or a "
+    "restart from the last checkpoint with `cluster.restarts` (`tests/test_faults.py`)",
+]
+
+
+def test_doc_table_in_step_with_cases():
+    assert DOC.read_text() == render_table(), (
+        "docs/bad-inputs.md is stale: python -m tests.test_bad_inputs > docs/bad-inputs.md"
+    )
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_table())
