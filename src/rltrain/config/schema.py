@@ -128,7 +128,7 @@ class RefitConfig:
         "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
     )
     # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 512 MiB x 2 with
-    # the pack on 48 SMs reached 0.91 of the raw broadcast (256 MiB x 2: 0.90).
+    # the pack on 48 SMs reached 0.91 of the raw broadcast (256 MiB x 2: 0.90; all SMs: 0.85).
     bucket_bytes: int = 512 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0
