@@ -7,8 +7,15 @@ fp32 master weights, bf16 refit). In one run it measures
 - the raw NCCL broadcast of one buffer of the model's refit size (GPU0 -> GPU1);
 - the end-to-end refit (gather + cast + pack + broadcast + land in the engine)
   at the config defaults and for every num_buffers x bucket_bytes of the grid;
+- variants at the default bucket size, one knob at a time: the buckets'
+  broadcasts alone (no pack), the unramped plan, the pack kernels, a third
+  buffer, the pack confined to 32/48/66 SMs (``refit.pack_sms``), 64 NCCL CTAs;
+- the pack alone (wall and GPU time);
 - the IPC refit with the engine on the trainer's GPU, against one device copy
   of the model's refit size on that GPU;
+
+Each part is saved as soon as it is done, and a failed part is recorded under
+``errors`` while the others still run;
 
 and asserts after every refit that the engine's weights equal the trainer's
 (cast to bf16) bit for bit. Every timed region starts after a barrier and ends
