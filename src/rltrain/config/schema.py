@@ -136,7 +136,7 @@ class RefitConfig:
     verify: bool = False
     # nccl: SMs the cast + pack kernels may use (a CUDA green context), so they leave
     # memory bandwidth to the broadcast they overlap; null = all SMs.
-    pack_sms: int | None = 48
+    pack_sms: int | None = None
 
 
 @dataclass
