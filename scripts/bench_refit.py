@@ -7,8 +7,15 @@ fp32 master weights, bf16 refit). In one run it measures
 - the raw NCCL broadcast of one buffer of the model's refit size (GPU0 -> GPU1);
 - the end-to-end refit (gather + cast + pack + broadcast + land in the engine)
   at the config defaults and for every num_buffers x bucket_bytes of the grid;
+- variants at the default bucket size, one knob at a time: the buckets'
+  broadcasts alone (no pack), the unramped plan, the pack kernels, a third
+  buffer, the pack confined to 32/48/66 SMs (``refit.pack_sms``), 64 NCCL CTAs;
+- the pack alone (wall and GPU time);
 - the IPC refit with the engine on the trainer's GPU, against one device copy
   of the model's refit size on that GPU;
+
+Each part is saved as soon as it is done, and a failed part is recorded under
+``errors`` while the others still run;
 
 and asserts after every refit that the engine's weights equal the trainer's
 (cast to bf16) bit for bit. Every timed region starts after a barrier and ends
@@ -61,7 +68,7 @@ def model_config(smoke: bool) -> RunConfig:
         "bfloat16",
         "bfloat16",
     )
-    cfg.refit.timeout_s = 120.0
+    cfg.refit.timeout_s = 20.0 if smoke else 120.0
     return cfg
 
 
@@ -115,7 +122,7 @@ def run(rank: int, args, ports: list[int], out_dir: str) -> None:
 
 
 def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
-    from rltrain.refit.base import plan_refit
+    from rltrain.refit.base import plan_buckets, plan_refit
     from rltrain.refit.gather import BucketGatherer
     from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, broadcast, make_group
     from rltrain.train.fsdp import _hf_name
@@ -178,18 +185,13 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     raw_s = raw_broadcast()
     log(f"raw broadcast {raw_s * 1e3:.2f} ms ({total_bytes / raw_s / 1e9:.0f} GB/s)")
 
-    def refit_once(manifest, sender, receiver, k: int) -> float:
-        step_weights(k)
-        if rank == 0:
-            gatherer = BucketGatherer(params, manifest)
-            seconds = timer.time(lambda: sender.send(gatherer.pack, 100 + k))
-        else:
-            seconds = timer.time(engine.refit_receive)
-            assert engine.weight_version() == 100 + k
-        return seconds
-
     def check_equal(manifest) -> None:
-        """Trainer weights (cast) and engine weights are equal bit for bit."""
+        """Trainer weights (cast) and engine weights are equal bit for bit.
+
+        Both ranks learn the count of differing elements (one all-reduce) and
+        raise together, so a failed part leaves them in step for the next.
+        """
+        bad = torch.zeros(1, device=device)
         if rank == 0:
             ref = _reference_flat(worker, manifest)
             broadcast(group, ref).wait()
@@ -197,38 +199,110 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             ref = torch.empty(manifest.total_numel, dtype=dtype, device=device)
             broadcast(group, ref).wait()
             got = _engine_flat(engine, manifest).to(device)
-            if not torch.equal(got.view(torch.int16), ref.view(torch.int16)):
-                bad = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
-                raise AssertionError(f"engine weights differ from the trainer's in {bad} elements")
+            bad += (got.view(torch.int16) != ref.view(torch.int16)).sum()
+        group.allreduce([bad]).wait()
+        if int(bad.item()):
+            raise AssertionError(
+                f"engine weights differ from the trainer's in {int(bad.item())} elements"
+            )
 
-    def measure(bucket_bytes: int, num_buffers: int) -> dict:
-        manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers)
+    result: dict = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "smoke": smoke,
+        "tiny": tiny,
+        "model": {
+            "shapes": "tiny" if tiny else "Qwen2.5-1.5B (random init)",
+            "num_params": num_params,
+            "refit_dtype": "bfloat16",
+            "refit_bytes": total_bytes,
+        },
+        "raw_broadcast": {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9},
+        "errors": {},
+        "definitions": {
+            "ratio": "raw broadcast time of one buffer of the model's bf16 size / end-to-end refit time",
+            "ipc_ratio": "one device-to-device copy of the model's bf16 size / IPC refit time (same GPU)",
+            "timing": f"median of {args.repeats} refits after one warm-up; barrier before, receiver sync + ack after",
+            "copy_numel": "tensors of at least this many elements are cast with their own copy_, "
+            "smaller ones with one _foreach_copy_ per bucket (single trainer rank)",
+            "ctas": "CTAs (channels) of the refit NCCL communicator (null: NCCL's choice)",
+            "first_bucket_bytes": "size of the small first bucket (null: none)",
+        },
+    }
+    default = RefitConfig()
+
+    def save() -> None:
+        """Rank 0 writes what it has after every part, so a later failure keeps the rest."""
+        if rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
+
+    groups: dict[int | None, dist.ProcessGroup] = {None: group}
+    next_port = iter(ports[2:-1])
+
+    def group_for(ctas: int | None) -> dist.ProcessGroup:
+        if ctas not in groups:
+            port = next(next_port)
+            groups[ctas] = make_nccl_group(HOST, port, rank, 2, timeout, device, ctas=ctas)
+        return groups[ctas]
+
+    def measure(
+        bucket_bytes: int,
+        num_buffers: int,
+        copy_numel: int = 1 << 20,
+        ctas: int | None = None,
+        first_bucket_bytes: int | None | str = "default",
+        pack: bool = True,
+        ramp: bool = True,
+        pack_sms: int | None = None,
+    ) -> dict:
+        if first_bucket_bytes == "default":
+            manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers, ramp)
+            first_bucket_bytes = bucket_bytes // 8
+        else:
+            manifest = plan_buckets(
+                shapes, "bfloat16", bucket_bytes, num_buffers, first_bucket_bytes, ramp
+            )
         if cuda:
-            sender = (
-                NcclRefitSender(manifest, HOST, 0, 2, timeout, device, group=group)
-                if rank == 0
-                else None
-            )
-            receiver = (
-                None
-                if rank == 0
-                else NcclRefitReceiver(manifest, HOST, 0, 1, 2, timeout, device, group=group)
-            )
+            g = group_for(ctas)
+            ok = torch.ones(1, device=device)
+            sender = receiver = None
+            try:
+                if rank == 0:
+                    sender = NcclRefitSender(
+                        manifest, HOST, 0, 2, timeout, device, group=g, pack_sms=pack_sms
+                    )
+                else:
+                    receiver = NcclRefitReceiver(manifest, HOST, 0, 1, 2, timeout, device, group=g)
+            except Exception:
+                ok.zero_()
+                print(f"rank {rank}: building the refit ends failed:\n{traceback.format_exc()}")
+            group.allreduce([ok]).wait()  # both ranks give up together
+            if int(ok.item()) != 2:
+                raise RuntimeError("a rank could not build its refit end (see its log)")
         else:
             sender = receiver = None
-            port = ports[2 + measure.calls]
+            port = next(next_port)
             if rank == 0:
                 sender = GlooRefitSender(manifest, HOST, port, 2, timeout)
             else:
                 receiver = GlooRefitReceiver(manifest, HOST, port, 1, 2, timeout)
-        measure.calls += 1
         if rank == 1:  # the engine's weights become views into this receiver's buckets
             engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
             assert engine.refit_in_place
+        fill = None
+        if rank == 0:
+            gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
+            fill = gatherer.pack if pack else (lambda bucket, out: None)
         times = []
         for k in range(args.repeats + 1):  # the first refit warms up
-            seconds = refit_once(manifest, sender, receiver, k)
-            check_equal(manifest)
+            step_weights(k)
+            if rank == 0:
+                seconds = timer.time(lambda k=k: sender.send(fill, 100 + k))
+            else:
+                seconds = timer.time(engine.refit_receive)
+                assert engine.weight_version() == 100 + k
+            if pack:
+                check_equal(manifest)
             if k:
                 times.append(seconds)
         s = statistics.median(times)
@@ -236,56 +310,130 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "bucket_bytes": bucket_bytes,
             "num_buffers": num_buffers,
             "buckets": len(manifest.buckets),
+            "copy_numel": copy_numel,
+            "ctas": ctas,
+            "first_bucket_bytes": first_bucket_bytes,
+            "first_bucket_tensors": len(manifest.buckets[0].slots),
+            "ramp": ramp,
+            "pack_sms": pack_sms,
+            "bucket_mib": [round(b.numel * 2 / MiB) for b in manifest.buckets],
             "seconds": s,
             "ratio": raw_s / s,
             "GBps": total_bytes / s / 1e9,
+            "runs": times,
         }
+        if not pack:
+            row["note"] = "broadcast of the buckets only (no gather/cast/pack; weights not checked)"
         log(
-            f"refit {bucket_bytes // MiB:5d} MiB x {num_buffers}: {s * 1e3:7.2f} ms "
+            f"refit {bucket_bytes // MiB:5d} MiB x {num_buffers} copy>={copy_numel} ctas={ctas} "
+            f"first={first_bucket_bytes} pack={pack} ramp={ramp} sms={pack_sms}: {s * 1e3:7.2f} ms "
             f"ratio {raw_s / s:.3f} ({len(manifest.buckets)} buckets)"
         )
         return row
 
-    measure.calls = 0
-    default = RefitConfig()
+    def part(name: str, fn) -> None:
+        """Run one part; an error is recorded (both ranks keep going where they can)."""
+        try:
+            fn()
+        except Exception:
+            result["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"rank {rank}: part {name} failed:\n{result['errors'][name]}", flush=True)
+        save()
+
+    # 2. end-to-end refit at the defaults, then the grid and the variants.
+    def run_default() -> None:
+        row = measure(default.bucket_bytes, default.num_buffers)
+        result["default"] = {**row}
+        result["summary"] = {
+            "ratio_default": raw_s / row["seconds"],
+            "seconds_per_billion_params_default": row["seconds"] / (num_params / 1e9),
+            "ipc_ratio": None,
+        }
+
+    part("default", run_default)
     sizes = [1 * MiB, 4 * MiB] if tiny else [64 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB]
-    grid = [measure(b, n) for n in (1, 2, 4) for b in sizes]
-    default_row = next(
-        (
-            r
-            for r in grid
-            if (r["bucket_bytes"], r["num_buffers"]) == (default.bucket_bytes, default.num_buffers)
-        ),
-        None,
-    ) or measure(default.bucket_bytes, default.num_buffers)
+
+    def run_grid() -> None:
+        result["grid"] = []
+        for n in (1, 2, 4):
+            for b in sizes:
+                result["grid"].append(measure(b, n))
+                save()
+
+    part("grid", run_grid)
+
+    def run_variants() -> None:
+        b = default.bucket_bytes
+        nb = default.num_buffers
+        result["variants"] = []
+        todo = [
+            {"pack": False},
+            {"pack": False, "ramp": False},
+            {"ramp": False},
+            {"bucket_bytes": 512 * MiB, "ramp": False},
+            {"copy_numel": 2**62},
+            {"num_buffers": 3},
+        ]
+        if cuda:
+            todo += [
+                {"pack_sms": 32},
+                {"pack_sms": 48},
+                {"pack_sms": 66},
+                {"bucket_bytes": 512 * MiB, "pack_sms": 48},
+                {"ctas": 64},
+            ]
+        for v in todo:
+            kw = {"bucket_bytes": b, "num_buffers": nb, **v}
+            result["variants"].append(measure(**kw))
+            save()
+
+    part("variants", run_variants)
 
     # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
-    pack_s = None
-    if rank == 0:
+    def run_pack_only() -> None:
+        if rank != 0:
+            return
         manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
-        gatherer = BucketGatherer(params, manifest)
         out = torch.empty(max(b.numel for b in manifest.buckets), dtype=dtype, device=device)
-        runs = []
-        for _ in range(args.repeats + 1):
-            if cuda:
-                torch.cuda.synchronize(device)
-            tp = time.perf_counter()
-            for b in manifest.buckets:
-                gatherer.pack(b, out)
-            if cuda:
-                torch.cuda.synchronize(device)
-            runs.append(time.perf_counter() - tp)
-        pack_s = statistics.median(runs[1:])
+        rows = {}
+        for copy_numel in (1 << 20, 2**62):
+            gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
+            runs, gpu = [], []
+            for _ in range(args.repeats + 1):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    start, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    start.record()
+                tp = time.perf_counter()
+                for bk in manifest.buckets:
+                    gatherer.pack(bk, out)
+                if cuda:
+                    end.record()
+                    torch.cuda.synchronize(device)
+                    gpu.append(start.elapsed_time(end) / 1e3)
+                runs.append(time.perf_counter() - tp)
+            rows[str(copy_numel)] = {
+                "seconds": statistics.median(runs[1:]),
+                "gpu_seconds": statistics.median(gpu[1:]) if gpu else None,
+            }
+            log(f"gather + cast + pack alone (copy>={copy_numel}): {rows[str(copy_numel)]}")
+        result["pack_only_default"] = rows
         del out
-        log(f"gather + cast + pack alone {pack_s * 1e3:.2f} ms")
+
+    part("pack_only", run_pack_only)
 
     # 3. IPC: the engine on the trainer's GPU (GPU 0), one device copy as the raw figure.
-    ipc = None
-    if cuda:
+    def run_ipc() -> None:
         from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
+        from rltrain.rollout.torch_engine import TorchEngine
 
         dev0 = torch.device("cuda", 0)
         manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        ipc_timeout = 60.0
+        copy_s = None
         if rank == 0:
             src = torch.ones(num_params, dtype=dtype, device=dev0)
             dst = torch.empty_like(src)
@@ -298,18 +446,22 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 copies.append(time.perf_counter() - tc)
             copy_s = statistics.median(copies[2:])
             del src, dst
-            sender = IpcRefitSender(manifest, HOST, ports[-1], 2, timeout, dev0)
+            sender = IpcRefitSender(manifest, HOST, ports[-1], 2, ipc_timeout, dev0)
+            gatherer = BucketGatherer(params, manifest)
         else:
+            nonlocal engine
+            del engine
+            torch.cuda.empty_cache()
             with dev0:
-                engine = TorchEngine(cfg, str(dev0), 0)  # noqa: F841 - replaces the GPU-1 engine
-            receiver = IpcRefitReceiver(manifest, HOST, ports[-1], 1, 2, timeout, dev0)
+                engine = TorchEngine(cfg, str(dev0), 0)  # replaces the GPU-1 engine
+            receiver = IpcRefitReceiver(manifest, HOST, ports[-1], 1, 2, ipc_timeout, dev0)
             engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
-        times = []
+            assert engine.refit_in_place
+        times, stats = [], []
         for k in range(args.repeats + 1):
             step_weights(50 + k)
             if rank == 0:
-                gatherer = BucketGatherer(params, manifest)
-                seconds = timer.time(lambda g=gatherer, v=200 + k: sender.send(g.pack, v))
+                seconds = timer.time(lambda v=200 + k: stats.append(sender.send(gatherer.pack, v)))
             else:
                 seconds = timer.time(engine.refit_receive)
                 assert engine.weight_version() == 200 + k
@@ -318,42 +470,25 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 times.append(seconds)
         ipc_s = statistics.median(times)
         if rank == 0:
-            ipc = {"seconds": ipc_s, "device_copy_seconds": copy_s, "ratio": copy_s / ipc_s}
+            result["ipc"] = {
+                "seconds": ipc_s,
+                "device_copy_seconds": copy_s,
+                "ratio": copy_s / ipc_s,
+                "runs": times,
+                "sender_breakdown_last": stats[-1].extra,
+                "design": "packed straight into the engine's flat weights (one IPC handle, "
+                "shared once); one store round trip each way per refit",
+            }
+            if "summary" in result:
+                result["summary"]["ipc_ratio"] = copy_s / ipc_s
             log(f"ipc refit {ipc_s * 1e3:.2f} ms, device copy {copy_s * 1e3:.2f} ms")
 
-    if rank == 0:
-        result = {
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "torch": torch.__version__,
-            "smoke": smoke,
-            "tiny": tiny,
-            "model": {
-                "shapes": "tiny" if tiny else "Qwen2.5-1.5B (random init)",
-                "num_params": num_params,
-                "refit_dtype": "bfloat16",
-                "refit_bytes": total_bytes,
-            },
-            "raw_broadcast": {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9},
-            "default": {
-                "bucket_bytes": default.bucket_bytes,
-                "num_buffers": default.num_buffers,
-                **default_row,
-            },
-            "pack_only_seconds_default": pack_s,
-            "grid": grid,
-            "ipc": ipc,
-            "summary": {
-                "ratio_default": raw_s / default_row["seconds"],
-                "seconds_per_billion_params_default": default_row["seconds"] / (num_params / 1e9),
-                "ipc_ratio": ipc["ratio"] if ipc else None,
-            },
-            "definitions": {
-                "ratio": "raw broadcast time of one buffer of the model's bf16 size / end-to-end refit time",
-                "ipc_ratio": "one device-to-device copy of the model's bf16 size / IPC refit time (same GPU)",
-                "timing": f"median of {args.repeats} refits after one warm-up; barrier before, receiver sync + ack after",
-            },
-        }
-        Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
+    if cuda:
+        part("ipc", run_ipc)
+    save()
+    for g in groups.values():
+        if hasattr(g, "shutdown"):
+            g.shutdown()
     if rank == 0:
         worker.shutdown()
 
@@ -374,12 +509,18 @@ def main() -> None:
     ports = [free_port() for _ in range(16)]
     tmp = Path(args.out) / ".bench_refit_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
+    failed = None
     try:
         mp.spawn(run, args=(args, ports, str(tmp)), nprocs=2, join=True)
     except Exception:
-        errors = "\n".join(p.read_text() for p in tmp.glob("error*.txt"))
-        sys.exit(f"error: a benchmark process failed:\n{errors}")
-    result = json.loads((tmp / "result.json").read_text())
+        failed = "\n".join(p.read_text() for p in tmp.glob("error*.txt")) or "unknown"
+    if not (tmp / "result.json").exists():
+        sys.exit(f"error: a benchmark process failed before any result:\n{failed}")
+    result = json.loads(
+        (tmp / "result.json").read_text()
+    )  # what was measured, even after a failure
+    if failed:
+        result["errors"]["process"] = failed[-3000:]
     name = "cpu-smoke" if args.smoke else result["device"].replace(" ", "-").lower()
     if args.tiny and not args.smoke:
         name += "-tiny"
@@ -388,8 +529,10 @@ def main() -> None:
     for p in tmp.iterdir():
         p.unlink()
     tmp.rmdir()
-    print(json.dumps(result["summary"], indent=2))
+    print(json.dumps(result.get("summary"), indent=2))
     print(f"wrote {out}")
+    if failed or result["errors"]:
+        sys.exit(f"error: some parts failed: {sorted(result['errors'])}")
 
 
 if __name__ == "__main__":

@@ -98,3 +98,59 @@ def test_auto_transport_follows_placement():
         resolve_refit_transport("nccl", "cuda", True)
     with pytest.raises(ValueError, match="not resolved"):
         make_refit_receiver("auto", plan_buckets([("a", (2,))], "float32", 2**20), "", 0, 1, 2, 1.0)
+
+
+def test_ramped_plan_fills_the_pipeline_and_keeps_every_tensor():
+    # One big "embedding", then layers of mid-sized and tiny tensors.
+    shapes = [("embed", (64, 64))]
+    for i in range(6):
+        shapes += [(f"{i}.w", (16, 16)), (f"{i}.b", (16,)), (f"{i}.m", (32, 16))]
+    manifest = plan_refit(shapes, "float32", 4 * 1024, 2)  # first bucket: 128 elements
+    sizes = [b.numel for b in manifest.buckets]
+    assert sizes[0] <= 128
+    for k, size in enumerate(sizes[1:-1], start=1):  # doubling caps up to bucket_bytes
+        assert size <= min(1024, 128 << k), (k, sizes)
+    assert [s.name for s in manifest.buckets[-1].slots] == ["embed"]  # > 4 first buckets: last
+    names = [s.name for b in manifest.buckets for s in b.slots]
+    assert sorted(names) == sorted(n for n, _ in shapes) and len(names) == len(shapes)
+    for b in manifest.buckets:  # slots tile each bucket
+        assert [s.offset for s in b.slots] == [
+            sum(x.numel for x in b.slots[:i]) for i in range(len(b.slots))
+        ]
+        assert b.numel == sum(s.numel for s in b.slots)
+    flat = plan_refit(shapes, "float32", 4 * 1024, 2, ramp=False)
+    assert [s.name for s in flat.buckets[1].slots][0] == "embed"  # unramped: original order
+
+
+def test_single_rank_pack_reuses_views_and_follows_a_repointed_parameter():
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 7))
+    params = dict(model.named_parameters())
+    manifest = plan_refit([(k, tuple(v.shape)) for k, v in params.items()], "bfloat16", 2**20, 1)
+    # 100 elements: the weights take the per-tensor copy_, the biases the fused one.
+    gatherer = BucketGatherer(params, manifest, copy_numel=100)
+    out = torch.empty(max(b.numel for b in manifest.buckets), dtype=torch.bfloat16)
+
+    def check() -> None:
+        for bucket in manifest.buckets:
+            gatherer.pack(bucket, out)
+            for name, t in unpack_bucket(bucket, out):
+                assert torch.equal(t, params[name].detach().to(torch.bfloat16)), name
+
+    check()
+    with torch.no_grad():  # an optimizer step: in place, cached views see it
+        for p in params.values():
+            p.add_(0.5)
+    check()
+    with torch.no_grad():  # a checkpoint load that re-points a parameter: views are rebuilt
+        params["0.weight"].data = torch.randn(40, 30)
+    check()
+
+
+def test_pack_sms_must_name_at_least_one_sm():
+    from rltrain.config.schema import RunConfig
+    from rltrain.config.validate import validate
+
+    cfg = RunConfig()
+    cfg.refit.pack_sms = 0
+    with pytest.raises(ConfigError, match=r"refit.pack_sms=0 .* set refit.pack_sms>=1 or null"):
+        validate(cfg)

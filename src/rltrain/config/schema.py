@@ -127,13 +127,16 @@ class RefitConfig:
     transport: str = (
         "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
     )
-    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 256 MiB x 2 was
-    # within 1% of the best setting measured, with half the buffer memory of 512 MiB.
-    bucket_bytes: int = 256 * 2**20
+    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 512 MiB x 2 with
+    # the pack on 48 SMs reached 0.91 of the raw broadcast (256 MiB x 2: 0.90; all SMs: 0.85).
+    bucket_bytes: int = 512 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0
     # Compare a checksum of every bucket on both sides after each refit.
     verify: bool = False
+    # nccl: SMs the cast + pack kernels may use (a CUDA green context), so they leave
+    # memory bandwidth to the broadcast they overlap; null = all SMs.
+    pack_sms: int | None = None
 
 
 @dataclass

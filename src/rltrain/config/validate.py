@@ -117,6 +117,10 @@ def validate(cfg: RunConfig) -> None:
         )
     if r.timeout_s <= 0:
         raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
+    if r.pack_sms is not None and r.pack_sms < 1:
+        raise ConfigError(
+            f"refit.pack_sms={r.pack_sms} leaves the pack no SM; set refit.pack_sms>=1 or null (all SMs)."
+        )
 
     ro = cfg.rollout
     _choice("rollout.engine", ro.engine, ENGINES)

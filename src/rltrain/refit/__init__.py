@@ -41,13 +41,18 @@ def make_refit_sender(
     timeout_s: float,
     device: torch.device | str = "cpu",
     verify: bool = False,
+    pack_sms: int | None = None,
 ) -> RefitSender:
-    """Policy rank 0's end of the refit group (group rank 0); blocks until every replica joined."""
+    """Policy rank 0's end of the refit group (group rank 0); blocks until every replica joined.
+
+    ``pack_sms`` (nccl only) confines the cast + pack kernels to that many SMs."""
     _check(transport)
     if transport == "nccl":
         from rltrain.refit.nccl import NcclRefitSender
 
-        return NcclRefitSender(manifest, host, port, world_size, timeout_s, device, verify)
+        return NcclRefitSender(
+            manifest, host, port, world_size, timeout_s, device, verify, pack_sms=pack_sms
+        )
     if transport == "ipc":
         from rltrain.refit.ipc import IpcRefitSender
 

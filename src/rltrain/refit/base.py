@@ -58,6 +58,7 @@ def plan_buckets(
     bucket_bytes: int,
     num_buffers: int = 2,
     first_bucket_bytes: int | None = None,
+    ramp: bool = False,
 ) -> RefitManifest:
     """Greedy in-order packing into buckets of at most ``bucket_bytes``.
 
@@ -65,7 +66,12 @@ def plan_buckets(
     ``first_bucket_bytes``, the first bucket takes, in order, only the tensors
     that fit in that smaller size (the others keep their order after it): in a
     pipelined refit nothing is on the wire while the first bucket is packed, so
-    a small first bucket starts the broadcast early.
+    a small first bucket starts the broadcast early. With ``ramp`` (and a first
+    bucket), the following buckets double in size from the first one's up to
+    ``bucket_bytes``, so each is packed while the smaller one before it is on the
+    wire and the pipeline fills without a gap, and tensors larger than four
+    first buckets (the embedding) move to the end, where their long pack hides
+    behind full buckets on the wire instead of stalling the second one.
     """
     elem = DTYPE_BYTES[getattr(torch, dtype)]
     cap = max(1, bucket_bytes // elem)
@@ -83,6 +89,10 @@ def plan_buckets(
                 taken += n
             else:
                 rest.append((name, shape))
+        if ramp:  # large tensors go last: packed while the wire is full
+            big = 4 * first_cap
+            small = [t for t in rest if _numel(t[1]) <= big]
+            rest = small + [t for t in rest if _numel(t[1]) > big]
         shapes = first + rest
         first_len = len(first)
     else:
@@ -94,9 +104,14 @@ def plan_buckets(
             buckets.append(Bucket(len(buckets), used, tuple(cur)))
         cur, used = [], 0
 
+    def cap_of(index: int) -> int:
+        if not ramp or first_bucket_bytes is None or index == 0:
+            return cap
+        return min(cap, max(1, first_bucket_bytes // elem) << index)
+
     for i, (name, shape) in enumerate(shapes):
         numel = _numel(shape)
-        if used and (used + numel > cap or i == first_len):
+        if used and (used + numel > cap_of(len(buckets)) or i == first_len):
             close()
         cur.append(TensorSlot(name, tuple(int(s) for s in shape), used, numel))
         used += numel
@@ -113,11 +128,16 @@ def _numel(shape: Iterable[int]) -> int:
 
 
 def plan_refit(
-    shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: str, bucket_bytes: int, num_buffers: int
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    dtype: str,
+    bucket_bytes: int,
+    num_buffers: int,
+    ramp: bool = True,
 ) -> RefitManifest:
     """The manifest every refit of a run uses: buckets of ``bucket_bytes``, a first bucket of
-    an eighth of that (it is packed while nothing is on the wire yet)."""
-    return plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8)
+    an eighth of that (it is packed while nothing is on the wire yet), then, with ``ramp``,
+    doubling sizes and oversized tensors last (see :func:`plan_buckets`)."""
+    return plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8, ramp)
 
 
 @dataclass
@@ -203,7 +223,8 @@ def fill_from(tensors: Mapping[str, torch.Tensor]) -> FillBucket:
 def bind_bucket_storage(
     manifest: RefitManifest, params: Mapping[str, torch.Tensor]
 ) -> list[torch.Tensor] | None:
-    """One flat tensor per bucket; every named parameter becomes a view into it.
+    """One flat tensor per bucket (slices of one allocation); every named parameter
+    becomes a view into it.
 
     The current values are copied over once, and ``param.data`` is re-pointed,
     so modules that share a parameter (tied embeddings) keep sharing it.
@@ -217,13 +238,24 @@ def bind_bucket_storage(
     device = params[names[0]].device
     if any(params[n].dtype != dtype or params[n].device != device for n in names):
         return None
-    storage = [torch.empty(b.numel, dtype=dtype, device=device) for b in manifest.buckets]
+    # One allocation for the whole model, buckets as slices of it: one IPC handle
+    # shares it all, and the bucket slices stay adjacent like the manifest.
+    flat_all = torch.empty(manifest.total_numel, dtype=dtype, device=device)
+    storage = list(bucket_slices(manifest, flat_all))
     with torch.no_grad():
         for bucket, flat in zip(manifest.buckets, storage, strict=True):
             for name, view in unpack_bucket(bucket, flat):
                 view.copy_(params[name])
                 params[name].data = view
     return storage
+
+
+def bucket_slices(manifest: RefitManifest, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Per bucket, its slice of a [total_numel] tensor laid out bucket after bucket."""
+    start = 0
+    for bucket in manifest.buckets:
+        yield flat[start : start + bucket.numel]
+        start += bucket.numel
 
 
 _CHECKSUM_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

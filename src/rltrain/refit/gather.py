@@ -92,6 +92,36 @@ class _Part:
     block: Block
 
 
+@dataclass
+class _LocalCopies:
+    """Cached destination/source views of one bucket on a single rank."""
+
+    ptrs: list[int]
+    large: list[tuple[torch.Tensor, torch.Tensor]]
+    small_dst: list[torch.Tensor]
+    small_src: list[torch.Tensor]
+
+    @classmethod
+    def build(
+        cls,
+        parts: list[_Part],
+        locals_: list[torch.Tensor],
+        out: torch.Tensor,
+        ptrs: list[int],
+        copy_numel: int,
+    ) -> _LocalCopies:
+        large, small_dst, small_src = [], [], []
+        for part, local in zip(parts, locals_, strict=True):
+            dst = out[part.slot_offset : part.slot_offset + _numel(part.shape)]
+            src = local.reshape(-1)
+            if dst.numel() >= copy_numel:
+                large.append((dst, src))
+            else:
+                small_dst.append(dst)
+                small_src.append(src)
+        return cls(ptrs, large, small_dst, small_src)
+
+
 class BucketGatherer:
     """Gathers the full tensors of one refit bucket with one collective.
 
@@ -107,8 +137,13 @@ class BucketGatherer:
         root: int = 0,
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        copy_numel: int = 1 << 20,
     ):
         self.params = named_params
+        # Single rank: tensors of at least this many elements get their own copy_
+        # (a contiguous cast runs at full memory bandwidth); smaller ones share
+        # one _foreach_copy_ launch.
+        self.copy_numel = copy_numel
         # Where the collective runs (the trainer's device; shards may sit on the CPU when offloaded).
         self.device = device or next(iter(named_params.values())).device
         self.manifest = manifest
@@ -155,6 +190,33 @@ class BucketGatherer:
             self._chunk_numel.append(
                 max((p[-1].src_offset + _numel(p[-1].block[1]) if p else 0) for p in per_rank)
             )
+        # Single rank: per (bucket, out buffer) the ready-made source/destination views.
+        self._copies: dict[tuple[int, int], _LocalCopies] = {}
+
+    def _copy_local(self, index: int, parts: list[_Part], out: torch.Tensor) -> None:
+        """Single rank: the "gather" is no collective, only the cast copies into ``out``.
+
+        The views are built once per (bucket, buffer) and reused while the
+        parameters' storages stay put (checked by data pointer, so a parameter
+        re-pointed by a checkpoint load rebuilds them): a refit then costs two
+        kernel launches' worth of CPU per bucket instead of one slice per
+        tensor, which matters most for the first bucket, packed while nothing
+        is on the wire yet.
+        """
+        locals_ = [_local(self.params[p.name]) for p in parts]
+        ptrs = [t.data_ptr() for t in locals_]
+        key = (index, out.data_ptr())
+        copies = self._copies.get(key)
+        if copies is None or copies.ptrs != ptrs:
+            if len(self._copies) > 4 * len(self.manifest.buckets):
+                self._copies.clear()  # buffers were replaced: drop views of the old ones
+            copies = _LocalCopies.build(parts, locals_, out, ptrs, self.copy_numel)
+            self._copies[key] = copies
+        for dst, src in copies.large:
+            dst.copy_(src)  # one vectorised cast kernel per large tensor
+        if copies.small_dst:
+            # One fused launch for the many small tensors (norms, biases).
+            torch._foreach_copy_(copies.small_dst, copies.small_src)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         # all_gather_single replaces all_gather_into_tensor in newer torch; 2.11 has only the latter.
@@ -181,13 +243,8 @@ class BucketGatherer:
                     out[slot.offset : slot.offset + slot.numel].copy_(full.reshape(-1))  # type: ignore[index]
         parts = self._parts[bucket.index]
         if self.world == 1:
-            if not parts[0]:
-                return
-            # One fused call per bucket: hundreds of per-tensor copy_ calls from Python
-            # would cost more CPU time than the GPU needs to broadcast the bucket.
-            dsts = [out[p.slot_offset : p.slot_offset + _numel(p.shape)] for p in parts[0]]  # type: ignore[index]
-            srcs = [_local(self.params[p.name]).reshape(-1) for p in parts[0]]
-            torch._foreach_copy_(dsts, srcs)
+            if parts[0]:
+                self._copy_local(bucket.index, parts[0], out)  # type: ignore[arg-type]
             return
         chunk = self._chunk_numel[bucket.index]
         if chunk == 0:

@@ -1,19 +1,23 @@
-"""CUDA IPC refit transport (rollout colocated on the trainer's GPU): shared packed buckets.
+"""CUDA IPC refit transport (rollout colocated on the trainer's GPU): packed straight into the engine.
 
-Trainer rank 0 owns ``max(2, num_buffers)`` packed-bucket buffers on its GPU
-and hands their CUDA IPC handles (``torch.multiprocessing.reductions.
-reduce_tensor``) to every replica once, through the refit store; each replica
-opens them (``rebuild_cuda_tensor``) in its own process. Per refit, per bucket:
+Each replica owns its weights as one flat tensor laid out like the manifest
+(the engine's parameters are views into it, see ``bind``) and hands its CUDA
+IPC handle (``torch.multiprocessing.reductions.reduce_tensor``) to trainer rank
+0 once, through the refit store; the trainer opens it (``rebuild_cuda_tensor``)
+in its own process, once, at its first refit. Then a refit is
 
-    sender:   wait until every replica released the buffer (bucket k-B)
-              -> gather + cast + pack bucket k on the refit stream -> synchronize
-              -> publish "bucket k is ready in buffer k % B"
-    replica:  wait for "ready k" -> the engine copies the bucket's tensors out
-              -> synchronize -> publish "released k"
+    replica:  finish reading the old weights (synchronize) -> publish "ready n"
+    sender:   wait for every replica's "ready n" (one store wait)
+              -> gather + cast + pack every bucket straight into replica 0's
+                 weights on the refit stream (other replicas: one flat copy per
+                 bucket from replica 0's) -> synchronize -> publish "done n"
+    replica:  wait for "done n" (one store round trip); the weights are in place
 
-so the sender packs bucket k+1 into the other buffer while the replicas copy
-bucket k (double buffering). Signals are TCPStore keys; every wait is bounded by
-``refit.timeout_s`` and names the side and rank that waited.
+so the bytes are written once, where the engine reads them: no staging buffer,
+no per-bucket signal, no copy on the engine's side. A replica whose parameters
+cannot be bound (dtype or device differs) gets its own flat landing tensor and
+copies each tensor out of it. Every wait is bounded by ``refit.timeout_s`` and
+names the side and rank that waited.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from rltrain.refit.base import (
     RefitError,
     RefitManifest,
     RefitStats,
+    bind_bucket_storage,
     bucket_checksum,
+    bucket_slices,
     check_checksums,
     cuda_device,
     unpack_bucket,
@@ -68,6 +74,14 @@ def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
         ) from exc
 
 
+def _open_handle(handle: tuple, device: torch.device) -> torch.Tensor:
+    """Rebuild a tensor shared by another process, on this process's number for ``device``."""
+    rebuild, args = handle
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # args[6] is the owner's device index; this process may number the GPU differently.
+    return rebuild(*args[:6], index, *args[7:])
+
+
 class IpcRefitSender:
     """Trainer rank 0's end, on the GPU it shares with the replicas."""
 
@@ -81,63 +95,87 @@ class IpcRefitSender:
         device: torch.device | str,
         verify: bool = False,
     ):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         self.manifest = manifest
         self.timeout_s = timeout_s
         self.verify = verify
         self.replicas = world_size - 1
         self.device = cuda_device(device)
         self.store = _store(host, port, world_size, True, timeout_s)
-        max_numel = max((b.numel for b in manifest.buckets), default=1)
-        self.buffers = [
-            torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device)
-            for _ in range(max(2, manifest.num_buffers))
-        ]
         self.stream = torch.cuda.Stream(self.device)
-        self.store.set("handles", pickle.dumps([reduce_tensor(b) for b in self.buffers]))
+        # Per replica, per bucket: a slice of that replica's flat weights (opened at the
+        # first refit, so the replicas may bind after this constructor returned).
+        self.targets: list[list[torch.Tensor]] | None = None
         self.count = 0  # refits sent: keys of refit n are "n/..."
 
-    def _released(self, n: int, k: int, weight_version: int) -> None:
-        keys = [f"{n}/released/{k}/{r}" for r in range(self.replicas)]
+    def _open(self, weight_version: int) -> list[list[torch.Tensor]]:
+        keys = [f"handles/{r}" for r in range(self.replicas)]
         _wait_keys(
             self.store,
             keys,
             self.timeout_s,
-            f"refit v{weight_version}: policy rank 0 waiting for the rollout replicas to release bucket {k}",
+            f"refit v{weight_version}: policy rank 0 waiting for the rollout replicas' IPC handles",
         )
+        targets = []
+        for key in keys:
+            flat = _open_handle(pickle.loads(self.store.get(key)), self.device)
+            if flat.numel() != self.manifest.total_numel or flat.dtype != self.manifest.torch_dtype:
+                raise RefitError(
+                    f"refit v{weight_version}: rollout replica {key.split('/')[1]} shares "
+                    f"{flat.numel()} {flat.dtype} elements but the manifest has "
+                    f"{self.manifest.total_numel} {self.manifest.dtype}; the manifests differ"
+                )
+            targets.append(list(bucket_slices(self.manifest, flat)))
+        return targets
 
     def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
-        """Pack every bucket into a shared buffer and signal it; returns once all were copied out."""
+        """Pack every bucket into every replica's weights; returns once the bytes are in place."""
         t0 = time.perf_counter()
         n, self.count = self.count, self.count + 1
-        nbuf, buckets = len(self.buffers), self.manifest.buckets
+        if self.targets is None:
+            self.targets = self._open(weight_version)
+        _wait_keys(
+            self.store,
+            [f"{n}/ready/{r}" for r in range(self.replicas)],
+            self.timeout_s,
+            f"refit v{weight_version}: policy rank 0 waiting for the rollout replicas to stop "
+            "reading their weights",
+        )
+        t_ready = time.perf_counter()
+        # The weights were last written on the main stream (the optimizer step).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         checks: list[torch.Tensor] = []
-        for bucket in buckets:
-            k = bucket.index
-            if k >= nbuf:
-                self._released(n, k - nbuf, weight_version)
-            with torch.cuda.stream(self.stream):
-                fill(bucket, self.buffers[k % nbuf])
+        with torch.cuda.stream(self.stream):
+            for bucket in self.manifest.buckets:
+                first = self.targets[0][bucket.index]
+                fill(bucket, first)
+                for other in self.targets[1:]:
+                    other[bucket.index].copy_(first)
                 if self.verify:
-                    checks.append(bucket_checksum(self.buffers[k % nbuf][: bucket.numel]))
-            self.stream.synchronize()  # the bytes are in place before any replica reads them
-            self.store.set(f"{n}/ready/{k}", f"{weight_version},{self.manifest.total_numel}")
-        for k in range(max(0, len(buckets) - nbuf), len(buckets)):
-            self._released(n, k, weight_version)
-        if self.verify:
-            self.store.set(f"{n}/checksums", pickle.dumps(torch.stack(checks).cpu()))
-        if n > 0:  # the previous refit's keys are no longer read by anyone
-            for k in range(len(buckets)):
-                self.store.delete_key(f"{n - 1}/ready/{k}")
-                for r in range(self.replicas):
-                    self.store.delete_key(f"{n - 1}/released/{k}/{r}")
+                    checks.append(bucket_checksum(first))
+        t_enqueued = time.perf_counter()
+        if n > 0:  # the previous refit's keys are read by no one now; dropped while the GPU packs
+            self.store.delete_key(f"{n - 1}/done")
+            for r in range(self.replicas):
+                self.store.delete_key(f"{n - 1}/ready/{r}")
             if self.verify:
                 self.store.delete_key(f"{n - 1}/checksums")
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        # One wait per refit: every byte is in place before any replica is told.
+        self.stream.synchronize()
+        t_packed = time.perf_counter()
+        if self.verify:
+            self.store.set(f"{n}/checksums", pickle.dumps(torch.stack(checks).cpu()))
+        self.store.set(f"{n}/done", f"{weight_version},{self.manifest.total_numel}")
+        extra = {
+            "wait_ready_s": t_ready - t0,
+            "enqueue_s": t_enqueued - t_ready,
+            "pack_s": t_packed - t_ready,
+        }
         return RefitStats(
-            weight_version, time.perf_counter() - t0, self.manifest.total_bytes, len(buckets)
+            weight_version,
+            time.perf_counter() - t0,
+            self.manifest.total_bytes,
+            len(self.manifest.buckets),
+            extra,
         )
 
 
@@ -161,56 +199,63 @@ class IpcRefitReceiver:
         self.verify = verify
         self.device = cuda_device(device)
         self.store = _store(host, port, world_size, False, timeout_s)
-        _wait_keys(
-            self.store,
-            ["handles"],
-            timeout_s,
-            f"rollout replica {rank - 1} waiting for policy rank 0's IPC handles",
-        )
-        handles = pickle.loads(self.store.get("handles"))
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self.buffers = []
-        for rebuild, args in handles:
-            # args[6] is the sender's device index; this process may number the GPU differently.
-            args = (*args[:6], index, *args[7:])
-            self.buffers.append(rebuild(*args))
+        self.landing: list[torch.Tensor] | None = None  # per bucket, slices of one allocation
+        self.bound = False
+        self._views: list[list[tuple[str, torch.Tensor]]] = []
         self.count = 0
 
+    def _publish(self, landing: list[torch.Tensor]) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        flat = landing[0]._base if landing[0]._base is not None else landing[0]
+        self.landing = landing
+        self._views = [
+            list(unpack_bucket(b, t)) for b, t in zip(self.manifest.buckets, landing, strict=True)
+        ]
+        self.store.set(f"handles/{self.rank - 1}", pickle.dumps(reduce_tensor(flat)))
+
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
-        """Shared buffers are reused per bucket, so the engine keeps its own weights (one copy)."""
-        return False
+        """Make ``params`` views into the flat tensor the trainer packs into (see RefitReceiver.bind)."""
+        landing = bind_bucket_storage(self.manifest, params)
+        if landing is None:
+            return False
+        self.bound = True
+        self._publish(landing)
+        return True
 
     def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
-        """Yield (weight_version, name, tensor) per tensor; views into a shared buffer (copy them)."""
+        """Yield (weight_version, name, tensor) per tensor, after the trainer wrote them all.
+
+        Bound: the tensors are the engine's parameters (nothing to copy). Unbound:
+        views into this replica's landing tensor, which the consumer copies.
+        """
         replica = self.rank - 1
         n, self.count = self.count, self.count + 1
-        nbuf = len(self.buffers)
-        got: list[torch.Tensor] = []
-        version = -1
-        for bucket in self.manifest.buckets:
-            k = bucket.index
-            # get() blocks until the key exists (bounded by the store's timeout_s): one round trip.
-            value = _get(
-                self.store,
-                f"{n}/ready/{k}",
-                self.timeout_s,
-                f"rollout replica {replica} waiting for policy rank 0 (refit #{n}, bucket {k})",
+        if self.landing is None:  # unbound: a landing tensor of its own, shared once
+            flat = torch.empty(
+                self.manifest.total_numel, dtype=self.manifest.torch_dtype, device=self.device
             )
-            version, total = (int(x) for x in value.decode().split(","))
-            if total != self.manifest.total_numel:
-                raise RefitError(
-                    f"refit v{version}: policy rank 0 sends {total} elements but rollout replica "
-                    f"{replica} expects {self.manifest.total_numel}; the manifests differ"
-                )
-            flat = self.buffers[k % nbuf][: bucket.numel]
-            for name, tensor in unpack_bucket(bucket, flat):
+            self._publish(list(bucket_slices(self.manifest, flat)))
+        # The trainer overwrites what the engine reads: finish every kernel that reads it.
+        torch.cuda.synchronize(self.device)
+        self.store.set(f"{n}/ready/{replica}", "")
+        value = _get(
+            self.store,
+            f"{n}/done",
+            self.timeout_s,
+            f"rollout replica {replica} waiting for policy rank 0 (refit #{n})",
+        )
+        version, total = (int(x) for x in value.decode().split(","))
+        if total != self.manifest.total_numel:
+            raise RefitError(
+                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica "
+                f"{replica} expects {self.manifest.total_numel}; the manifests differ"
+            )
+        for views in self._views:
+            for name, tensor in views:
                 yield version, name, tensor
-            if self.verify:
-                got.append(bucket_checksum(flat))
-            # The engine's copies were enqueued on this stream: finish them before release.
-            torch.cuda.current_stream(self.device).synchronize()
-            self.store.set(f"{n}/released/{k}/{replica}", "")
         if self.verify:
+            got = torch.stack([bucket_checksum(t) for t in self.landing])  # type: ignore[union-attr]
             _wait_keys(
                 self.store,
                 [f"{n}/checksums"],
@@ -218,4 +263,4 @@ class IpcRefitReceiver:
                 f"rollout replica {replica} waiting for policy rank 0's checksums (refit v{version})",
             )
             sent = pickle.loads(self.store.get(f"{n}/checksums"))
-            check_checksums(sent, torch.stack(got), version, replica)
+            check_checksums(sent, got, version, replica)

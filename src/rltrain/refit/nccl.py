@@ -22,6 +22,7 @@ bytes land where the engine reads them with no copy.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
@@ -43,12 +44,20 @@ from rltrain.refit.gloo import broadcast
 
 
 def make_nccl_group(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device: torch.device,
+    ctas: int | None = None,
 ) -> dist.ProcessGroup:
     """A standalone NCCL group of ``world_size`` ranks rendezvousing at host:port.
 
     The communicator is connected eagerly on ``device`` so that a rendezvous
-    failure shows up here rather than in the first refit.
+    failure shows up here rather than in the first refit. ``ctas`` (None: NCCL's
+    choice) fixes the number of CTAs (channels) of this communicator only, through
+    its ``ncclConfig_t`` rather than the process-wide ``NCCL_*_NCHANNELS``.
     """
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
@@ -57,6 +66,9 @@ def make_nccl_group(
     # A high-priority NCCL stream gets SMs first when the pack kernels of the next
     # bucket fill the GPU, so the broadcast is not delayed behind them.
     opts.is_high_priority_stream = True
+    if ctas is not None and hasattr(opts, "config"):
+        opts.config.min_ctas = ctas
+        opts.config.max_ctas = ctas
     device = cuda_device(device)
     torch.cuda.set_device(device)
     group = dist.ProcessGroupNCCL(
@@ -65,6 +77,41 @@ def make_nccl_group(
     if hasattr(group, "eager_connect_single_device"):
         group.eager_connect_single_device(device)
     return group
+
+
+def pack_streams(device: torch.device, n: int, pack_sms: int | None) -> list[torch.cuda.Stream]:
+    """``n`` streams for the pack kernels; with ``pack_sms``, confined to that many SMs.
+
+    The cast of the next bucket competes with the broadcast of the current one
+    for memory bandwidth; confined to a CUDA green context of ``pack_sms`` SMs it
+    runs slower but steadier and leaves the NCCL kernels the rest. With a green
+    context, one stream serves every buffer (the pipeline is in order anyway).
+    """
+    if not pack_sms:
+        return [torch.cuda.Stream(device) for _ in range(n)]
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        ctx = GreenContext.create(num_sms=pack_sms, device_id=device.index)
+        stream = ctx.Stream() if hasattr(ctx, "Stream") else None
+        if stream is None:  # older torch: a stream created while the context is current
+            ctx.set_context()
+            try:
+                stream = torch.cuda.Stream(device)
+            finally:
+                ctx.pop_context()
+    except (ImportError, RuntimeError, TypeError) as exc:  # no green contexts in this build/driver
+        warnings.warn(
+            f"refit.pack_sms={pack_sms}: CUDA green contexts are unavailable ({exc}); "
+            "the refit packs on all SMs (set refit.pack_sms=null to silence this)",
+            stacklevel=2,
+        )
+        return [torch.cuda.Stream(device) for _ in range(n)]
+    _GREEN_CONTEXTS.append(ctx)  # the stream lives as long as its context
+    return [stream] * n
+
+
+_GREEN_CONTEXTS: list = []
 
 
 def wait(work: dist.Work, timeout_s: float, what: str) -> None:
@@ -102,6 +149,7 @@ class NcclRefitSender:
         device: torch.device | str,
         verify: bool = False,
         group: dist.ProcessGroup | None = None,
+        pack_sms: int | None = None,
     ):
         self.manifest = manifest
         self.timeout_s = timeout_s
@@ -114,7 +162,7 @@ class NcclRefitSender:
         self.buffers = [
             torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device) for _ in range(n)
         ]
-        self.streams = [torch.cuda.Stream(self.device) for _ in range(n)]
+        self.streams = pack_streams(self.device, n, pack_sms)
 
     def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
         """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums."""

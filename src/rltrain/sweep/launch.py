@@ -247,6 +247,9 @@ def run_sweep(algorithm: str, overrides: list[str], opts: SweepOptions, console:
         except KeyboardInterrupt:
             status = "interrupted"
             raise
+        except Exception:
+            status = "failed"
+            raise
         finally:
             results.write_sweep_json(out, record(status))
             outputs = results.write_report(out)

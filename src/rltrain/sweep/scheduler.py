@@ -177,8 +177,8 @@ def run_trials(
     """Run every trial ``source`` yields; returns when all have ended.
 
     ``on_change`` is called when a trial starts or ends (write sweep.json),
-    ``on_tick`` after every poll (refresh the live table). Raises
-    KeyboardInterrupt after stopping the running trials.
+    ``on_tick`` after every poll (refresh the live table). On Ctrl-C (or any
+    other exception) the running trials are stopped first, then it re-raises.
     """
     running = running if running is not None else []
     pending: TrialState | None = None
@@ -224,7 +224,7 @@ def run_trials(
             if exhausted and not running:
                 return
             time.sleep(poll_s)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or a bug here: no trial process may outlive the sweep
         stop_all(running)
         for state in running:
             source.finished(state)

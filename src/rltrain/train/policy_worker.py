@@ -186,7 +186,15 @@ class PolicyWorker(FSDPTrainer):
         if self.is_rank0:
             r = self.cfg.refit
             self.sender = make_refit_sender(
-                transport, manifest, host, port, world_size, r.timeout_s, self.device, r.verify
+                transport,
+                manifest,
+                host,
+                port,
+                world_size,
+                r.timeout_s,
+                self.device,
+                r.verify,
+                pack_sms=r.pack_sms,
             )
 
     def refit_send(self, weight_version: int) -> RefitStats | None:
