@@ -145,6 +145,10 @@ CASES = [
     Case("sweep-optuna-without-trials", S,
          ["sweep", "grpo", "optim.lr=1e-4,3e-4", "--search", "optuna", "output_dir={tmp}/sweep"],
          ["--search optuna needs --trials"], "asks for the number of trials", skip_output_dir=True),
+    Case("sweep-unknown-direction", S,
+         ["sweep", "grpo", "optim.lr=1e-4,3e-4", "--direction", "up", "output_dir={tmp}/sweep"],
+         ["--direction up", "max or min"], "names the option and its two values",
+         skip_output_dir=True),
     # -- files and folders ---------------------------------------------------------------------
     Case("output-dir-uncreatable", F, ["grpo", "output_dir=/proc/nope"],
          ["output_dir=/proc/nope", "cannot be created or written"], "asks for a writable folder",

@@ -160,6 +160,8 @@ def run_sweep(algorithm: str, overrides: list[str], opts: SweepOptions, console:
     prior = _check_resume(out, opts, algorithm, opts.search)
 
     # Step 2: every trial (or, for a search, every bound of the space) composed and planned.
+    if opts.direction not in ("max", "min"):  # also ranks a grid's trials in sweep.json
+        raise ConfigError(f"--direction {opts.direction} is not known; use max or min.")
     if opts.search == "grid":
         if opts.trials is not None:
             raise ConfigError("--trials applies to --search optuna; a grid runs every combination.")
