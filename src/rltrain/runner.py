@@ -191,10 +191,6 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         try:
             plan.placement = _report_placement(workers.placement, cluster_nodes(), console)
             (out / "plan.json").write_text(plan.to_json())
-            ctx = RunContext(
-                cfg, plan, workers, build_task(cfg.data, cfg.seed), load_tokenizer(cfg), out
-            )
-
             ctx = RunContext(cfg, plan, workers, task, tokenizer, out)
             if resume_from is not None:
                 ctx.restore(resume_from)
