@@ -26,7 +26,6 @@ memory fraction on GPUs.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rltrain import env
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit import RefitReceiver, make_refit_receiver
@@ -42,13 +42,9 @@ from rltrain.refit.base import RefitManifest, RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 GIB = 2**30
+
+
 # vLLM reads these when its engine is built; they are set from code, never by the user.
-_VLLM_PROCESS_ENV = {
-    # Engine core in the actor's own process (no extra process per replica).
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
-
-
 def request_seeds(base: int, n: int) -> list[int]:
     """One deterministic seed per request row (rows of one group must not share a seed)."""
     return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
@@ -97,7 +93,7 @@ class VLLMEngine:
         return str(path)
 
     def _build_llm(self, model_path: str) -> Any:
-        os.environ.update(_VLLM_PROCESS_ENV)
+        env.apply(env.VLLM_IN_PROCESS)
         from vllm import LLM
 
         ro, v = self.cfg.rollout, self.cfg.rollout.vllm

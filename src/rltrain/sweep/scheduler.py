@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rltrain.env import TRIAL_UNBUFFERED, child_env
 from rltrain.plan import Resources
 from rltrain.sweep.results import read_metrics
 from rltrain.sweep.trial_main import ERROR_FILE, LOG_FILE, TRIAL_FILE
@@ -120,13 +121,12 @@ def start_trial(state: TrialState, algorithm: str, address: str, share: Resource
         )
     )
     log = (out / LOG_FILE).open("a")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     state.proc = subprocess.Popen(
         [sys.executable, "-m", "rltrain.sweep.trial_main", str(out)],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=env,
+        env=child_env(TRIAL_UNBUFFERED),
         # Own process group: a terminal Ctrl-C reaches the sweep only, which then
         # stops each trial itself and waits for its shutdown.
         start_new_session=True,

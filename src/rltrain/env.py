@@ -1,0 +1,46 @@
+"""Every environment variable rltrain reads or sets, declared once.
+
+rltrain has no knobs of its own in the environment (those are config
+fields); the entries below are variables it sets for libraries and child
+processes, so that a reader finds them in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: its name, the value rltrain gives it, and why."""
+
+    name: str
+    value: str
+    meaning: str
+
+
+VLLM_IN_PROCESS = EnvVar(
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "0",
+    "set in a vLLM rollout replica's process: the engine core runs in the actor's own "
+    "process instead of a child process per replica",
+)
+TRIAL_UNBUFFERED = EnvVar(
+    "PYTHONUNBUFFERED",
+    "1",
+    "set for each sweep trial's process so its trial.log follows the run as it happens",
+)
+
+REGISTRY: tuple[EnvVar, ...] = (VLLM_IN_PROCESS, TRIAL_UNBUFFERED)
+
+
+def apply(*variables: EnvVar) -> None:
+    """Set ``variables`` in this process's environment."""
+    os.environ.update({v.name: v.value for v in variables})
+
+
+def child_env(*variables: EnvVar, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment (or ``base``) plus ``variables``, for a child process."""
+    return {**(os.environ if base is None else base), **{v.name: v.value for v in variables}}
