@@ -59,6 +59,11 @@ def main() -> None:
         "ray_ms": ray_ms,
         "in_process_ms": local_ms,
         "ratio_step_ray_over_in_process": ray_ms["time/step"] / local_ms["time/step"],
+        "summary": {
+            "ray_step_ms": ray_ms["time/step"],
+            "in_process_step_ms": local_ms["time/step"],
+            "ratio_step_ray_over_in_process": ray_ms["time/step"] / local_ms["time/step"],
+        },
     }
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -43,6 +43,11 @@ def main() -> None:
         cfg = embedded_default(precision, "cuda")
         results["runs"][precision] = run_in_process(cfg, args.steps, "cuda")
         print(precision, json.dumps(results["runs"][precision]), flush=True)
+    results["summary"] = {
+        f"{p}_{k}": run[k]
+        for p, run in results["runs"].items()
+        for k in ("ms/step", "exact_match_last10", "token_mult_prob_error_mean")
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 
