@@ -1,4 +1,5 @@
-"""Shared FSDP2 trainer machinery: mesh, TP, fully_shard, precision, optimizer step, export.
+"""Shared FSDP2 trainer machinery: mesh, fully_shard, precision, the split train step,
+optimizer step, export (TP plan and grad norm: :mod:`rltrain.train.parallel`).
 
 Policy and value workers subclass :class:`FSDPTrainer` and differ only in
 their head and loss. One instance per process; every public method is called
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -33,124 +33,11 @@ from rltrain.train.distributed import DistEnv, init_distributed
 from rltrain.train.metrics import MetricKind, StepMetrics
 from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
+from rltrain.train.parallel import apply_tensor_parallel, decoder_layers, total_grad_norm
 
 
 class OverflowStormError(RuntimeError):
     """Too many optimizer steps in a row were skipped for inf/nan gradients (fp16 loss scaling)."""
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The transformer blocks of an HF causal LM (``model.model.layers``)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(
-            f"{type(model).__name__} has no model.layers ModuleList; FSDP2 wrapping needs one"
-        )
-    return layers
-
-
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
-    """Megatron-style TP of each decoder block: q/k/v/gate/up column-, o/down row-parallel.
-
-    ``sequence_parallel``: between the blocks' matmuls the residual stream and
-    the RMSNorms run on sequence shards (DTensor ``Shard(1)``): attention and
-    MLP inputs are all-gathered, o/down outputs reduce-scattered over the
-    sequence. The first block shards its input, the last one gathers its
-    output, so embedding, final norm and head see full sequences as without it.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    cfg = model.config
-    tp = tp_mesh.size()
-    if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
-        raise ValueError(
-            f"dtensor.tp={tp} must divide num_attention_heads={cfg.num_attention_heads} "
-            f"and num_key_value_heads={cfg.num_key_value_heads}"
-        )
-    plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
-    if sequence_parallel:
-        plan.update(
-            {
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-                # HF calls self_attn with keyword arguments only.
-                "self_attn": PrepareModuleInput(
-                    input_kwarg_layouts={"hidden_states": Shard(1)},
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                    use_local_output=True,
-                ),
-                "self_attn.o_proj": RowwiseParallel(
-                    output_layouts=Shard(1), use_local_output=False
-                ),
-                "mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),),
-                    desired_input_layouts=(Replicate(),),
-                    use_local_output=True,
-                ),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            }
-        )
-    layers = decoder_layers(model)
-    for layer in layers:
-        parallelize_module(layer, tp_mesh, plan)
-    if sequence_parallel:
-        # DTensors (not local shards) carry the global shape, so a sequence length
-        # that tp does not divide is sharded unevenly but correctly.
-        parallelize_module(
-            layers[0],
-            tp_mesh,
-            PrepareModuleInput(
-                input_layouts=(Replicate(),),
-                desired_input_layouts=(Shard(1),),
-                use_local_output=False,
-            ),
-        )
-        parallelize_module(
-            layers[-1],
-            tp_mesh,
-            PrepareModuleOutput(
-                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
-            ),
-        )
-
-
-def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients across every mesh they are sharded on.
-
-    Grouped by (mesh, placements): a 2-D dp x tp run mixes TP DTensors and
-    FSDP-only DTensors, which cannot be stacked into one norm.
-    """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups[key].append(g)
-    total_sq = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq = total_sq + norm.float().cpu() ** 2
-    return total_sq.sqrt()
 
 
 class FSDPTrainer:
