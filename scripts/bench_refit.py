@@ -376,6 +376,9 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         ]
         if cuda:
             todo += [
+                {"pack_sms": 16},
+                {"pack_sms": 24},
+                {"pack_sms": 16, "num_buffers": 3},
                 {"pack_sms": 32},
                 {"pack_sms": 48},
                 {"pack_sms": 66},

@@ -58,7 +58,8 @@ def test_ppo_default_learns_and_critic_explains_returns(tmp_path):
         assert key in rows[-1], key
     first, last = _mean(rows[:10], "reward/exact_match"), _mean(rows[-10:], "reward/exact_match")
     assert first < 0.15
-    # In-process runs of these defaults reach 0.45 at step 100; the bound leaves room for seeds.
+    # In-process runs of these defaults reach 0.52-0.59 at step 100 (seeds 0-2); the bound
+    # leaves room for other seeds.
     assert last >= 0.3, f"exact match over the last 10 steps: {last:.3f}"
     ev_last = _mean(rows[-10:], "value/explained_variance")
     assert ev_last > 0.1, f"explained variance over the last 10 steps: {ev_last:.3f}"
