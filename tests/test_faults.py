@@ -429,3 +429,53 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path):
     assert re.search(rf"resumed from \S+step_0*{last_complete} \(step {last_complete},", said), said
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith(".tmp")]
     assert _checkpoint_steps(out)[-1] == last_complete + 1
+
+
+class _Rank:
+    """Stands in for a trainer rank: one dies, its peer then fails in the collective."""
+
+    def die_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        os._exit(1)
+
+    def lose_peer(self) -> None:
+        raise RuntimeError(
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed by peer [127.0.0.1]:1234"
+        )
+
+    def raise_bug(self) -> None:
+        raise ValueError("a bug")
+
+
+def test_wait_blames_the_dead_rank_not_its_peer(ray_session):
+    """A peer's collective error that arrives before the death is reported as the death."""
+    import ray
+
+    from rltrain.cluster.workers import WorkerError, wait
+
+    actor = ray.remote(num_cpus=0)(_Rank)
+    dead, peer = actor.remote(), actor.remote()
+    refs = [peer.lose_peer.remote(), dead.die_after.remote(1.0)]
+    with pytest.raises(WorkerError) as info:
+        wait(refs, ["policy rank 0", "policy rank 1"], 60, "train step 3")
+    assert info.value.fault == "died"
+    assert "policy rank 1 died" in str(info.value), str(info.value)
+    # A plain exception with no dead peer stays a failure (not retried).
+    bug = actor.remote()
+    with pytest.raises(WorkerError) as info:
+        wait([bug.raise_bug.remote()], ["policy rank 0"], 60, "train step 3")
+    assert info.value.fault == "failed"
+    assert "ValueError: a bug" in str(info.value)
+
+
+def test_error_text_with_brackets_prints_verbatim(monkeypatch, tmp_path):
+    """Rich markup in an error message (gloo's "[file:line]") is printed, not parsed."""
+    from rltrain.cluster.workers import WorkerError
+
+    def boom(cfg, choices, console):
+        raise WorkerError("train step 1: policy rank 0 failed: [/x/pair.cc:537] Connection closed")
+
+    monkeypatch.setattr("rltrain.runner.run_with_restarts", boom)
+    result = runner.invoke(app, ["grpo", f"output_dir={tmp_path}"])
+    assert result.exit_code == 1, result.output
+    assert "[/x/pair.cc:537]" in result.output

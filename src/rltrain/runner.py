@@ -274,7 +274,11 @@ def _write_report(out: Path, console: Console) -> None:
     try:
         paths = plot_run(out, panels=False)
     except Exception as exc:  # noqa: BLE001 - the run itself succeeded
-        console.print(f"[yellow]report plots were not written: {type(exc).__name__}: {exc}[/]")
+        from rich.markup import escape
+
+        console.print(
+            f"[yellow]report plots were not written: {type(exc).__name__}: {escape(str(exc))}[/]"
+        )
         return
     if paths:
         console.print(f"report: {paths[0]} (rltrain report {out} draws each plot on its own)")

@@ -104,10 +104,59 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
             raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise WorkerError(f"{what}: {name} failed: {type(cause).__name__}: {cause}") from exc
+            # A rank whose collective peer died raises (gloo: "Connection closed
+            # by peer"); the fault is the peer's death, so look for it first.
+            dead = _dead_peer(pending, refs, names)
+            if dead is not None:
+                raise WorkerError(
+                    f"{what}: {dead[0]} died ({dead[1]}); {name} then failed in a collective "
+                    f"with it",
+                    "died",
+                ) from exc
+            fault = "died" if _is_peer_loss(cause) else "failed"
+            raise WorkerError(
+                f"{what}: {name} failed: {type(cause).__name__}: {cause}", fault
+            ) from exc
         except GetTimeoutError:  # cannot happen for a ready ref; keep waiting if it does
             pending.append(ref)
     return ray.get(refs)
+
+
+# Messages of a collective whose peer process went away (gloo, NCCL, c10d store).
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def _is_peer_loss(cause: BaseException) -> bool:
+    text = f"{type(cause).__name__}: {cause}"
+    return any(m in text for m in _PEER_LOSS)
+
+
+def _dead_peer(pending: list, refs: list, names: list[str], grace_s: float = 10.0):
+    """(name, reason) of a worker in ``pending`` that died within ``grace_s``, else None."""
+    if not pending:
+        return None
+    deadline = time.monotonic() + grace_s
+    waiting = list(pending)
+    while waiting:
+        ready, waiting = ray.wait(
+            waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+        )
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0], timeout=0)
+        except RayActorError as exc:
+            return names[refs.index(ready[0])], str(exc).splitlines()[0]
+        except Exception:  # noqa: BLE001 - another failed rank; keep looking for the dead one
+            continue
+    return None
 
 
 @dataclass
