@@ -377,6 +377,12 @@ def main() -> None:
         help="seconds for the round of compiled / liger variants",
     )
     parser.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier bench_train JSON whose phases this run adds to (phases run now replace "
+        "its ones; without phase full, MFU uses its matmul peak)",
+    )
+    parser.add_argument(
         "--variants",
         default=",".join(FULL_VARIANTS),
         help=f"full-row variants to run (phase full): {','.join(FULL_VARIANTS)}",
@@ -542,8 +548,16 @@ def main() -> None:
     out_dir = str(work / "results")
     os.makedirs(out_dir)
 
+    merged: dict = {}
+    if args.merge:
+        merged = json.loads(Path(args.merge).read_text())
+        if merged.get("smoke") != smoke or merged.get("shape") != shape:
+            sys.exit(f"error: --merge {args.merge} was measured with other shapes or --smoke")
+        if "full" not in phases:  # MFU of the merged full-row phases over their own run's peak
+            peak = merged["bf16_matmul_peak_tflops"]
+
     def write_result() -> None:
-        phases_out, errors = {}, {}
+        phases_out, errors = dict(merged.get("phases", {})), {}
         for f in Path(out_dir).iterdir():
             if f.suffix == ".json":
                 phases_out[f.stem] = json.loads(f.read_text())
@@ -615,6 +629,7 @@ def main() -> None:
             "max_tokens_per_micro_batch": max_tokens,
             "rl_mix_real_tokens": sum(p + r for p, r in mix),
             "summary": summary,
+            "merged_from": args.merge,
             "phases": phases_out,
             "errors": errors,
         }

@@ -7,6 +7,7 @@ A world of one on gloo in this process; fp32, the embedded tiny model.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -153,3 +154,29 @@ def test_liger_and_compile_knobs_are_validated(monkeypatch):
     finally:  # the worker failed after joining its process group
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_fused_adamw_under_the_fp16_grad_scaler_skips_an_inf_step():
+    """precision=fp16 with optim.fused=true: an inf gradient skips the fused step (weights
+    untouched, scale backed off); the next finite step moves the weights."""
+    batch = mixed_batch(B=6, T=12, seed=7)
+    cfg = _cfg(**{"precision": "fp16", "optim.fused": "true"})
+    w = _worker(cfg)
+    assert w.optimizer.defaults["fused"] and w.scaler is not None
+    before, scale = _weights(w), float(w.scaler.get_scale())
+    unscale = w.scaler.unscale_
+
+    def poisoned_unscale(optimizer):
+        next(iter(w.model.parameters())).grad.to_local().view(-1)[0] = math.inf
+        return unscale(optimizer)
+
+    w.scaler.unscale_ = poisoned_unscale
+    metrics, _ = w.train(batch, [batch.size])
+    assert metrics["skipped_steps"] == 1.0
+    assert metrics["loss_scale"] == scale * cfg.precision.grad_scaler.backoff_factor
+    after = _weights(w)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    w.scaler.unscale_ = unscale
+    metrics, _ = w.train(batch, [batch.size])
+    assert metrics["skipped_steps"] == 0.0 and _moved(before, _weights(w)) > 1e-3
+    w.shutdown()

@@ -441,9 +441,15 @@ class FSDPTrainer:
                         if p.grad is not None:
                             p.grad.mul_(coef)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips the step itself when grads are inf/nan
-            self.scaler.update()
+            # unscale_ above recorded (and synced over ranks) whether any grad is inf/nan,
+            # which is exactly a non-finite global norm: step only then, as scaler.step
+            # would. Calling the optimizer directly keeps a fused AdamW out of
+            # scaler.step's found_inf hand-off (a [1]-shaped tensor from the sharded
+            # scaler that the fused step's scalar step counters cannot take).
             stepped = float(math.isfinite(norm))
+            if stepped:
+                self.optimizer.step()
+            self.scaler.update()
             self._count_skip(stepped == 0.0)
         elif math.isfinite(norm):
             self.optimizer.step()
