@@ -120,8 +120,11 @@ def apply_liger(model: torch.nn.Module) -> None:
     if not liger_available():
         raise ValueError(LIGER_MISSING)
     import liger_kernel.transformers as liger
+    from transformers import PreTrainedModel
 
-    model_type = model.config.model_type
+    # A wrapper around an HF backbone (the value model) is patched through its backbone.
+    target = model if isinstance(model, PreTrainedModel) else getattr(model, "model", model)
+    model_type = target.config.model_type
     patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
     if patch is None:
         raise ValueError(
@@ -129,7 +132,7 @@ def apply_liger(model: torch.nn.Module) -> None:
             "set train.liger=false."
         )
     patch(
-        model=model,
+        model=target,
         rope=True,
         rms_norm=True,
         swiglu=True,
