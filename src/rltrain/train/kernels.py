@@ -155,8 +155,9 @@ def compile_blocks(layers: torch.nn.ModuleList) -> None:
     """
     import torch._dynamo.config as dynamo_config
 
-    limit = max(dynamo_config.recompile_limit, 4 * len(layers) + 8)
-    dynamo_config.recompile_limit = limit
+    key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    limit = max(getattr(dynamo_config, key), 4 * len(layers) + 8)
+    setattr(dynamo_config, key, limit)
     if hasattr(dynamo_config, "accumulated_recompile_limit"):
         dynamo_config.accumulated_recompile_limit = max(
             dynamo_config.accumulated_recompile_limit, 4 * limit
