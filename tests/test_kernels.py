@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
 
 import pytest
 import torch
@@ -180,3 +181,19 @@ def test_fused_adamw_under_the_fp16_grad_scaler_skips_an_inf_step():
     metrics, _ = w.train(batch, [batch.size])
     assert metrics["skipped_steps"] == 0.0 and _moved(before, _weights(w)) > 1e-3
     w.shutdown()
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="needs a C++ compiler"
+)
+def test_compiled_blocks_match_eager_logprobs():
+    """train.compile=true: the compiled decoder blocks give eager's logprobs (one shape, forward
+    only to keep compilation short; the benchmark's smoke run covers the training step)."""
+    batch = full_rows_batch(B=4, T=16, seed=3)
+    out = {}
+    for compiled in ("true", "false"):
+        w = _worker(_cfg(**{"train.compile": compiled, "train.max_tokens_per_micro_batch": 64}))
+        out[compiled] = w.compute_logprobs(batch)
+        w.shutdown()
+    assert float(out["false"].abs().sum()) > 0
+    torch.testing.assert_close(out["true"], out["false"], atol=1e-5, rtol=0)
