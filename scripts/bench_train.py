@@ -5,7 +5,10 @@ heads, intermediate 8960, vocab 151936, tied embeddings), bf16 params / fp32
 reduce. Each phase runs in its own processes (torch.multiprocessing, NCCL;
 single-GPU phases run two at a time, one per GPU):
 
-* ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch)
+* ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch):
+  ``bf16`` is the shipped default (causal sdpa for one-sequence rows, fused AdamW on CUDA);
+  ``before`` the block-mask path with foreach AdamW; ``causal`` / ``fused`` one of the two
+* ``policy_compile`` / ``policy_liger`` - the default plus train.compile, train.liger, or both
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
   (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
@@ -19,6 +22,11 @@ No Ray, no Hydra (GPU machines have neither): the RunConfig is built directly.
 
     python scripts/bench_train.py --out $OUT            # GPU (2 GPUs for dp2/tp2)
     python scripts/bench_train.py --smoke --out /tmp/b  # same code paths, CPU/gloo, tiny shapes
+    python scripts/bench_train.py --phases full --variants default,compile  # a subset
+
+Full-row variants (``--variants``): the train/optim knobs each one sets on top of the
+defaults. A variant that fails (e.g. liger-kernel missing) is recorded with its error
+and the others still run.
 """
 
 from __future__ import annotations
@@ -48,6 +56,16 @@ QWEN_1_5B = {
     "vocab_size": 151936,
     "tie_word_embeddings": True,
     "max_position_embeddings": 32768,
+}
+# Full-row variants: label -> knobs over the default RunConfig (``default`` = shipped default).
+FULL_VARIANTS: dict[str, dict[str, object]] = {
+    "default": {},
+    "before": {"train.causal_rows": False, "optim.fused": False},
+    "causal": {"optim.fused": False},
+    "fused": {"train.causal_rows": False, "optim.fused": True},
+    "compile": {"train.compile": True},
+    "liger": {"train.liger": True},
+    "compile_liger": {"train.compile": True, "train.liger": True},
 }
 SMOKE = {
     "hidden_size": 64,
@@ -87,6 +105,7 @@ def make_cfg(
     micro: int,
     tp: int,
     attention: str,
+    knobs: dict[str, object] | None = None,
 ):
     from rltrain.config.schema import RunConfig
 
@@ -103,6 +122,9 @@ def make_cfg(
     cfg.train.attention = attention
     cfg.dtensor.tp = tp
     cfg.optim.lr = 1e-6
+    for key, value in (knobs or {}).items():  # "node.field" -> value
+        node, field = key.split(".")
+        setattr(getattr(cfg, node), field, value)
     return cfg
 
 
@@ -145,15 +167,18 @@ def run_policy(env, cfg, batch, warmup: int, steps: int) -> dict:
 
     worker = PolicyWorker(cfg, env)
     device = worker.device
-    times = []
+    times, times_all = [], []
     real = float(batch.attention_mask_BT.sum())
     for i in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
         metrics, _ = worker.train(batch, [batch.size])
         _sync(device)
+        if i == 0:
+            first = metrics  # before any update: the same in every variant up to bf16 noise
+        times_all.append(time.perf_counter() - t0)  # the first includes compilation
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(times_all[-1])
     out = {
         "step_s": sum(times) / len(times),
         "real_tokens_per_step": real,
@@ -162,6 +187,16 @@ def run_policy(env, cfg, batch, warmup: int, steps: int) -> dict:
         "attention": worker.attention,
         "micro_batches": len(worker.plan_micro_batches(batch)),
         "loss": metrics["loss"],
+        "first_step_s": times_all[0],
+        "first_loss": first["loss"],
+        "first_grad_norm": first["grad_norm"],
+        "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
+        "knobs": {
+            "train.causal_rows": cfg.train.causal_rows,
+            "train.compile": cfg.train.compile,
+            "train.liger": cfg.train.liger,
+            "optim.fused": cfg.optim.fused,
+        },
     }
     worker.shutdown()
     del worker
@@ -242,26 +277,47 @@ def _phase(rank: int, world: int, gpu0: int, port: int, job: dict, out_dir: str)
         batch = make_batch(rows, job["vocab"], seed=1 + rank * (job.get("dp", 1) > 1))
         results = {}
         for variant in job["variants"]:
-            if variant["kind"] == "baseline":
-                results[variant["label"]] = run_baseline(
-                    env, job["model_dir"], batch, variant["micro"], job["warmup"], job["steps"]
-                )
-            else:
-                cfg = make_cfg(
-                    job["model_dir"],
-                    variant["precision"],
-                    variant["packing"],
-                    variant["max_tokens"],
-                    variant["micro"],
-                    job.get("tp", 1),
-                    variant["attention"],
-                )
-                results[variant["label"]] = run_policy(env, cfg, batch, job["warmup"], job["steps"])
+            try:
+                if variant["kind"] == "baseline":
+                    results[variant["label"]] = run_baseline(
+                        env, job["model_dir"], batch, variant["micro"], job["warmup"], job["steps"]
+                    )
+                else:
+                    cfg = make_cfg(
+                        job["model_dir"],
+                        variant["precision"],
+                        variant["packing"],
+                        variant["max_tokens"],
+                        variant["micro"],
+                        job.get("tp", 1),
+                        variant["attention"],
+                        variant.get("knobs"),
+                    )
+                    results[variant["label"]] = run_policy(
+                        env, cfg, batch, job["warmup"], job["steps"]
+                    )
+            except Exception as exc:  # record it; the job's other variants still run
+                results[variant["label"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+                _reset_after_failure()
+            if rank == 0:  # partial results survive a later variant that hangs
+                Path(out_dir, f"{name}.json").write_text(json.dumps(results))
         if rank == 0:
             Path(out_dir, f"{name}.json").write_text(json.dumps(results))
     except BaseException:
         Path(out_dir, f"{name}.error.{rank}").write_text(traceback.format_exc())
         raise
+
+
+def _reset_after_failure() -> None:
+    """Leave the process ready for the next variant: no process group, memory freed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def launch(jobs: list[dict], out_dir: str, timeout_s: float) -> None:
@@ -314,8 +370,29 @@ def main() -> None:
     )
     parser.add_argument("--phases", default="full,rl_mix,fp16,dp2,tp2")
     parser.add_argument("--round-timeout", type=float, default=240.0, help="seconds per round")
+    parser.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=360.0,
+        help="seconds for the round of compiled / liger variants",
+    )
+    parser.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier bench_train JSON whose phases this run adds to (phases run now replace "
+        "its ones; without phase full, MFU uses its matmul peak)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(FULL_VARIANTS),
+        help=f"full-row variants to run (phase full): {','.join(FULL_VARIANTS)}",
+    )
     args = parser.parse_args()
     smoke = args.smoke
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(FULL_VARIANTS))
+    if unknown:
+        sys.exit(f"error: --variants {','.join(unknown)} unknown; use: {','.join(FULL_VARIANTS)}")
     if not smoke and torch.cuda.device_count() < 1:
         sys.exit("error: scripts/bench_train.py needs a CUDA device; use --smoke on CPU.")
     device = "cpu" if smoke else "cuda"
@@ -345,7 +422,9 @@ def main() -> None:
         "steps": steps,
     }
 
-    def policy(label, precision="bf16", packing=True, micro=None, attention="auto", tokens=None):
+    def policy(
+        label, precision="bf16", packing=True, micro=None, attention="auto", tokens=None, knobs=None
+    ):
         return {
             "kind": "policy",
             "label": label,
@@ -354,7 +433,16 @@ def main() -> None:
             "max_tokens": tokens or max_tokens,
             "micro": micro,
             "attention": attention,
+            "knobs": knobs or {},
         }
+
+    def full(*labels):
+        """Full-row variants among ``labels`` that --variants asks for (``default`` -> ``bf16``)."""
+        return [
+            policy("bf16" if v == "default" else v, knobs=FULL_VARIANTS[v])
+            for v in labels
+            if v in variants
+        ]
 
     phases = set(args.phases.split(","))
     # two single-GPU jobs at a time (GPU 0 and GPU 1), then the two-GPU jobs
@@ -366,7 +454,7 @@ def main() -> None:
                 "world": 1,
                 "gpu0": 0,
                 "rows": full_rows,
-                "variants": [policy("bf16")],
+                "variants": full("default", "causal", "fused", "before"),
                 "on": "full",
             },
             {
@@ -377,6 +465,30 @@ def main() -> None:
                 "rows": full_rows,
                 "variants": [{"kind": "baseline", "label": "bf16", "micro": 2}],
                 "on": "full",
+            },
+        ],
+        # liger patches transformers' Qwen2 classes for the whole process: its
+        # variants run last in a process of their own.
+        [
+            {
+                **base,
+                "name": "policy_compile",
+                "world": 1,
+                "gpu0": 0,
+                "rows": full_rows,
+                "variants": full("compile"),
+                "on": "full",
+                "timeout": args.compile_timeout,
+            },
+            {
+                **base,
+                "name": "policy_liger",
+                "world": 1,
+                "gpu0": min(1, ngpu - 1),
+                "rows": full_rows,
+                "variants": full("liger", "compile_liger"),
+                "on": "full",
+                "timeout": args.compile_timeout,
             },
         ],
         [
@@ -436,13 +548,25 @@ def main() -> None:
     out_dir = str(work / "results")
     os.makedirs(out_dir)
 
+    merged: dict = {}
+    if args.merge:
+        merged = json.loads(Path(args.merge).read_text())
+        if merged.get("smoke") != smoke or merged.get("shape") != shape:
+            sys.exit(f"error: --merge {args.merge} was measured with other shapes or --smoke")
+        if "full" not in phases:  # MFU of the merged full-row phases over their own run's peak
+            peak = merged["bf16_matmul_peak_tflops"]
+
     def write_result() -> None:
-        phases_out, errors = {}, {}
+        phases_out, errors = dict(merged.get("phases", {})), {}
         for f in Path(out_dir).iterdir():
             if f.suffix == ".json":
                 phases_out[f.stem] = json.loads(f.read_text())
             else:
                 errors[f.name] = f.read_text()[-3000:]
+        for phase, results in phases_out.items():  # variants that failed inside a phase
+            for label, r in results.items():
+                if "error" in r:
+                    errors[f"{phase}/{label}"] = r["error"]
         L, H = shape["num_hidden_layers"], shape["hidden_size"]
         flops_per_token = 6 * n_params + 6 * L * H * seq
         peak_flops = peak * 1e12
@@ -478,6 +602,20 @@ def main() -> None:
             ),
             "tp2_tokens_per_s": get("policy_tp2", "bf16", "tokens_per_s"),
         }
+        # Full-row MFU of every variant measured (``default`` is policy_full/bf16).
+        by_variant = {}
+        for v in FULL_VARIANTS:
+            label = "bf16" if v == "default" else v
+            for phase in ("policy_full", "policy_compile", "policy_liger"):
+                tps = get(phase, label, "tokens_per_s")
+                if tps is not None:
+                    by_variant[v] = mfu(tps)
+        summary["mfu_full_rows_by_variant"] = by_variant
+        if by_variant:
+            best = max(by_variant, key=lambda v: by_variant[v])
+            summary["best_mfu_full_rows"] = by_variant[best]
+            summary["best_full_rows_variant"] = best
+            summary["best_full_rows_knobs"] = FULL_VARIANTS[best]
         result = {
             "device": device_name,
             "gpus": ngpu,
@@ -491,6 +629,7 @@ def main() -> None:
             "max_tokens_per_micro_batch": max_tokens,
             "rl_mix_real_tokens": sum(p + r for p, r in mix),
             "summary": summary,
+            "merged_from": args.merge,
             "phases": phases_out,
             "errors": errors,
         }
@@ -506,17 +645,18 @@ def main() -> None:
         print(f"wrote {out}")
 
     for jobs in rounds:
-        jobs = [j for j in jobs if j["on"] in phases]
+        jobs = [j for j in jobs if j["on"] in phases and j["variants"]]
         if not jobs:
             continue
         if ngpu < 2 and len(jobs) == 1 and jobs[0]["world"] == 2:
             continue
         t1 = time.perf_counter()
+        timeout = max(j.get("timeout", args.round_timeout) for j in jobs)
         if ngpu < 2 and len(jobs) == 2:  # one GPU: one job at a time
             for j in jobs:
-                launch([j], out_dir, args.round_timeout)
+                launch([j], out_dir, timeout)
         else:
-            launch(jobs, out_dir, args.round_timeout)
+            launch(jobs, out_dir, timeout)
         print(f"{[j['name'] for j in jobs]} done in {time.perf_counter() - t1:.1f}s", flush=True)
         write_result()  # partial results survive a later round that runs out of time
 

@@ -246,6 +246,11 @@ def make_plan(
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
     if ro.engine == "vllm" and device == "cpu":
         _check_vllm_on_cpu(cfg)
+    if cfg.train.liger and device == "cpu":
+        raise ConfigError(
+            "train.liger=true needs CUDA (liger-kernel's kernels are Triton) but this run "
+            "trains on CPU; set train.liger=false."
+        )
     model_parallel = d.tp * d.cp
     rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
     ppo = cfg.algorithm.name == "ppo"

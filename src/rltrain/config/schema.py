@@ -61,6 +61,14 @@ class TrainConfig:
     # Positions per chunk when logprobs/entropy are formed from hidden states
     # (bounds the fp32 logits held at once to chunk x vocab).
     logprob_chunk_tokens: int = 1024
+    # Rows that hold a single sequence (full rows, padded rows, a long sequence
+    # alone) run plain causal sdpa (flash / cuDNN kernels) instead of a block mask.
+    # Exact; false only to measure the block-mask path.
+    causal_rows: bool = True
+    # torch.compile the forward of each decoder block (before fully_shard).
+    compile: bool = False
+    # liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA; liger-kernel installed).
+    liger: bool = False
 
 
 @dataclass
@@ -78,6 +86,8 @@ class OptimConfig:
     lr_schedule: str = "constant"
     warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     min_lr_ratio: float = 0.0  # cosine: the last step's lr as a fraction of lr
+    # Fused AdamW kernel: null = fused when every parameter is on CUDA, else foreach.
+    fused: bool | None = None
 
 
 @dataclass

@@ -57,6 +57,7 @@ def validate(cfg: RunConfig) -> None:
             "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
             "use train.attention=sdpa or auto on cluster.device=cpu."
         )
+    _validate_speed(cfg)
     _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
     o = cfg.optim
     if o.lr <= 0:
@@ -214,6 +215,36 @@ def validate(cfg: RunConfig) -> None:
     _validate_faults(cfg)
     if a.name == "ppo":
         validate_ppo(cfg)
+
+
+def _validate_speed(cfg: RunConfig) -> None:
+    """train.liger / train.compile: what they need on this machine (no imports of their packages)."""
+    import importlib.util
+    import shutil
+
+    t = cfg.train
+    if t.liger:
+        if cfg.cluster.device == "cpu":
+            raise ConfigError(
+                "train.liger=true needs CUDA (liger-kernel's kernels are Triton); "
+                "set train.liger=false on cluster.device=cpu."
+            )
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError(
+                "train.liger=true needs the liger-kernel package, which is not installed; "
+                "install it (pip install --no-deps liger-kernel==0.8.5) or set train.liger=false."
+            )
+        if cfg.dtensor.sequence_parallel:
+            raise ConfigError(
+                "train.liger=true cannot run with dtensor.sequence_parallel=true (liger's RMSNorm "
+                "takes plain tensors, not sequence-sharded DTensors); disable one of them."
+            )
+    has_cxx = any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++"))
+    if t.compile and cfg.cluster.device == "cpu" and not has_cxx:
+        raise ConfigError(
+            "train.compile=true on cluster.device=cpu needs a C++ compiler for torch.compile "
+            "(none of g++, c++, clang++ is on PATH); install one or set train.compile=false."
+        )
 
 
 def validate_ppo(cfg: RunConfig) -> None:

@@ -30,6 +30,13 @@ from rltrain.models.loader import (
 from rltrain.train.batch import TrainBatch
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
 from rltrain.train.distributed import DistEnv, init_distributed
+from rltrain.train.kernels import (
+    apply_liger,
+    attention_kwargs,
+    compile_blocks,
+    make_adamw,
+    register_attention,
+)
 from rltrain.train.metrics import MetricKind, StepMetrics
 from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
@@ -63,13 +70,7 @@ class FSDPTrainer:
         self.model = self.load_sharded_model()  # fp32 master weights
         self.hf_config = self.model.config
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
+        self.optimizer = make_adamw(list(self.model.parameters()), o)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, o, total_optimizer_steps(cfg))
         self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
         gs = cfg.precision.grad_scaler
@@ -139,6 +140,9 @@ class FSDPTrainer:
             model.to(self.device)
         if not trainable:
             model.requires_grad_(False)
+        t = self.cfg.train
+        if t.liger:
+            apply_liger(model)  # module swaps only: names and parameters unchanged
         if d.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], d.sequence_parallel)
         if d.activation_checkpointing and trainable:
@@ -149,6 +153,8 @@ class FSDPTrainer:
             layers = decoder_layers(model)
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
+        if t.compile:
+            compile_blocks(decoder_layers(model))  # after TP and AC, before fully_shard
         mp = MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
         )
@@ -167,7 +173,9 @@ class FSDPTrainer:
         """Pick the attention kernel (``train.attention``): flex on CUDA, sdpa on CPU by default.
 
         Packed rows need a block-causal mask: a 4-D boolean mask under sdpa
-        (exact, dense), a BlockMask under flex (skips the masked blocks).
+        (exact, dense), a BlockMask under flex (skips the masked blocks). The
+        model runs under one attention function that follows the mask it is
+        given, so rows holding one sequence can use causal sdpa either way.
         """
         choice = self.cfg.train.attention
         if choice == "auto":
@@ -178,7 +186,7 @@ class FSDPTrainer:
                 "use train.attention=sdpa or auto"
             )
         self.attention = choice
-        model.set_attn_implementation("flex_attention" if choice == "flex" else "sdpa")
+        model.set_attn_implementation(register_attention())
 
     @property
     def is_rank0(self) -> bool:
@@ -226,7 +234,12 @@ class FSDPTrainer:
         # computes every query x key pair of a row, so there rows hold at most
         # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
         flex = self.attention == "flex"
-        longest = max((int(batch.attention_mask_BT[r].sum()) for r in rows), default=2)
+        lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
+        longest = max(lengths, default=2)
+        if flex and self.cfg.train.causal_rows and len(set(lengths)) == 1:
+            # Equal lengths (full rows, or one sequence alone): one sequence per row,
+            # no padding, and causal sdpa instead of a block mask.
+            flex = False
         return pack(
             batch,
             rows,
@@ -238,32 +251,9 @@ class FSDPTrainer:
 
     # -- forward ------------------------------------------------------------------
     def attention_kwargs(self, micro: MicroBatch) -> dict[str, object]:
-        """attention_mask / position_ids for the HF forward of ``micro``.
-
-        Padded rows: the 2-D padding mask (HF builds the causal mask). Packed
-        rows: position ids restart per sequence and the mask is block-causal,
-        so no token attends across sequences (position ids alone do not
-        separate sequences under sdpa or flex).
-        """
-        if not micro.packed:
-            return {"attention_mask": micro.attention_mask_RS}
-        seq = micro.seq_id_RS
-        if self.attention == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def document_causal(b, h, q, kv):
-                return (seq[b, q] == seq[b, kv]) & (q >= kv) & (seq[b, q] >= 0)
-
-            R, S = seq.shape
-            mask = create_block_mask(document_causal, R, None, S, S, device=str(seq.device))
-        else:
-            S = seq.shape[1]
-            causal = torch.ones(S, S, dtype=torch.bool, device=seq.device).tril()
-            same = seq[:, :, None] == seq[:, None, :]
-            # A padding position (-1) attends to itself only: no fully masked rows.
-            eye = torch.eye(S, dtype=torch.bool, device=seq.device)
-            mask = ((same & (seq[:, :, None] >= 0) & causal) | eye)[:, None]
-        return {"attention_mask": mask, "position_ids": micro.position_ids_RS}
+        """attention_mask / position_ids for the HF forward of ``micro``
+        (see :func:`rltrain.train.kernels.attention_kwargs`)."""
+        return attention_kwargs(micro, self.attention, self.cfg.train.causal_rows)
 
     def forward_hidden(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         """Final-norm hidden states [R, S, H] of ``micro`` (no logits are formed).
@@ -451,9 +441,15 @@ class FSDPTrainer:
                         if p.grad is not None:
                             p.grad.mul_(coef)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips the step itself when grads are inf/nan
-            self.scaler.update()
+            # unscale_ above recorded (and synced over ranks) whether any grad is inf/nan,
+            # which is exactly a non-finite global norm: step only then, as scaler.step
+            # would. Calling the optimizer directly keeps a fused AdamW out of
+            # scaler.step's found_inf hand-off (a [1]-shaped tensor from the sharded
+            # scaler that the fused step's scalar step counters cannot take).
             stepped = float(math.isfinite(norm))
+            if stepped:
+                self.optimizer.step()
+            self.scaler.update()
             self._count_skip(stepped == 0.0)
         elif math.isfinite(norm):
             self.optimizer.step()

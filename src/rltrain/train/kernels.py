@@ -1,0 +1,187 @@
+"""Trainer speed options applied to a model before it is sharded: the attention
+dispatch (plain causal sdpa for rows that hold one sequence, a flex ``BlockMask``
+or a 4-D mask for packed rows), liger-kernel's Triton RMSNorm/SwiGLU/RoPE, per-block
+``torch.compile`` and fused AdamW.
+
+Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.config.schema import OptimConfig
+from rltrain.train.packing import MicroBatch
+
+# The attention implementation name the trainer's models run under (see register_attention).
+ATTENTION_NAME = "rltrain_sdpa_or_flex"
+
+
+def _sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):
+    """Attention of one HF layer, picked by the mask it is given (same call signature as HF's).
+
+    ``BlockMask`` -> flex_attention; a tensor or None -> sdpa (None: ``is_causal``,
+    so the flash / cuDNN kernels). The choice depends only on the arguments, so an
+    activation-checkpoint recompute in backward takes the same path as the forward.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if isinstance(attention_mask, BlockMask):
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_attention() -> str:
+    """Register :func:`_sdpa_or_flex` with transformers (idempotent); returns its name.
+
+    Masks are built by HF's sdpa mask function under this name, so a 2-D padding
+    mask still becomes a 4-D mask and ``attention_mask=None`` stays None (causal).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, _sdpa_or_flex)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
+
+
+def one_sequence_per_row(micro: MicroBatch) -> bool:
+    """True when every row of ``micro`` holds at most one sequence, starting at position 0.
+
+    Then the only padding is at the end of a row, after its sequence, and a plain
+    causal mask gives every real token exactly the keys the block-causal mask
+    would: nothing has to be kept apart. Padded layouts always qualify; the
+    empty micro batch (two padding tokens, one "sequence") does too.
+    """
+    return len(set(micro.seq_row)) == len(micro.seq_row) and all(s == 0 for s in micro.seq_start)
+
+
+def attention_kwargs(micro: MicroBatch, attention: str, causal_rows: bool) -> dict[str, object]:
+    """attention_mask / position_ids for the HF forward of ``micro``.
+
+    ``causal_rows`` and one sequence per row: no mask and no position ids (HF's
+    default 0..S-1 equals the sequence's own positions), so sdpa runs with
+    ``is_causal``. Padded rows otherwise: the 2-D padding mask. Packed rows:
+    position ids restart per sequence and the mask is block-causal (a flex
+    ``BlockMask`` for ``attention="flex"``, else a 4-D boolean mask), since
+    position ids alone do not separate sequences under sdpa or flex.
+    """
+    if causal_rows and one_sequence_per_row(micro):
+        return {"attention_mask": None}
+    if not micro.packed:
+        return {"attention_mask": micro.attention_mask_RS}
+    seq = micro.seq_id_RS
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def document_causal(b, h, q, kv):
+            return (seq[b, q] == seq[b, kv]) & (q >= kv) & (seq[b, q] >= 0)
+
+        R, S = seq.shape
+        mask = create_block_mask(document_causal, R, None, S, S, device=str(seq.device))
+    else:
+        S = seq.shape[1]
+        causal = torch.ones(S, S, dtype=torch.bool, device=seq.device).tril()
+        same = seq[:, :, None] == seq[:, None, :]
+        # A padding position (-1) attends to itself only: no fully masked rows.
+        eye = torch.eye(S, dtype=torch.bool, device=seq.device)
+        mask = ((same & (seq[:, :, None] >= 0) & causal) | eye)[:, None]
+    return {"attention_mask": mask, "position_ids": micro.position_ids_RS}
+
+
+LIGER_MISSING = (
+    "train.liger=true needs the liger-kernel package (Triton kernels, CUDA only), which is "
+    "not importable here; install it (pip install --no-deps liger-kernel==0.8.5) or set "
+    "train.liger=false."
+)
+
+
+def liger_available() -> bool:
+    """Whether liger-kernel can be imported (it needs Triton)."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception:  # ImportError, or Triton failing to initialise without a GPU
+        return False
+    return True
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Swap the model's RMSNorm, SwiGLU MLP and RoPE for liger-kernel's Triton versions.
+
+    Applied to the instance before sharding (parameters and their names are
+    unchanged, so checkpoints and refit are unaffected). The loss heads are
+    left alone: logprobs come from the chunked head. Raises ValueError when
+    liger-kernel is missing or has no patch for the model type.
+    """
+    if not liger_available():
+        raise ValueError(LIGER_MISSING)
+    import liger_kernel.transformers as liger
+    from transformers import PreTrainedModel
+
+    # A wrapper around an HF backbone (the value model) is patched through its backbone.
+    target = model if isinstance(model, PreTrainedModel) else getattr(model, "model", model)
+    model_type = target.config.model_type
+    patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+    if patch is None:
+        raise ValueError(
+            f"train.liger=true: liger-kernel has no kernels for model type {model_type!r}; "
+            "set train.liger=false."
+        )
+    patch(
+        model=target,
+        rope=True,
+        rms_norm=True,
+        swiglu=True,
+        cross_entropy=False,
+        fused_linear_cross_entropy=False,
+    )
+
+
+def compile_blocks(layers: torch.nn.ModuleList) -> None:
+    """``torch.compile`` the forward of each decoder block, after TP and activation
+    checkpointing and before ``fully_shard``.
+
+    Only ``forward`` is compiled, not the module call: FSDP2's pre/post-forward
+    hooks (all-gather, reshard) stay eager and outside the compiled code, and
+    parameter names are unchanged (checkpoints and refit see the same keys).
+    The blocks share one compiled graph; the recompile limit is raised so a
+    guard that differs per block (or a new sequence length or mask type) does
+    not push later blocks back to eager. Shapes that keep changing (packed
+    rows) are made dynamic by torch's automatic dynamic shapes.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    limit = max(getattr(dynamo_config, key), 4 * len(layers) + 8)
+    setattr(dynamo_config, key, limit)
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(
+            dynamo_config.accumulated_recompile_limit, 4 * limit
+        )
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+
+
+def use_fused_adamw(o: OptimConfig, params: list[torch.nn.Parameter]) -> bool:
+    """``optim.fused``: null = fused when every parameter is on CUDA, else foreach."""
+    if o.fused is not None:
+        return o.fused
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
+def make_adamw(params: list[torch.nn.Parameter], o: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over (possibly DTensor) ``params``: one fused kernel or the foreach path."""
+    fused = use_fused_adamw(o, params)
+    return torch.optim.AdamW(
+        params,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        # Not fused: torch's own choice (foreach on CUDA, the per-tensor loop on CPU).
+        fused=fused or None,
+    )
