@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import tempfile
@@ -43,9 +42,18 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from bench_train_runs import (  # noqa: E402
+    make_batch,
+    make_cfg,
+    rl_mix,
+    run_baseline,
+    run_policy,
+    write_model,
+)
 
 QWEN_1_5B = {
     "hidden_size": 1536,
@@ -80,178 +88,6 @@ SMOKE = {
 
 
 # -- set-up ----------------------------------------------------------------------------
-def write_model(path: Path, shape: dict, device: str) -> int:
-    """Random-init Qwen2 with ``shape`` saved as an HF folder (bf16) plus a tokenizer; returns N."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rltrain.models.tiny import build_tokenizer
-
-    config = Qwen2Config(**shape, rope_theta=1e6)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    n = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(path)
-    tok = build_tokenizer("abcd")
-    tok.save_pretrained(path)
-    del model
-    return n
-
-
-def make_cfg(
-    model_dir: str,
-    precision: str,
-    packing: bool,
-    max_tokens: int,
-    micro: int,
-    tp: int,
-    attention: str,
-    knobs: dict[str, object] | None = None,
-):
-    from rltrain.config.schema import RunConfig
-
-    cfg = RunConfig()
-    cfg.model.name, cfg.model.path = "bench", model_dir
-    p = cfg.precision
-    p.name = precision
-    p.param_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
-    p.reduce_dtype = "float32"
-    p.grad_scaler.enabled = precision == "fp16"
-    cfg.train.packing = packing
-    cfg.train.max_tokens_per_micro_batch = max_tokens
-    cfg.train.micro_batch_size = micro
-    cfg.train.attention = attention
-    cfg.dtensor.tp = tp
-    cfg.optim.lr = 1e-6
-    for key, value in (knobs or {}).items():  # "node.field" -> value
-        node, field = key.split(".")
-        setattr(getattr(cfg, node), field, value)
-    return cfg
-
-
-def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int):
-    """Right-padded TrainBatch of (prompt, response) lengths; old logprobs left None (fused step)."""
-    from rltrain.train.batch import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    B, T = len(lengths), max(p + r for p, r in lengths)
-    ids = torch.randint(10, vocab, (B, T), generator=g)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    resp = torch.zeros(B, T)
-    for i, (p, r) in enumerate(lengths):
-        attn[i, : p + r] = 1
-        resp[i, p : p + r] = 1
-    return TrainBatch(ids * attn, attn, resp, torch.randn(B, generator=g), torch.zeros(B, T))
-
-
-def rl_mix(rows: int, seed: int, scale: float = 1.0) -> list[tuple[int, int]]:
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(int(128 * scale), int(512 * scale) + 1, (rows,), generator=g)
-    resp = torch.exp(torch.randn(rows, generator=g) * 1.0 + math.log(600)).clamp(32, 4096)
-    resp = (resp * scale).clamp(min=8).long()
-    return [(int(p), int(r)) for p, r in zip(prompts, resp, strict=True)]
-
-
-# -- phases (one process per rank) ---------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_gb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-
-def run_policy(env, cfg, batch, warmup: int, steps: int) -> dict:
-    """Timed PolicyWorker.train steps on this rank's rows; tokens counted on this rank."""
-    from rltrain.train.policy_worker import PolicyWorker
-
-    worker = PolicyWorker(cfg, env)
-    device = worker.device
-    times, times_all = [], []
-    real = float(batch.attention_mask_BT.sum())
-    for i in range(warmup + steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        metrics, _ = worker.train(batch, [batch.size])
-        _sync(device)
-        if i == 0:
-            first = metrics  # before any update: the same in every variant up to bf16 noise
-        times_all.append(time.perf_counter() - t0)  # the first includes compilation
-        if i >= warmup:
-            times.append(times_all[-1])
-    out = {
-        "step_s": sum(times) / len(times),
-        "real_tokens_per_step": real,
-        "tokens_per_s": real / (sum(times) / len(times)),
-        "peak_mem_gb": _peak_gb(device),
-        "attention": worker.attention,
-        "micro_batches": len(worker.plan_micro_batches(batch)),
-        "loss": metrics["loss"],
-        "first_step_s": times_all[0],
-        "first_loss": first["loss"],
-        "first_grad_norm": first["grad_norm"],
-        "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
-        "knobs": {
-            "train.causal_rows": cfg.train.causal_rows,
-            "train.compile": cfg.train.compile,
-            "train.liger": cfg.train.liger,
-            "optim.fused": cfg.optim.fused,
-        },
-    }
-    worker.shutdown()
-    del worker
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    return out
-
-
-def run_baseline(env, model_dir: str, batch, micro: int, warmup: int, steps: int) -> dict:
-    """Plain HF causal-LM loss (full logits) + FSDP2 (bf16 / fp32 reduce) + AdamW, no rltrain code."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-
-    from rltrain.train.distributed import init_distributed
-
-    device = init_distributed(env)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    model.config.use_cache = False
-    mesh = init_device_mesh(device.type, (env.world_size,))
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    times = []
-    real = float(batch.attention_mask_BT.sum())
-    n_micro = math.ceil(batch.size / micro)
-    for i in range(warmup + steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        for m in batch.split(micro):
-            ids, attn = m.input_ids_BT.to(device), m.attention_mask_BT.to(device)
-            labels = ids.masked_fill(m.response_mask_BT.to(device) == 0, -100)
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-            (loss / n_micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    out = {
-        "step_s": sum(times) / len(times),
-        "real_tokens_per_step": real,
-        "tokens_per_s": real / (sum(times) / len(times)),
-        "peak_mem_gb": _peak_gb(device),
-    }
-    dist.destroy_process_group()
-    return out
-
-
 def _phase(rank: int, world: int, gpu0: int, port: int, job: dict, out_dir: str) -> None:
     """Entry of one rank of one phase: writes <name>.json (rank 0) or <name>.error."""
     from rltrain.train.distributed import DistEnv
