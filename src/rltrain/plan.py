@@ -142,8 +142,8 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
         v = ti.vocab_size or vocab_size(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
         embeddings = 1 if ti.tie_word_embeddings else 2
         return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
-    config_json = Path(cfg.model.path) / "config.json"
-    if not config_json.is_file():
+    config_json: Path | None = Path(cfg.model.path) / "config.json"
+    if config_json is None or not config_json.is_file():
         config_json = _cached_hf_config(cfg.model.path)
     if config_json is None:
         return None
@@ -259,7 +259,7 @@ def make_plan(
     # policy's, which it inherits) is set, else a share of every policy dp rank.
     value_fixed, value_per_dp = 0, 0
     if vd is not None:
-        if cfg.value.dtensor.dp is not None or d.dp is not None:
+        if vd.dp is not None and (cfg.value.dtensor.dp is not None or d.dp is not None):
             value_fixed = vd.dp * vd.tp
         else:
             value_per_dp = vd.tp
