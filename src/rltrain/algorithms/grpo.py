@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
 from rltrain.algorithms.advantages import grpo_advantages
+from rltrain.algorithms.collect import collect, sampling_params
 from rltrain.algorithms.evaluate import evaluate
-from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
-from rltrain.rollout.base import SamplingParams
 from rltrain.train.batch import build_train_batch
 
 
@@ -27,11 +25,6 @@ def token_mult_prob_error(
     return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The sampling seed of one step (distinct per run seed and step)."""
-    return seed * 1_000_003 + step
-
-
 def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` GRPO steps on ``ctx.workers``; ``on_step`` logs each one.
 
@@ -39,40 +32,20 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     task, tokenizer, ``checkpoint(step, weight_version)``, and the step and weight
     version to continue from (``start_step``, ``weight_version``; 0 for a fresh run).
     """
-    cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
-    a, ro = cfg.algorithm, cfg.rollout
-    sampling = SamplingParams(
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        max_new_tokens=ro.max_new_tokens,
-        top_k=ro.top_k,
-    )
+    cfg, workers, tok = ctx.cfg, ctx.workers, ctx.tokenizer
+    a = cfg.algorithm
+    sampling = sampling_params(cfg)
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
     # A resumed run starts after its checkpoint's step, with the restored weights.
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         timer = StageTimer()
-        # Sampling is seeded from (seed, step): a step samples the same tokens
-        # whether or not the run was resumed before it.
-        step_sampling = replace(sampling, seed=step_seed(cfg.seed, step))
 
-        # step 1: prompts, each repeated samples_per_prompt times (one GRPO group)
-        items = task.sample(a.prompts_per_step)
-        prompt_ids = encode_groups(tok, items, a.samples_per_prompt)
-
-        # step 2: generate with the engines' current weights (version = weight_version)
-        with timer("generate"):
-            rollout = workers.generate(prompt_ids, step_sampling)
-        assert rollout.weight_version == weight_version, "rollout used stale weights"
-
-        # step 3: reward (decoded without special tokens; 'finished' = stopped at EOS)
-        with timer("reward"):
-            scored = score_groups(
-                task, tok, items, rollout.response_ids, rollout.finished, a.samples_per_prompt
-            )
-            rewards = torch.tensor([s.reward for s in scored])
-            exact = torch.tensor([s.exact_match for s in scored])
+        # steps 1-3: prompts (each repeated samples_per_prompt times: one GRPO group),
+        # generate with the engines' current weights, reward of each whole response
+        got = collect(ctx, step, sampling, weight_version, timer)
+        rollout, rewards, exact = got.rollout, got.rewards, got.exact
 
         # step 4: GRPO advantages (group-normalised over the samples of one prompt)
         advantages = grpo_advantages(
@@ -120,7 +93,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "weight_version": float(weight_version),
             "refit/bytes": float(refit.bytes),
             "refit/buckets": float(refit.buckets),
-            **task.reward_metrics(),
+            **ctx.task.reward_metrics(),
             **timer.metrics(),
             "time/generate_engine": rollout.engine_seconds,
             # Controller <-> actor cost (serialisation, scheduling) of the two big calls.
@@ -132,7 +105,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         }
         # step 9: greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
-            metrics.update(evaluate(workers.generate, task, tok, cfg))
+            metrics.update(evaluate(workers.generate, ctx.task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps

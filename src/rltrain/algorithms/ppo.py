@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
+from rltrain.algorithms.collect import collect, sampling_params
 from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.gae import gae, token_rewards
-from rltrain.algorithms.grpo import step_seed, token_mult_prob_error
-from rltrain.data import encode_groups, score_groups
+from rltrain.algorithms.grpo import token_mult_prob_error
 from rltrain.logging.metrics import StageTimer
-from rltrain.rollout.base import SamplingParams
 from rltrain.train.batch import build_train_batch
 
 
@@ -29,14 +27,9 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     ``algorithm.policy_training_start_step`` only the critic trains (warm-up):
     the policy, and so the rollout weights, stay as they are.
     """
-    cfg, workers, task, tok = ctx.cfg, ctx.workers, ctx.task, ctx.tokenizer
-    a, ro = cfg.algorithm, cfg.rollout
-    sampling = SamplingParams(
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        max_new_tokens=ro.max_new_tokens,
-        top_k=ro.top_k,
-    )
+    cfg, workers, tok = ctx.cfg, ctx.workers, ctx.tokenizer
+    a = cfg.algorithm
+    sampling = sampling_params(cfg)
     # The KL penalty needs the old logprobs before GAE, so it cannot take them from
     # the training forward; without it, on-policy with one optimizer step, it can.
     fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and a.kl_coef == 0
@@ -45,26 +38,12 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         t_step = time.perf_counter()
         timer = StageTimer()
         train_policy = step >= a.policy_training_start_step
-        # Seeded from (seed, step): a step samples the same tokens, resumed or not.
-        step_sampling = replace(sampling, seed=step_seed(cfg.seed, step))
 
-        # step 1: prompts (each repeated samples_per_prompt times)
-        items = task.sample(a.prompts_per_step)
-        prompt_ids = encode_groups(tok, items, a.samples_per_prompt)
-
-        # step 2: generate with the engines' current weights (version = weight_version)
-        with timer("generate"):
-            rollout = workers.generate(prompt_ids, step_sampling)
-        assert rollout.weight_version == weight_version, "rollout used stale weights"
-
-        # step 3: reward of each whole response (decoded without special tokens)
-        with timer("reward"):
-            scored = score_groups(
-                task, tok, items, rollout.response_ids, rollout.finished, a.samples_per_prompt
-            )
-            scores = torch.tensor([s.reward for s in scored])
-            exact = torch.tensor([s.exact_match for s in scored])
-        batch = build_train_batch(rollout, torch.zeros(len(scored)), tok.pad_token_id)
+        # steps 1-3: prompts (each repeated samples_per_prompt times), generate with the
+        # engines' current weights (version = weight_version), reward of each whole response
+        got = collect(ctx, step, sampling, weight_version, timer)
+        rollout, scores, exact = got.rollout, got.rewards, got.exact
+        batch = build_train_batch(rollout, torch.zeros(len(scores)), tok.pad_token_id)
         mask = batch.response_mask_BT
 
         # step 4: values of the state before every token (critic, right-shifted)
@@ -126,7 +105,7 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             **policy_metrics,
             "policy_trained": float(train_policy),
             "weight_version": float(weight_version),
-            **task.reward_metrics(),
+            **ctx.task.reward_metrics(),
             **timer.metrics(),
             "time/generate_engine": rollout.engine_seconds,
             "time/step": step_s,
@@ -141,7 +120,7 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
         # greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
-            metrics.update(evaluate(workers.generate, task, tok, cfg))
+            metrics.update(evaluate(workers.generate, ctx.task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps
