@@ -58,9 +58,9 @@ def test_ppo_default_learns_and_critic_explains_returns(tmp_path):
         assert key in rows[-1], key
     first, last = _mean(rows[:10], "reward/exact_match"), _mean(rows[-10:], "reward/exact_match")
     assert first < 0.15
-    # In-process runs of these defaults reach 0.52-0.59 at step 100 (seeds 0-2); the bound
-    # leaves room for other seeds.
-    assert last >= 0.3, f"exact match over the last 10 steps: {last:.3f}"
+    # These defaults reach 0.585 over steps 91-100 with seed 0 (in-process runs of seeds
+    # 0-2: 0.52-0.59), and 0.95 by step 250; the bound leaves room for other machines.
+    assert last >= 0.45, f"exact match over the last 10 steps: {last:.3f}"
     ev_last = _mean(rows[-10:], "value/explained_variance")
     assert ev_last > 0.1, f"explained variance over the last 10 steps: {ev_last:.3f}"
     summary = json.loads((out / "summary.json").read_text())
