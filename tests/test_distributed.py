@@ -55,17 +55,11 @@ def reference_step(cfg, batch) -> dict[str, torch.Tensor]:
     from rltrain.algorithms.logprobs import token_logprobs
     from rltrain.algorithms.losses import clipped_pg_loss
     from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
+    from rltrain.train.kernels import make_adamw
 
     model = load_model(cfg)
     blocked = torch.tensor(blocked_token_ids(cfg, load_tokenizer(cfg)))
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-    )
+    opt = make_adamw(list(model.parameters()), cfg.optim)  # the trainer's AdamW settings
     logits = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
     lp, _ = token_logprobs(logits, batch.input_ids_BT, 1.0, blocked, batch.response_mask_BT)
     a = cfg.algorithm
@@ -79,7 +73,7 @@ def reference_step(cfg, batch) -> dict[str, torch.Tensor]:
         normalizer=float(batch.response_mask_BT.sum()),
     )
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
     opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -58,27 +58,21 @@ def reference_step(cfg, batch, old_values):
     from rltrain.algorithms.values import right_shift
     from rltrain.config.schema import value_run_config
     from rltrain.models.loader import load_model
+    from rltrain.train.kernels import make_adamw
     from rltrain.train.value_worker import ValueModel
 
     vcfg = value_run_config(cfg)
     torch.manual_seed(vcfg.seed)  # as FSDPTrainer does before building the model
     lm = load_model(vcfg)
     model = ValueModel(lm.model, lm.config)
-    o = vcfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-    )
+    opt = make_adamw(list(model.parameters()), vcfg.optim)  # the trainer's AdamW settings
     values = right_shift(model(batch.input_ids_BT, batch.attention_mask_BT))
     mask = batch.response_mask_BT
     loss, _ = clipped_value_loss(
         values, old_values, batch.returns_BT, mask, cfg.value.clip, float(mask.sum())
     )
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), vcfg.optim.max_grad_norm)
     opt.step()
     return float(loss.detach()), {n: p.detach().clone() for n, p in model.named_parameters()}
 
