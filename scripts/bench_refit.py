@@ -9,7 +9,7 @@ fp32 master weights, bf16 refit). In one run it measures
   at the config defaults and for every num_buffers x bucket_bytes of the grid;
 - variants at the default bucket size, one knob at a time: the buckets'
   broadcasts alone (no pack), the unramped plan, the pack kernels, a third
-  buffer, the pack confined to 32/48/66 SMs (``refit.pack_sms``), 64 NCCL CTAs;
+  buffer, the pack confined to 24-56 SMs (``refit.pack_sms``), 64 NCCL CTAs;
 - the pack alone (wall and GPU time);
 - the IPC refit with the engine on the trainer's GPU, against one device copy
   of the model's refit size on that GPU;
@@ -376,12 +376,12 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         ]
         if cuda:
             todo += [
-                {"pack_sms": 16},
                 {"pack_sms": 24},
-                {"pack_sms": 16, "num_buffers": 3},
                 {"pack_sms": 32},
+                {"pack_sms": 40},
                 {"pack_sms": 48},
-                {"pack_sms": 66},
+                {"pack_sms": 56},
+                {"pack_sms": 48, "num_buffers": 3},
                 {"bucket_bytes": 512 * MiB, "pack_sms": 48},
                 {"ctas": 64},
             ]

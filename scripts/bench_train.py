@@ -6,13 +6,15 @@ reduce. Each phase runs in its own processes (torch.multiprocessing, NCCL;
 single-GPU phases run two at a time, one per GPU):
 
 * ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch):
-  ``bf16`` is the shipped default (causal sdpa for one-sequence rows, fused AdamW on CUDA);
-  ``before`` the block-mask path with foreach AdamW; ``causal`` / ``fused`` one of the two
-* ``policy_compile`` / ``policy_liger`` - the default plus train.compile, train.liger, or both
+  ``bf16`` is the shipped default (on CUDA: compiled decoder blocks and logprob head, chunk
+  logits kept for backward, causal sdpa for one-sequence rows, fused AdamW); ``eager`` /
+  ``recompute`` / ``eager_recompute`` switch off compile, the kept logits, or both. One
+  profiled step of the default follows (``profile``: time per kernel class, top kernels)
+* ``policy_liger`` - liger-kernel's RMSNorm/SwiGLU/RoPE, eager or compiled
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
   (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
-* ``policy_fp16``  - as policy_full with precision fp16 (sharded grad scaler)
+* ``policy_fp16``  - fp16 (sharded grad scaler; fused AdamW, and foreach) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows
 
 FLOPs per token = 6 N + 6 L H S (N parameters, tied embedding counted once;
@@ -67,13 +69,12 @@ QWEN_1_5B = {
 }
 # Full-row variants: label -> knobs over the default RunConfig (``default`` = shipped default).
 FULL_VARIANTS: dict[str, dict[str, object]] = {
-    "default": {},
-    "before": {"train.causal_rows": False, "optim.fused": False},
-    "causal": {"optim.fused": False},
-    "fused": {"train.causal_rows": False, "optim.fused": True},
-    "compile": {"train.compile": True},
-    "liger": {"train.liger": True},
-    "compile_liger": {"train.compile": True, "train.liger": True},
+    "default": {},  # on CUDA: compiled blocks + compiled logprob head, logits kept, fused AdamW
+    "eager": {"train.compile": False},
+    "recompute": {"train.logprob_keep_logits": False},
+    "eager_recompute": {"train.compile": False, "train.logprob_keep_logits": False},
+    "liger": {"train.liger": True, "train.compile": False},
+    "compile_liger": {"train.liger": True},
 }
 SMOKE = {
     "hidden_size": 64,
@@ -130,7 +131,12 @@ def _phase(rank: int, world: int, gpu0: int, port: int, job: dict, out_dir: str)
                         variant.get("knobs"),
                     )
                     results[variant["label"]] = run_policy(
-                        env, cfg, batch, job["warmup"], job["steps"]
+                        env,
+                        cfg,
+                        batch,
+                        job["warmup"],
+                        job["steps"],
+                        profile=job.get("profile") == variant["label"],
                     )
             except Exception as exc:  # record it; the job's other variants still run
                 results[variant["label"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
@@ -290,8 +296,10 @@ def main() -> None:
                 "world": 1,
                 "gpu0": 0,
                 "rows": full_rows,
-                "variants": full("default", "causal", "fused", "before"),
+                "variants": full("default", "eager", "recompute", "eager_recompute"),
+                "profile": "bf16" if "default" in variants else None,
                 "on": "full",
+                "timeout": args.compile_timeout,
             },
             {
                 **base,
@@ -304,26 +312,30 @@ def main() -> None:
             },
         ],
         # liger patches transformers' Qwen2 classes for the whole process: its
-        # variants run last in a process of their own.
+        # variants run in a process of their own.
         [
             {
                 **base,
-                "name": "policy_compile",
+                "name": "policy_liger",
                 "world": 1,
                 "gpu0": 0,
                 "rows": full_rows,
-                "variants": full("compile"),
+                "variants": full("liger", "compile_liger"),
                 "on": "full",
                 "timeout": args.compile_timeout,
             },
             {
                 **base,
-                "name": "policy_liger",
+                "name": "policy_fp16",
                 "world": 1,
                 "gpu0": min(1, ngpu - 1),
                 "rows": full_rows,
-                "variants": full("liger", "compile_liger"),
-                "on": "full",
+                "variants": [
+                    policy("bf16"),
+                    policy("fp16", precision="fp16"),
+                    policy("fp16_foreach", precision="fp16", knobs={"optim.fused": False}),
+                ],
+                "on": "fp16",
                 "timeout": args.compile_timeout,
             },
         ],
@@ -342,18 +354,6 @@ def main() -> None:
                     policy("padded", packing=False, micro=2, attention="sdpa"),
                     policy("packed_1x"),
                 ],
-            },
-            {
-                **base,
-                "name": "policy_fp16",
-                "world": 1,
-                "gpu0": min(1, ngpu - 1),
-                "rows": full_rows,
-                "variants": [
-                    policy("fp16", precision="fp16"),
-                    policy("bf16_sdpa", attention="sdpa"),
-                ],
-                "on": "fp16",
             },
         ],
         [
@@ -429,8 +429,9 @@ def main() -> None:
                 get("policy_rl_mix", "packed", "tokens_per_s"),
                 get("policy_rl_mix", "padded", "tokens_per_s"),
             ),
+            # fp16 and bf16 timed in the same process on the same GPU
             "fp16_over_bf16_step_time": ratio(
-                get("policy_fp16", "fp16", "step_s"), get("policy_full", "bf16", "step_s")
+                get("policy_fp16", "fp16", "step_s"), get("policy_fp16", "bf16", "step_s")
             ),
             # both ranks hold equal shares: total = 2 x rank 0's tokens/s
             "dp2_scaling": ratio(
@@ -442,7 +443,7 @@ def main() -> None:
         by_variant = {}
         for v in FULL_VARIANTS:
             label = "bf16" if v == "default" else v
-            for phase in ("policy_full", "policy_compile", "policy_liger"):
+            for phase in ("policy_full", "policy_liger"):
                 tps = get(phase, label, "tokens_per_s")
                 if tps is not None:
                     by_variant[v] = mfu(tps)

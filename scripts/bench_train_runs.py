@@ -95,8 +95,45 @@ def _peak_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
-def run_policy(env, cfg, batch, warmup: int, steps: int) -> dict:
-    """Timed PolicyWorker.train steps on this rank's rows; tokens counted on this rank."""
+def profile_step(fn, device: torch.device, top: int = 25) -> dict:
+    """GPU time of one call of ``fn`` by kernel class, and its ``top`` kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" and getattr(e, "device_time_total", 0) > 0
+    ]
+    classes = {
+        "gemm": ("gemm", "cutlass", "sm90", "sm100", "cublas", "nvjet", "matmul"),
+        "attention": ("flash", "fmha", "attention", "flex", "cudnn"),
+        "nccl": ("nccl",),
+        "triton": ("triton",),
+        "optimizer": ("adam", "multi_tensor"),
+    }
+    by_class: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        cls = next((c for c, keys in classes.items() if any(k in name for k in keys)), "other")
+        by_class[cls] = by_class.get(cls, 0.0) + e.device_time_total / 1e3
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "gpu_ms_by_class": by_class,
+        "gpu_ms_total": sum(by_class.values()),
+        "top_kernels": [
+            {"name": e.key[:160], "ms": e.device_time_total / 1e3, "calls": e.count}
+            for e in kernels[:top]
+        ],
+    }
+
+
+def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) -> dict:
+    """Timed PolicyWorker.train steps on this rank's rows; tokens counted on this rank.
+
+    ``profile``: one more step under torch.profiler (CUDA), summarised in ``out["profile"]``."""
     from rltrain.train.policy_worker import PolicyWorker
 
     worker = PolicyWorker(cfg, env)
@@ -125,13 +162,21 @@ def run_policy(env, cfg, batch, warmup: int, steps: int) -> dict:
         "first_loss": first["loss"],
         "first_grad_norm": first["grad_norm"],
         "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
+        "compiled": worker.compiled,
+        "keep_logits": worker.keep_logits,
         "knobs": {
             "train.causal_rows": cfg.train.causal_rows,
             "train.compile": cfg.train.compile,
+            "train.logprob_keep_logits": cfg.train.logprob_keep_logits,
             "train.liger": cfg.train.liger,
             "optim.fused": cfg.optim.fused,
         },
     }
+    if profile and device.type == "cuda":
+        try:
+            out["profile"] = profile_step(lambda: worker.train(batch, [batch.size]), device)
+        except Exception as exc:  # the timings above stand without it
+            out["profile"] = {"error": f"{type(exc).__name__}: {exc}"[-1000:]}
     worker.shutdown()
     del worker
     gc.collect()

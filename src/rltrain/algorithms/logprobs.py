@@ -50,38 +50,86 @@ def token_logprobs(
     return logprobs_BT, entropy_BT
 
 
-class _ChunkLogprobs(torch.autograd.Function):
-    """logprob (and entropy) of one chunk of positions; saves no logits for backward.
+def _chunk_forward(logits_NV, targets_N, temperature, blocked_V, with_entropy: bool):
+    """(logprob of each target, entropy or zeros, logsumexp) of one chunk of logits.
 
-    Forward: logits = hidden @ W^T (compute dtype) -> fp32, / temperature,
-    blocked ids -inf, log-softmax, gather the targets. Backward recomputes the
-    chunk's softmax: d lp / d scaled logits = onehot(target) - p, so only the
-    hidden slice and the weight are kept between forward and backward.
+    Written as one expression over the chunk so that, compiled, it is one or two
+    reduction kernels reading the logits in their own dtype (no fp32 copies).
+    Entropy = -sum_v p_v log p_v (blocked tokens have p = 0 and are left out).
+    """
+    x = logits_NV.float() / temperature
+    if blocked_V is not None:
+        x = x.masked_fill(blocked_V, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    lp = x.gather(-1, targets_N[:, None]).squeeze(-1) - lse
+    if with_entropy:
+        logp = x - lse[:, None]
+        p = torch.exp(logp)
+        if blocked_V is not None:  # p = 0 there; 0 * -inf would be nan
+            logp = logp.masked_fill(blocked_V, 0.0)
+        ent = -(p * logp).sum(-1)
+    else:
+        ent = torch.zeros_like(lp)
+    return lp, ent, lse
+
+
+def _chunk_grad_logits(logits_NV, targets_N, grad_lp_N, lse_N, temperature, blocked_V):
+    """d(sum_n g_n lp_n) / d logits = g_n (onehot(target_n) - p_n) / temperature, in the logits' dtype."""
+    x = logits_NV.float() / temperature
+    if blocked_V is not None:
+        x = x.masked_fill(blocked_V, float("-inf"))
+    p = torch.exp(x - lse_N[:, None])
+    vocab = torch.arange(logits_NV.shape[-1], device=logits_NV.device)
+    onehot = (vocab[None, :] == targets_N[:, None]).float()
+    return ((onehot - p) * (grad_lp_N[:, None] / temperature)).to(logits_NV.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _head_fns(compiled: bool):
+    """(forward, grad) chunk functions: plain, or each ``torch.compile``d once per process."""
+    if not compiled:
+        return _chunk_forward, _chunk_grad_logits
+    if not _COMPILED:
+        _COMPILED["fwd"] = torch.compile(_chunk_forward, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_logits, dynamic=True)
+    return _COMPILED["fwd"], _COMPILED["grad"]
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """logprob (and entropy) of one chunk of positions, without fp32 logits kept for backward.
+
+    Forward: logits = hidden @ W^T (compute dtype), then the chunk's fp32
+    log-softmax at the target and its entropy (see :func:`_chunk_forward`).
+    Backward: d lp / d scaled logits = onehot(target) - p. It needs the chunk's
+    logits again: kept from forward in their compute dtype (``keep_logits``: no
+    second matmul; chunk x vocab x 2 bytes per chunk in bf16) or recomputed from
+    the saved hidden slice and the weight.
     """
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, blocked_ids, with_entropy):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, blocked_V, opts):
+        with_entropy, keep_logits, compiled = opts
+        fwd, _ = _head_fns(compiled)
         logits = torch.nn.functional.linear(hidden_NH, weight_VH)
-        logp_all = torch.log_softmax(scale_logits(logits, temperature, blocked_ids), dim=-1)
-        lp = logp_all.gather(-1, targets_N[:, None]).squeeze(-1)
-        if with_entropy:
-            p = logp_all.exp()
-            ent = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
-        else:
-            ent = torch.zeros_like(lp)
-        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, blocked_ids)
+        lp, ent, lse = fwd(logits, targets_N, temperature, blocked_V, with_entropy)
+        ctx.save_for_backward(
+            hidden_NH, weight_VH, targets_N, lse, logits if keep_logits else None, blocked_V
+        )
         ctx.temperature = temperature
+        ctx.compiled = compiled
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp_N, _grad_ent):
-        hidden, weight, targets, blocked = ctx.saved_tensors
-        logits = torch.nn.functional.linear(hidden, weight)
-        p = torch.softmax(scale_logits(logits, ctx.temperature, blocked), dim=-1)
-        grad_scaled = p.mul_(-grad_lp_N[:, None])
-        grad_scaled.scatter_add_(-1, targets[:, None], grad_lp_N[:, None])
-        grad_logits = (grad_scaled / ctx.temperature).to(logits.dtype)
+        hidden, weight, targets, lse, logits, blocked = ctx.saved_tensors
+        if logits is None:
+            logits = torch.nn.functional.linear(hidden, weight)
+        _, grad_fn = _head_fns(ctx.compiled)
+        grad_logits = grad_fn(logits, targets, grad_lp_N, lse, ctx.temperature, blocked)
+        del logits
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None, None
@@ -96,32 +144,33 @@ def chunked_token_logprobs(
     mask_BT: torch.Tensor | None = None,
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
+    keep_logits: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`token_logprobs` from final hidden states, never holding full-vocab logits.
+    """:func:`token_logprobs` from final hidden states, never holding full-vocab fp32 logits.
 
     ``hidden_BTH`` are the final-norm hidden states and ``weight_VH`` the
     output embedding; the logits are formed ``chunk_tokens`` positions at a
-    time (fp32 log-softmax per chunk). Under autograd only each chunk's
-    hidden-state slice is kept; its logits are recomputed in backward. Same
-    alignment, masking and values as
-    :func:`token_logprobs` on ``lm_head(hidden)``.
+    time (fp32 log-softmax per chunk). Under autograd each chunk keeps its
+    hidden-state slice and, with ``keep_logits``, its logits in the compute
+    dtype (otherwise they are recomputed in backward). ``compiled`` runs the
+    per-chunk softmax math through ``torch.compile`` (fused kernels). Same
+    alignment, masking and values as :func:`token_logprobs` on ``lm_head(hidden)``.
     """
     B, T, H = hidden_BTH.shape
     hidden = hidden_BTH[:, :-1].reshape(-1, H)
     targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device)
+    blocked = None
+    if blocked_ids is not None and blocked_ids.numel():
+        blocked = torch.zeros(weight_VH.shape[0], dtype=torch.bool, device=hidden.device)
+        blocked[blocked_ids.to(hidden.device)] = True
+    opts = (with_entropy, keep_logits, compiled)
     lps, ents = [], []
-    empty = torch.zeros(0, dtype=torch.long, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, hidden.shape[0])
-        args = (
-            hidden[start:end],
-            weight_VH,
-            targets[start:end],
-            temperature,
-            blocked_ids if blocked_ids is not None else empty,
-            with_entropy,
+        lp, ent = _ChunkLogprobs.apply(
+            hidden[start:end], weight_VH, targets[start:end], temperature, blocked, opts
         )
-        lp, ent = _ChunkLogprobs.apply(*args)
         lps.append(lp)
         ents.append(ent)
     lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)

@@ -61,12 +61,17 @@ class TrainConfig:
     # Positions per chunk when logprobs/entropy are formed from hidden states
     # (bounds the fp32 logits held at once to chunk x vocab).
     logprob_chunk_tokens: int = 1024
+    # Keep each chunk's logits (compute dtype) from forward for backward instead of
+    # recomputing them (one vocab matmul less per token; tokens x vocab x 2 bytes
+    # per micro batch in bf16). null = keep with 16-bit params, recompute in fp32.
+    logprob_keep_logits: bool | None = None
     # Rows that hold a single sequence (full rows, padded rows, a long sequence
     # alone) run plain causal sdpa (flash / cuDNN kernels) instead of a block mask.
     # Exact; false only to measure the block-mask path.
     causal_rows: bool = True
-    # torch.compile the forward of each decoder block (before fully_shard).
-    compile: bool = False
+    # torch.compile the forward of each decoder block (before fully_shard) and the
+    # logprob head's softmax math. null = on with CUDA, off on CPU.
+    compile: bool | None = None
     # liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA; liger-kernel installed).
     liger: bool = False
 

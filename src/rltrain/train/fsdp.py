@@ -40,7 +40,12 @@ from rltrain.train.kernels import (
 from rltrain.train.metrics import MetricKind, StepMetrics
 from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths, unpack
-from rltrain.train.parallel import apply_tensor_parallel, decoder_layers, total_grad_norm
+from rltrain.train.parallel import (
+    apply_tensor_parallel,
+    decoder_layers,
+    scale_grads_,
+    total_grad_norm,
+)
 
 
 class OverflowStormError(RuntimeError):
@@ -62,6 +67,14 @@ class FSDPTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.dp, d.tp), mesh_dim_names=("dp", "tp"))
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
+        t = cfg.train
+        # train.compile null: compiled blocks and logprob head on CUDA, eager on CPU
+        self.compiled = t.compile if t.compile is not None else self.device.type == "cuda"
+        self.keep_logits = (
+            t.logprob_keep_logits
+            if t.logprob_keep_logits is not None
+            else cfg.precision.param_dtype in ("bfloat16", "float16")
+        )
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
@@ -153,7 +166,7 @@ class FSDPTrainer:
             layers = decoder_layers(model)
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
-        if t.compile:
+        if self.compiled:
             compile_blocks(decoder_layers(model))  # after TP and AC, before fully_shard
         mp = MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
@@ -436,10 +449,7 @@ class FSDPTrainer:
         if math.isfinite(norm):
             coef = grad_factor * min(1.0, max_norm / (norm + 1e-6))
             if coef != 1.0:
-                with torch.no_grad():
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
+                scale_grads_(params, coef)
         if self.scaler is not None:
             # unscale_ above recorded (and synced over ranks) whether any grad is inf/nan,
             # which is exactly a non-finite global norm: step only then, as scaler.step

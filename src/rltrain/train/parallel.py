@@ -105,11 +105,11 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bo
         )
 
 
-def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients across every mesh they are sharded on.
+def grad_groups(params: list[torch.nn.Parameter]) -> list[list[torch.Tensor]]:
+    """The gradients of ``params`` grouped by (mesh, placements), the unit of one foreach op.
 
-    Grouped by (mesh, placements): a 2-D dp x tp run mixes TP DTensors and
-    FSDP-only DTensors, which cannot be stacked into one norm.
+    A 2-D dp x tp run mixes TP DTensors and FSDP-only DTensors, which cannot
+    be stacked into one norm or one foreach call.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
@@ -118,10 +118,22 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
         g = p.grad
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups[key].append(g)
+    return list(groups.values())
+
+
+def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients across every mesh they are sharded on."""
     total_sq = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
+    for grads in grad_groups(params):
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq = total_sq + norm.float().cpu() ** 2
     return total_sq.sqrt()
+
+
+@torch.no_grad()
+def scale_grads_(params: list[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every gradient by ``factor``: one foreach kernel per group, not one per tensor."""
+    for grads in grad_groups(params):
+        torch._foreach_mul_(grads, factor)
