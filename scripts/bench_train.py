@@ -6,16 +6,16 @@ reduce. Each phase runs in its own processes (torch.multiprocessing, NCCL;
 single-GPU phases run two at a time, one per GPU):
 
 * ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch):
-  ``bf16`` is the shipped default (on CUDA: compiled decoder blocks and logprob head, chunk
-  logits kept for backward, causal sdpa for one-sequence rows, fused AdamW); ``eager`` /
-  ``recompute`` / ``eager_recompute`` switch off compile, the kept logits, or both. One
-  profiled step of the default follows (``profile``: time per kernel class, top kernels)
+  ``bf16`` is the shipped default (on CUDA: compiled decoder blocks and logprob head,
+  causal sdpa for one-sequence rows, fused AdamW); ``eager`` without compile;
+  ``no_reshard`` keeps gathered blocks from forward to backward. One profiled step
+  of the default follows (``profile``: time per kernel class, top kernels)
 * ``policy_liger`` - liger-kernel's RMSNorm/SwiGLU/RoPE, eager or compiled
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
   (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
-* ``policy_fp16``  - fp16 (sharded grad scaler; fused AdamW, and foreach) beside bf16 in the same process
-* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows
+* ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
+* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows (dp2: default, profiled; eager; no_reshard)
 
 FLOPs per token = 6 N + 6 L H S (N parameters, tied embedding counted once;
 S the sequence length); MFU is over the bf16 matmul peak measured in the same
@@ -69,10 +69,9 @@ QWEN_1_5B = {
 }
 # Full-row variants: label -> knobs over the default RunConfig (``default`` = shipped default).
 FULL_VARIANTS: dict[str, dict[str, object]] = {
-    "default": {},  # on CUDA: compiled blocks + compiled logprob head, logits kept, fused AdamW
+    "default": {},  # on CUDA: compiled blocks + compiled logprob head, fused AdamW
     "eager": {"train.compile": False},
-    "recompute": {"train.logprob_keep_logits": False},
-    "eager_recompute": {"train.compile": False, "train.logprob_keep_logits": False},
+    "no_reshard": {"dtensor.reshard_after_forward": False},
     "liger": {"train.liger": True, "train.compile": False},
     "compile_liger": {"train.liger": True},
 }
@@ -296,7 +295,7 @@ def main() -> None:
                 "world": 1,
                 "gpu0": 0,
                 "rows": full_rows,
-                "variants": full("default", "eager", "recompute", "eager_recompute"),
+                "variants": full("default", "eager", "no_reshard"),
                 "profile": "bf16" if "default" in variants else None,
                 "on": "full",
                 "timeout": args.compile_timeout,
@@ -333,7 +332,6 @@ def main() -> None:
                 "variants": [
                     policy("bf16"),
                     policy("fp16", precision="fp16"),
-                    policy("fp16_foreach", precision="fp16", knobs={"optim.fused": False}),
                 ],
                 "on": "fp16",
                 "timeout": args.compile_timeout,
@@ -364,7 +362,13 @@ def main() -> None:
                 "gpu0": 0,
                 "dp": 2,
                 "rows": full_rows * 2,
-                "variants": [policy("bf16")],
+                "variants": [
+                    policy("bf16"),
+                    policy("eager", knobs=FULL_VARIANTS["eager"]),
+                    policy("no_reshard", knobs=FULL_VARIANTS["no_reshard"]),
+                ],
+                "profile": "bf16",
+                "timeout": args.compile_timeout,
                 "on": "dp2",
             }
         ],

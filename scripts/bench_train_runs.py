@@ -163,11 +163,10 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
         "first_grad_norm": first["grad_norm"],
         "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
         "compiled": worker.compiled,
-        "keep_logits": worker.keep_logits,
         "knobs": {
             "train.causal_rows": cfg.train.causal_rows,
             "train.compile": cfg.train.compile,
-            "train.logprob_keep_logits": cfg.train.logprob_keep_logits,
+            "dtensor.reshard_after_forward": cfg.dtensor.reshard_after_forward,
             "train.liger": cfg.train.liger,
             "optim.fused": cfg.optim.fused,
         },

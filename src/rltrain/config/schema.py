@@ -61,10 +61,6 @@ class TrainConfig:
     # Positions per chunk when logprobs/entropy are formed from hidden states
     # (bounds the fp32 logits held at once to chunk x vocab).
     logprob_chunk_tokens: int = 1024
-    # Keep each chunk's logits (compute dtype) from forward for backward instead of
-    # recomputing them (one vocab matmul less per token; tokens x vocab x 2 bytes
-    # per micro batch in bf16). null = keep with 16-bit params, recompute in fp32.
-    logprob_keep_logits: bool | None = None
     # Rows that hold a single sequence (full rows, padded rows, a long sequence
     # alone) run plain causal sdpa (flash / cuDNN kernels) instead of a block mask.
     # Exact; false only to measure the block-mask path.
@@ -133,6 +129,10 @@ class DTensorConfig:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    # Free each decoder block's gathered parameters after its forward (re-gathered in
+    # backward). false keeps them until backward: one all-gather less per micro batch
+    # and block, at the memory of the unsharded compute-dtype weights.
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -142,8 +142,8 @@ class RefitConfig:
     transport: str = (
         "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
     )
-    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 512 MiB x 2 with
-    # the pack on 48 SMs reached 0.91 of the raw broadcast (256 MiB x 2: 0.90; all SMs: 0.85).
+    # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 512 MiB x 2 was the
+    # best of the num_buffers x bucket grid (see scripts/results/bench_refit-*.json).
     bucket_bytes: int = 512 * 2**20
     num_buffers: int = 2
     timeout_s: float = 120.0

@@ -70,11 +70,6 @@ class FSDPTrainer:
         t = cfg.train
         # train.compile null: compiled blocks and logprob head on CUDA, eager on CPU
         self.compiled = t.compile if t.compile is not None else self.device.type == "cuda"
-        self.keep_logits = (
-            t.logprob_keep_logits
-            if t.logprob_keep_logits is not None
-            else cfg.precision.param_dtype in ("bfloat16", "float16")
-        )
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
@@ -175,7 +170,7 @@ class FSDPTrainer:
         if d.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for layer in decoder_layers(model):
-            fully_shard(layer, **kwargs)
+            fully_shard(layer, reshard_after_forward=d.reshard_after_forward, **kwargs)
         # The root unit (embeddings, final norm, lm_head) stays unsharded from
         # forward to backward: the chunked logprob head uses lm_head's weight
         # right after the forward (see forward_hidden).

@@ -58,7 +58,6 @@ class PolicyWorker(FSDPTrainer):
             micro.response_mask_RS,
             with_entropy=with_entropy,
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,
-            keep_logits=self.keep_logits and torch.is_grad_enabled(),
             compiled=self.compiled,
         )
 
