@@ -88,23 +88,29 @@ SMOKE = {
 
 
 # -- set-up ----------------------------------------------------------------------------
-def _phase(rank: int, world: int, gpu0: int, port: int, job: dict, out_dir: str) -> None:
-    """Entry of one rank of one phase: writes <name>.json (rank 0) or <name>.error."""
+def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_dir: str) -> None:
+    """Entry of one rank of one phase: writes <name>.json (rank 0) or <name>.error.
+
+    Each variant builds its process group afresh on a port of its own (``ports``):
+    re-initialising a multi-rank group on the port of the one just destroyed hangs.
+    """
     from rltrain.train.distributed import DistEnv
 
     name = job["name"]
     try:
         smoke = job["smoke"]
         torch.set_num_threads(1 if smoke else 8)
-        env = DistEnv(
-            rank,
-            world,
-            "127.0.0.1",
-            port,
-            "gloo" if smoke else "nccl",
-            600.0,
-            local_rank=gpu0 + rank,
-        )
+
+        def env_for(i: int) -> DistEnv:
+            return DistEnv(
+                rank,
+                world,
+                "127.0.0.1",
+                ports[i],
+                "gloo" if smoke else "nccl",
+                600.0,
+                local_rank=gpu0 + rank,
+            )
         rows = job["rows"]
         # dp ranks take equal shares of the rows; tp ranks share all of them
         if job.get("dp", 1) > 1:
@@ -112,7 +118,8 @@ def _phase(rank: int, world: int, gpu0: int, port: int, job: dict, out_dir: str)
             rows = rows[rank * per : (rank + 1) * per]
         batch = make_batch(rows, job["vocab"], seed=1 + rank * (job.get("dp", 1) > 1))
         results = {}
-        for variant in job["variants"]:
+        for i, variant in enumerate(job["variants"]):
+            env = env_for(i)
             try:
                 if variant["kind"] == "baseline":
                     results[variant["label"]] = run_baseline(
@@ -168,10 +175,10 @@ def launch(jobs: list[dict], out_dir: str, timeout_s: float) -> None:
     ctx = mp.get_context("spawn")
     procs = []
     for job in jobs:
-        port = free_port()
+        ports = [free_port() for _ in job["variants"]]
         for rank in range(job["world"]):
             p = ctx.Process(
-                target=_phase, args=(rank, job["world"], job["gpu0"], port, job, out_dir)
+                target=_phase, args=(rank, job["world"], job["gpu0"], ports, job, out_dir)
             )
             p.start()
             procs.append((job["name"], p))
