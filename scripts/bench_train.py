@@ -2,20 +2,22 @@
 
 Qwen2.5-1.5B shapes (random init; hidden 1536, 28 layers, 12 heads, 2 kv
 heads, intermediate 8960, vocab 151936, tied embeddings), bf16 params / fp32
-reduce. Each phase runs in its own processes (torch.multiprocessing, NCCL;
-single-GPU phases run two at a time, one per GPU):
+reduce. Each phase runs in its own processes (torch.multiprocessing, NCCL), one
+phase at a time (single-GPU phases on GPU 0):
 
 * ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch):
   ``bf16`` is the shipped default (on CUDA: compiled decoder blocks and logprob head,
-  causal sdpa for one-sequence rows, fused AdamW); ``eager`` without compile;
-  ``no_reshard`` keeps gathered blocks from forward to backward. One profiled step
-  of the default follows (``profile``: time per kernel class, top kernels)
-* ``policy_liger`` - liger-kernel's RMSNorm/SwiGLU/RoPE, eager or compiled
+  causal sdpa for one-sequence rows, fused AdamW, blocks kept gathered from forward to
+  backward at dp=1); ``eager`` without compile; ``reshard`` re-gathers blocks in
+  backward; ``sync_step`` reduces gradients once per step. One profiled step of the
+  default follows (``profile``: time per kernel class, top kernels)
+* ``policy_liger`` (phase ``liger``, not run by default) - liger-kernel's RMSNorm/SwiGLU/RoPE
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
   (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
-* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows (dp2: default, profiled; eager; no_reshard)
+* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows (dp2: the default, profiled, and
+  with blocks kept gathered and/or gradients reduced once per step: ``--dp2-variants``)
 
 FLOPs per token = 6 N + 6 L H S (N parameters, tied embedding counted once;
 S the sequence length); MFU is over the bf16 matmul peak measured in the same
@@ -69,11 +71,21 @@ QWEN_1_5B = {
 }
 # Full-row variants: label -> knobs over the default RunConfig (``default`` = shipped default).
 FULL_VARIANTS: dict[str, dict[str, object]] = {
-    "default": {},  # on CUDA: compiled blocks + compiled logprob head, fused AdamW
+    # on CUDA: compiled blocks + compiled logprob head, fused AdamW, blocks kept
+    # gathered from forward to backward at dp=1, gradients reduced per micro batch
+    "default": {},
     "eager": {"train.compile": False},
-    "no_reshard": {"dtensor.reshard_after_forward": False},
+    "reshard": {"dtensor.reshard_after_forward": True},
+    "sync_step": {"dtensor.grad_sync": "step"},
     "liger": {"train.liger": True, "train.compile": False},
     "compile_liger": {"train.liger": True},
+}
+# dp=2 variants (same rows per rank as the single-GPU runs)
+DP2_VARIANTS: dict[str, dict[str, object]] = {
+    "default": {},
+    "no_reshard": {"dtensor.reshard_after_forward": False},
+    "sync_step": {"dtensor.grad_sync": "step"},
+    "no_reshard_sync_step": {"dtensor.reshard_after_forward": False, "dtensor.grad_sync": "step"},
 }
 SMOKE = {
     "hidden_size": 64,
@@ -216,7 +228,9 @@ def main() -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=8192, help="packed tokens per micro batch"
     )
-    parser.add_argument("--phases", default="full,rl_mix,fp16,dp2,tp2")
+    parser.add_argument(
+        "--phases", default="full,rl_mix,fp16,dp2,tp2", help="also: liger (liger-kernel variants)"
+    )
     parser.add_argument("--round-timeout", type=float, default=240.0, help="seconds per round")
     parser.add_argument(
         "--compile-timeout",
@@ -235,9 +249,15 @@ def main() -> None:
         default=",".join(FULL_VARIANTS),
         help=f"full-row variants to run (phase full): {','.join(FULL_VARIANTS)}",
     )
+    parser.add_argument(
+        "--dp2-variants",
+        default=",".join(DP2_VARIANTS),
+        help=f"dp=2 variants (phase dp2): {','.join(DP2_VARIANTS)}",
+    )
     args = parser.parse_args()
     smoke = args.smoke
     variants = [v for v in args.variants.split(",") if v]
+    dp2_variants = [v for v in args.dp2_variants.split(",") if v]
     unknown = sorted(set(variants) - set(FULL_VARIANTS))
     if unknown:
         sys.exit(f"error: --variants {','.join(unknown)} unknown; use: {','.join(FULL_VARIANTS)}")
@@ -293,104 +313,68 @@ def main() -> None:
         ]
 
     phases = set(args.phases.split(","))
-    # two single-GPU jobs at a time (GPU 0 and GPU 1), then the two-GPU jobs
+
+    def job(name, on, rows, variants, world=1, **extra):
+        return {**base, "name": name, "on": on, "rows": rows, "variants": variants,
+                "world": world, "gpu0": 0, **extra}
+
+    # One job at a time: two single-GPU jobs side by side slowed each other by up
+    # to 10 % (the first variant of a process ran beside the other GPU's job).
     rounds = [
         [
-            {
-                **base,
-                "name": "policy_full",
-                "world": 1,
-                "gpu0": 0,
-                "rows": full_rows,
-                "variants": full("default", "eager", "no_reshard"),
-                "profile": "bf16" if "default" in variants else None,
-                "on": "full",
-                "timeout": args.compile_timeout,
-            },
-            {
-                **base,
-                "name": "baseline_full",
-                "world": 1,
-                "gpu0": min(1, ngpu - 1),
-                "rows": full_rows,
-                "variants": [{"kind": "baseline", "label": "bf16", "micro": 2}],
-                "on": "full",
-            },
+            job(
+                "policy_full",
+                "full",
+                full_rows,
+                full("default", "eager", "reshard", "sync_step"),
+                profile="bf16" if "default" in variants else None,
+                timeout=args.compile_timeout,
+            )
         ],
-        # liger patches transformers' Qwen2 classes for the whole process: its
-        # variants run in a process of their own.
+        [job("baseline_full", "full", full_rows, [{"kind": "baseline", "label": "bf16", "micro": 2}])],
+        # liger patches transformers' Qwen2 classes for the whole process: its own process
+        [job("policy_liger", "liger", full_rows, full("liger", "compile_liger"), timeout=args.compile_timeout)],
         [
-            {
-                **base,
-                "name": "policy_liger",
-                "world": 1,
-                "gpu0": 0,
-                "rows": full_rows,
-                "variants": full("liger", "compile_liger"),
-                "on": "full",
-                "timeout": args.compile_timeout,
-            },
-            {
-                **base,
-                "name": "policy_fp16",
-                "world": 1,
-                "gpu0": min(1, ngpu - 1),
-                "rows": full_rows,
-                "variants": [
-                    policy("bf16"),
-                    policy("fp16", precision="fp16"),
-                ],
-                "on": "fp16",
-                "timeout": args.compile_timeout,
-            },
+            job(
+                "policy_fp16",
+                "fp16",
+                full_rows,
+                [policy("bf16"), policy("fp16", precision="fp16")],
+                timeout=args.compile_timeout,
+            )
         ],
         [
-            {
-                **base,
-                "name": "policy_rl_mix",
-                "world": 1,
-                "gpu0": 0,
-                "rows": mix,
-                "on": "rl_mix",
-                "warmup": 1,
-                "steps": 2,
-                "variants": [
+            job(
+                "policy_rl_mix",
+                "rl_mix",
+                mix,
+                [
                     policy("packed", tokens=2 * max_tokens),
                     policy("padded", packing=False, micro=2, attention="sdpa"),
                     policy("packed_1x"),
                 ],
-            },
+                warmup=1,
+                steps=2,
+                timeout=args.compile_timeout,
+            )
         ],
         [
-            {
-                **base,
-                "name": "policy_dp2",
-                "world": 2,
-                "gpu0": 0,
-                "dp": 2,
-                "rows": full_rows * 2,
-                "variants": [
-                    policy("bf16"),
-                    policy("eager", knobs=FULL_VARIANTS["eager"]),
-                    policy("no_reshard", knobs=FULL_VARIANTS["no_reshard"]),
+            job(
+                "policy_dp2",
+                "dp2",
+                full_rows * 2,
+                [
+                    policy("bf16" if v == "default" else v, knobs=k)
+                    for v, k in DP2_VARIANTS.items()
+                    if v in dp2_variants
                 ],
-                "profile": "bf16",
-                "timeout": args.compile_timeout,
-                "on": "dp2",
-            }
+                world=2,
+                dp=2,
+                profile="bf16",
+                timeout=args.compile_timeout,
+            )
         ],
-        [
-            {
-                **base,
-                "name": "policy_tp2",
-                "world": 2,
-                "gpu0": 0,
-                "tp": 2,
-                "rows": full_rows,
-                "variants": [policy("bf16")],
-                "on": "tp2",
-            }
-        ],
+        [job("policy_tp2", "tp2", full_rows, [policy("bf16")], world=2, tp=2)],
     ]
     out_dir = str(work / "results")
     os.makedirs(out_dir)
@@ -459,6 +443,12 @@ def main() -> None:
                 if tps is not None:
                     by_variant[v] = mfu(tps)
         summary["mfu_full_rows_by_variant"] = by_variant
+        # dp=2 variants over twice the single-GPU default (same rows per rank)
+        summary["dp2_scaling_by_variant"] = {
+            v: ratio(2 * tps, 2 * pol_tps if pol_tps else None)
+            for v in DP2_VARIANTS
+            if (tps := get("policy_dp2", "bf16" if v == "default" else v, "tokens_per_s"))
+        }
         if by_variant:
             best = max(by_variant, key=lambda v: by_variant[v])
             summary["best_mfu_full_rows"] = by_variant[best]
@@ -500,11 +490,7 @@ def main() -> None:
             continue
         t1 = time.perf_counter()
         timeout = max(j.get("timeout", args.round_timeout) for j in jobs)
-        if ngpu < 2 and len(jobs) == 2:  # one GPU: one job at a time
-            for j in jobs:
-                launch([j], out_dir, timeout)
-        else:
-            launch(jobs, out_dir, timeout)
+        launch(jobs, out_dir, timeout)
         print(f"{[j['name'] for j in jobs]} done in {time.perf_counter() - t1:.1f}s", flush=True)
         write_result()  # partial results survive a later round that runs out of time
 

@@ -172,7 +172,7 @@ def _dp_batch() -> TrainBatch:
 DP_CFG = {"train.max_tokens_per_micro_batch": 16}
 
 
-def _dp_rank(rank: int, port_train: int, port_metrics: int, out_dir: str) -> None:
+def _dp_rank(rank: int, port_train: int, port_sync: int, out_dir: str) -> None:
     from rltrain.train.metrics import MetricKind, StepMetrics
 
     torch.set_num_threads(1)
@@ -192,9 +192,38 @@ def _dp_rank(rank: int, port_train: int, port_metrics: int, out_dir: str) -> Non
         m.add("hi", MetricKind.MAX, [5.0, 2.0][rank])
         reduced = m.reduce(w.dp_sum, w.dp_all_max)
         w.shutdown()
+        # Gradients reduced once per step, blocks kept gathered from forward to
+        # backward; first an aborted step whose one micro batch deferred its sync.
+        w = _worker(
+            _cfg(**DP_CFG, **{"dtensor.grad_sync": "step", "dtensor.reshard_after_forward": "false"}),
+            rank,
+            2,
+            port_sync,
+        )
+        w.begin_train_step()
+        w.train_microbatch(w.make_micro_batch(shard, w.plan_micro_batches(shard)[0]), last=False)
+        w.abort_train_step()
+        w.begin_train_step()  # finishing after a deferred micro batch is refused
+        w.train_microbatch(w.make_micro_batch(shard, w.plan_micro_batches(shard)[0]), last=False)
+        try:
+            w.finish_train_step()
+            refused = False
+        except RuntimeError as exc:
+            refused = "never reduced" in str(exc)
+        sync_metrics, _ = w.train(shard, [shard.size])
+        sync_weights = _weights(w)
+        w.shutdown()
         if rank == 0:
             torch.save(
-                {"weights": weights, "metrics": metrics, "reduced": reduced, "old": old},
+                {
+                    "weights": weights,
+                    "metrics": metrics,
+                    "reduced": reduced,
+                    "old": old,
+                    "sync_weights": sync_weights,
+                    "sync_metrics": sync_metrics,
+                    "refused": refused,
+                },
                 os.path.join(out_dir, "dp2.pt"),
             )
         torch.save(n_micro, os.path.join(out_dir, f"micro{rank}.pt"))
@@ -206,6 +235,8 @@ def _dp_rank(rank: int, port_train: int, port_metrics: int, out_dir: str) -> Non
 
 @pytest.mark.timeout(300)
 def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
+    """dp=2 with 3 vs 1 micro batches equals dp=1; so does dp.grad_sync=step with blocks
+    kept gathered, after an aborted step that deferred its gradient sync."""
     from rltrain.train.distributed import free_port
 
     try:
@@ -230,3 +261,8 @@ def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
     assert abs(got["metrics"]["loss"] - metrics["loss"]) < 1e-6
     assert got["metrics"]["num_tokens"] == metrics["num_tokens"]
     torch.testing.assert_close(got["old"], old[list(SHARDS[0])], atol=1e-6, rtol=0)
+    # dtensor.grad_sync=step + reshard_after_forward=false: the same step, after an
+    # aborted step that left unreduced gradients behind
+    assert got["refused"]
+    _close(got["sync_weights"], ref, "dp2 grad_sync=step vs dp1")
+    assert abs(got["sync_metrics"]["loss"] - metrics["loss"]) < 1e-6

@@ -132,7 +132,13 @@ class DTensorConfig:
     # Free each decoder block's gathered parameters after its forward (re-gathered in
     # backward). false keeps them until backward: one all-gather less per micro batch
     # and block, at the memory of the unsharded compute-dtype weights.
-    reshard_after_forward: bool = True
+    # null = false with one dp rank (nothing is sharded), true with several.
+    reshard_after_forward: bool | None = None
+    # When gradients are reduce-scattered over dp ranks: "micro_batch" (after every
+    # backward; only sharded gradients are ever held) or "step" (accumulated
+    # unsharded in the reduce dtype, reduced once after the step's last micro batch:
+    # one reduce-scatter per step, at the memory of full fp32 gradients).
+    grad_sync: str = "micro_batch"
 
 
 @dataclass

@@ -43,6 +43,7 @@ from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_leng
 from rltrain.train.parallel import (
     apply_tensor_parallel,
     decoder_layers,
+    drop_unreduced_grads,
     scale_grads_,
     total_grad_norm,
 )
@@ -70,6 +71,13 @@ class FSDPTrainer:
         t = cfg.train
         # train.compile null: compiled blocks and logprob head on CUDA, eager on CPU
         self.compiled = t.compile if t.compile is not None else self.device.type == "cuda"
+        # dtensor.reshard_after_forward null: resharding saves nothing but the gathered
+        # compute-dtype copy when there is one dp rank (and CPU offload wants it freed)
+        self.reshard_after_forward = (
+            d.reshard_after_forward
+            if d.reshard_after_forward is not None
+            else self.dp > 1 or d.cpu_offload
+        )
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
@@ -81,6 +89,7 @@ class FSDPTrainer:
         self.optimizer = make_adamw(list(self.model.parameters()), o)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, o, total_optimizer_steps(cfg))
         self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
+        self._deferred = False  # gradients accumulated unsharded, not yet reduced
         gs = cfg.precision.grad_scaler
         self.scaler = None
         self.consecutive_skips = 0  # optimizer steps in a row the grad scaler skipped
@@ -170,7 +179,7 @@ class FSDPTrainer:
         if d.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=d.reshard_after_forward, **kwargs)
+            fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kwargs)
         # The root unit (embeddings, final norm, lm_head) stays unsharded from
         # forward to backward: the chunked logprob head uses lm_head's weight
         # right after the forward (see forward_hidden).
@@ -331,17 +340,24 @@ class FSDPTrainer:
         self._step = StepMetrics()
         self._step_kind: MetricKind | None = None
 
-    def train_microbatch(self, micro: MicroBatch | TrainBatch | None) -> torch.Tensor | None:
+    def train_microbatch(
+        self, micro: MicroBatch | TrainBatch | None, last: bool = True
+    ) -> torch.Tensor | None:
         """Forward/backward of one micro batch; only local sums are kept (all dp ranks, same count).
 
         Takes a laid-out :class:`MicroBatch`, a :class:`TrainBatch` (all its
         rows become one micro batch) or None (an empty micro batch, for ranks
-        with fewer). Gradients are reduce-scattered per micro batch, so an
-        abort never leaves unreduced gradients behind. Returns the detached
-        per-token output in micro layout (None for an empty micro batch).
+        with fewer). Gradients are reduce-scattered after this backward unless
+        ``dtensor.grad_sync=step`` and the caller says more micro batches of
+        the step follow (``last=False``); then they accumulate unsharded until
+        the step's last one. Returns the detached per-token output in micro
+        layout (None for an empty micro batch).
         """
         if getattr(self, "_step", None) is None:
             raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
+        defer = not last and self.cfg.dtensor.grad_sync == "step"
+        if defer != self._deferred:
+            self.model.set_requires_gradient_sync(not defer)
         if micro is None:
             micro = self.make_micro_batch(_empty_batch(), [])
         elif isinstance(micro, TrainBatch):
@@ -354,6 +370,7 @@ class FSDPTrainer:
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self._deferred = defer
         self._step.add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
         for name, (metric_kind, value) in metrics.items():
             self._step.add(name, metric_kind, value)
@@ -371,6 +388,12 @@ class FSDPTrainer:
         step, kind = self._step, self._step_kind
         if step is None:
             raise RuntimeError("finish_train_step without begin_train_step")
+        if self._deferred:
+            self.abort_train_step()
+            raise RuntimeError(
+                "finish_train_step after train_microbatch(last=False): that micro batch's "
+                "gradients were never reduced; pass last=True to the step's last micro batch"
+            )
         metrics, tokens, sequences = step.reduce(self.dp_sum, self.dp_all_max)
         count = sequences if kind is MetricKind.SEQUENCE_MEAN else tokens
         grad_factor = self.loss_prescale * self.dp / max(count, 1.0)
@@ -384,8 +407,13 @@ class FSDPTrainer:
         """Drop the open step's gradients and sums; weights, optimizer and scaler untouched.
 
         Idempotent; the worker is usable afterwards (a new begin_train_step).
+        Gradients accumulated unsharded (``dtensor.grad_sync=step``) are dropped too.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        if self._deferred:
+            drop_unreduced_grads(self.model)
+            self.model.set_requires_gradient_sync(True)
+            self._deferred = False
         self._step = None
 
     def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:
@@ -413,9 +441,10 @@ class FSDPTrainer:
                 self.begin_train_step()
                 try:
                     outs = []
-                    for rows in self.plan_micro_batches(mini):
+                    plan = self.plan_micro_batches(mini)
+                    for i, rows in enumerate(plan):
                         micro = self.make_micro_batch(mini, rows)
-                        out = self.train_microbatch(micro)
+                        out = self.train_microbatch(micro, last=i == len(plan) - 1)
                         if token_out_BT is not None and epoch == 0 and out is not None:
                             outs.append((out, micro))
                     steps.append(self.finish_train_step())

@@ -137,3 +137,28 @@ def scale_grads_(params: list[torch.nn.Parameter], factor: float) -> None:
     """Multiply every gradient by ``factor``: one foreach kernel per group, not one per tensor."""
     for grads in grad_groups(params):
         torch._foreach_mul_(grads, factor)
+
+
+def drop_unreduced_grads(model: torch.nn.Module) -> None:
+    """Discard the unsharded gradients FSDP2 accumulates while gradient sync is off.
+
+    FSDP2 has no public call for this: they live on each FSDP parameter
+    (``unsharded_accumulated_grad`` in the reduce dtype, or the unsharded
+    parameter's ``.grad``) until a backward with sync reduces them.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.12: one group per module
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
