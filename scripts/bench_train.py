@@ -8,16 +8,20 @@ phase at a time (single-GPU phases on GPU 0):
 * ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch):
   ``bf16`` is the shipped default (on CUDA: compiled decoder blocks and logprob head,
   causal sdpa for one-sequence rows, fused AdamW, blocks kept gathered from forward to
-  backward at dp=1); ``eager`` without compile; ``reshard`` re-gathers blocks in
-  backward; ``sync_step`` reduces gradients once per step. One profiled step of the
-  default follows (``profile``: time per kernel class, top kernels)
+  backward and gradients reduced once per step at dp=1); ``eager`` without compile;
+  ``reshard`` re-gathers blocks in backward; ``sync_micro_batch`` reduces gradients
+  after every micro batch. One profiled step of the default follows (``profile``:
+  time per kernel class, top kernels). ``policy_full_expandable``: the default with
+  the CUDA caching allocator's expandable segments
 * ``policy_liger`` (phase ``liger``, not run by default) - liger-kernel's RMSNorm/SwiGLU/RoPE
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
-  (2 x --max-tokens per micro batch; ``packed_1x``: --max-tokens) vs padded (micro batch 2, sdpa)
+  (2 x --max-tokens per micro batch) vs padded (micro batch 2, sdpa)
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
-* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows (dp2: the default, profiled, and
-  with blocks kept gathered and/or gradients reduced once per step: ``--dp2-variants``)
+* ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
+  re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
+  profiled, and ``same_knobs`` (the knobs the single-GPU default resolves to);
+  ``dp2_scaling`` is same_knobs over twice the single-GPU default
 
 FLOPs per token = 6 N + 6 L H S (N parameters, tied embedding counted once;
 S the sequence length); MFU is over the bf16 matmul peak measured in the same
@@ -71,21 +75,20 @@ QWEN_1_5B = {
 }
 # Full-row variants: label -> knobs over the default RunConfig (``default`` = shipped default).
 FULL_VARIANTS: dict[str, dict[str, object]] = {
-    # on CUDA: compiled blocks + compiled logprob head, fused AdamW, blocks kept
-    # gathered from forward to backward at dp=1, gradients reduced per micro batch
+    # on CUDA: compiled blocks + compiled logprob head, fused AdamW; at dp=1 blocks
+    # stay gathered from forward to backward and gradients are reduced once per step
     "default": {},
     "eager": {"train.compile": False},
     "reshard": {"dtensor.reshard_after_forward": True},
-    "sync_step": {"dtensor.grad_sync": "step"},
+    "sync_micro_batch": {"dtensor.grad_sync": "micro_batch"},
     "liger": {"train.liger": True, "train.compile": False},
     "compile_liger": {"train.liger": True},
 }
-# dp=2 variants (same rows per rank as the single-GPU runs)
+# dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
+# the single-GPU default resolves to, so dp2_scaling compares like with like.
 DP2_VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
-    "no_reshard": {"dtensor.reshard_after_forward": False},
-    "sync_step": {"dtensor.grad_sync": "step"},
-    "no_reshard_sync_step": {"dtensor.reshard_after_forward": False, "dtensor.grad_sync": "step"},
+    "same_knobs": {"dtensor.reshard_after_forward": False, "dtensor.grad_sync": "step"},
 }
 SMOKE = {
     "hidden_size": 64,
@@ -109,6 +112,7 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
     from rltrain.train.distributed import DistEnv
 
     name = job["name"]
+    os.environ.update(job.get("env", {}))  # before this process's first CUDA allocation
     try:
         smoke = job["smoke"]
         torch.set_num_threads(1 if smoke else 8)
@@ -269,7 +273,7 @@ def main() -> None:
     shape = SMOKE if smoke else QWEN_1_5B
     seq = 128 if smoke else 4096
     max_tokens = 256 if smoke else args.max_tokens
-    warmup, steps = (1, 2) if smoke else (2, 3)
+    warmup, steps = (1, 2) if smoke else (3, 5)
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     model_dir = str(work / "model")
     t0 = time.perf_counter()
@@ -326,8 +330,18 @@ def main() -> None:
                 "policy_full",
                 "full",
                 full_rows,
-                full("default", "eager", "reshard", "sync_step"),
+                full("default", "eager", "reshard", "sync_micro_batch"),
                 profile="bf16" if "default" in variants else None,
+                timeout=args.compile_timeout,
+            )
+        ],
+        [
+            job(
+                "policy_full_expandable",
+                "full",
+                full_rows,
+                full("default"),
+                env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
                 timeout=args.compile_timeout,
             )
         ],
@@ -351,7 +365,6 @@ def main() -> None:
                 [
                     policy("packed", tokens=2 * max_tokens),
                     policy("padded", packing=False, micro=2, attention="sdpa"),
-                    policy("packed_1x"),
                 ],
                 warmup=1,
                 steps=2,
@@ -412,7 +425,7 @@ def main() -> None:
             return tps * flops_per_token / peak_flops if tps is not None else None
 
         pol_tps = get("policy_full", "bf16", "tokens_per_s")
-        dp2_rank_tps = get("policy_dp2", "bf16", "tokens_per_s")  # rank 0's tokens over the step
+        dp2_rank_tps = get("policy_dp2", "same_knobs", "tokens_per_s")  # rank 0's tokens / step
         summary = {
             "mfu_full_rows": mfu(pol_tps),
             "baseline_mfu_full_rows": mfu(get("baseline_full", "bf16", "tokens_per_s")),
@@ -428,7 +441,8 @@ def main() -> None:
             "fp16_over_bf16_step_time": ratio(
                 get("policy_fp16", "fp16", "step_s"), get("policy_fp16", "bf16", "step_s")
             ),
-            # both ranks hold equal shares: total = 2 x rank 0's tokens/s
+            # both ranks hold equal shares: total = 2 x rank 0's tokens/s; same knobs as
+            # the single-GPU default (its dp2 default re-gathers and reduces per micro batch)
             "dp2_scaling": ratio(
                 2 * dp2_rank_tps if dp2_rank_tps else None, 2 * pol_tps if pol_tps else None
             ),
@@ -442,6 +456,9 @@ def main() -> None:
                 tps = get(phase, label, "tokens_per_s")
                 if tps is not None:
                     by_variant[v] = mfu(tps)
+        exp_tps = get("policy_full_expandable", "bf16", "tokens_per_s")
+        if exp_tps:
+            by_variant["default_expandable_segments"] = mfu(exp_tps)
         summary["mfu_full_rows_by_variant"] = by_variant
         # dp=2 variants over twice the single-GPU default (same rows per rank)
         summary["dp2_scaling_by_variant"] = {
@@ -453,7 +470,9 @@ def main() -> None:
             best = max(by_variant, key=lambda v: by_variant[v])
             summary["best_mfu_full_rows"] = by_variant[best]
             summary["best_full_rows_variant"] = best
-            summary["best_full_rows_knobs"] = FULL_VARIANTS[best]
+            summary["best_full_rows_knobs"] = FULL_VARIANTS.get(
+                best, {"env": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"}
+            )
         result = {
             "device": device_name,
             "gpus": ngpu,

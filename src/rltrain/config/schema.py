@@ -138,7 +138,8 @@ class DTensorConfig:
     # backward; only sharded gradients are ever held) or "step" (accumulated
     # unsharded in the reduce dtype, reduced once after the step's last micro batch:
     # one reduce-scatter per step, at the memory of full fp32 gradients).
-    grad_sync: str = "micro_batch"
+    # null = step with one dp rank (the gradient is whole anyway), micro_batch with several.
+    grad_sync: str | None = None
 
 
 @dataclass

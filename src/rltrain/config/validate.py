@@ -51,7 +51,8 @@ def validate(cfg: RunConfig) -> None:
         _positive("train.mini_batch_size", t.mini_batch_size)
     _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
-    _choice("dtensor.grad_sync", cfg.dtensor.grad_sync, ("micro_batch", "step"))
+    if cfg.dtensor.grad_sync is not None:
+        _choice("dtensor.grad_sync", cfg.dtensor.grad_sync, ("micro_batch", "step"))
     _choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
     if t.attention == "flex" and cfg.cluster.device == "cpu":
         raise ConfigError(

@@ -78,6 +78,9 @@ class FSDPTrainer:
             if d.reshard_after_forward is not None
             else self.dp > 1 or d.cpu_offload
         )
+        # dtensor.grad_sync null: one reduce per step when the gradient is whole on one
+        # rank anyway; per micro batch with several (only sharded gradients held)
+        self.grad_sync = d.grad_sync or ("step" if self.dp == 1 else "micro_batch")
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
@@ -355,7 +358,7 @@ class FSDPTrainer:
         """
         if getattr(self, "_step", None) is None:
             raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
-        defer = not last and self.cfg.dtensor.grad_sync == "step"
+        defer = not last and self.grad_sync == "step"
         if defer != self._deferred:
             self.model.set_requires_gradient_sync(not defer)
         if micro is None:
