@@ -92,6 +92,8 @@ CASES = [
          "names the key and the value that is not a float"),
     Case("wrong-type-int", C, ["grpo", "max_steps=ten"], ["'max_steps'", "ten"],
          "names the key and the value that is not an int"),
+    Case("unknown-grad-sync", C, ["grpo", "dtensor.grad_sync=sometimes"],
+         ["dtensor.grad_sync=sometimes", "micro_batch, step"], "lists the choices"),
     Case("append-existing-key", C, ["grpo", "+dtensor.tp=2"], ["'+dtensor.tp='", "write 'dtensor.tp=...'"],
          "tells to drop the '+'"),
     Case("append-unknown-key", C, ["grpo", "+dtensor.foo=1"], ["'+dtensor.foo='", "dtensor.foo"],

@@ -197,3 +197,17 @@ def test_compiled_blocks_match_eager_logprobs():
         w.shutdown()
     assert float(out["false"].abs().sum()) > 0
     torch.testing.assert_close(out["true"], out["false"], atol=1e-5, rtol=0)
+
+
+def test_auto_knobs_resolve_per_device_and_dp():
+    """train.compile, dtensor.reshard_after_forward and dtensor.grad_sync left null resolve
+    to: eager on CPU, blocks kept gathered and one gradient reduce per step at dp=1;
+    explicit values win."""
+    w = _worker(_cfg())
+    assert (w.compiled, w.reshard_after_forward, w.grad_sync) == (False, False, "step")
+    w.shutdown()
+    w = _worker(
+        _cfg(**{"dtensor.reshard_after_forward": "true", "dtensor.grad_sync": "micro_batch"})
+    )
+    assert (w.reshard_after_forward, w.grad_sync) == (True, "micro_batch")
+    w.shutdown()
