@@ -127,6 +127,7 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
                 600.0,
                 local_rank=gpu0 + rank,
             )
+
         rows = job["rows"]
         # dp ranks take equal shares of the rows; tp ranks share all of them
         if job.get("dp", 1) > 1:
@@ -319,8 +320,16 @@ def main() -> None:
     phases = set(args.phases.split(","))
 
     def job(name, on, rows, variants, world=1, **extra):
-        return {**base, "name": name, "on": on, "rows": rows, "variants": variants,
-                "world": world, "gpu0": 0, **extra}
+        return {
+            **base,
+            "name": name,
+            "on": on,
+            "rows": rows,
+            "variants": variants,
+            "world": world,
+            "gpu0": 0,
+            **extra,
+        }
 
     # One job at a time: two single-GPU jobs side by side slowed each other by up
     # to 10 % (the first variant of a process ran beside the other GPU's job).
@@ -345,9 +354,24 @@ def main() -> None:
                 timeout=args.compile_timeout,
             )
         ],
-        [job("baseline_full", "full", full_rows, [{"kind": "baseline", "label": "bf16", "micro": 2}])],
+        [
+            job(
+                "baseline_full",
+                "full",
+                full_rows,
+                [{"kind": "baseline", "label": "bf16", "micro": 2}],
+            )
+        ],
         # liger patches transformers' Qwen2 classes for the whole process: its own process
-        [job("policy_liger", "liger", full_rows, full("liger", "compile_liger"), timeout=args.compile_timeout)],
+        [
+            job(
+                "policy_liger",
+                "liger",
+                full_rows,
+                full("liger", "compile_liger"),
+                timeout=args.compile_timeout,
+            )
+        ],
         [
             job(
                 "policy_fp16",

@@ -6,6 +6,7 @@ Each function runs inside one benchmark process (see bench_train.py's docstring)
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import time
@@ -177,7 +178,8 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
     }
     if profile and device.type == "cuda":
         try:
-            out["profile"] = profile_step(lambda: worker.train(batch, [batch.size]), device)
+            step = functools.partial(worker.train, batch, [batch.size])
+            out["profile"] = profile_step(step, device)
         except Exception as exc:  # the timings above stand without it
             out["profile"] = {"error": f"{type(exc).__name__}: {exc}"[-1000:]}
     worker.shutdown()

@@ -195,7 +195,9 @@ def _dp_rank(rank: int, port_train: int, port_sync: int, out_dir: str) -> None:
         # Gradients reduced once per step, blocks kept gathered from forward to
         # backward; first an aborted step whose one micro batch deferred its sync.
         w = _worker(
-            _cfg(**DP_CFG, **{"dtensor.grad_sync": "step", "dtensor.reshard_after_forward": "false"}),
+            _cfg(
+                **DP_CFG, **{"dtensor.grad_sync": "step", "dtensor.reshard_after_forward": "false"}
+            ),
             rank,
             2,
             port_sync,

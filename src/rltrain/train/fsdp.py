@@ -36,6 +36,7 @@ from rltrain.train.kernels import (
     compile_blocks,
     make_adamw,
     register_attention,
+    resolve_speed_knobs,
 )
 from rltrain.train.metrics import MetricKind, StepMetrics
 from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
@@ -68,19 +69,10 @@ class FSDPTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.dp, d.tp), mesh_dim_names=("dp", "tp"))
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
-        t = cfg.train
-        # train.compile null: compiled blocks and logprob head on CUDA, eager on CPU
-        self.compiled = t.compile if t.compile is not None else self.device.type == "cuda"
-        # dtensor.reshard_after_forward null: resharding saves nothing but the gathered
-        # compute-dtype copy when there is one dp rank (and CPU offload wants it freed)
-        self.reshard_after_forward = (
-            d.reshard_after_forward
-            if d.reshard_after_forward is not None
-            else self.dp > 1 or d.cpu_offload
+        # train.compile, dtensor.reshard_after_forward / grad_sync with null resolved
+        self.compiled, self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(
+            cfg, self.device, self.dp
         )
-        # dtensor.grad_sync null: one reduce per step when the gradient is whole on one
-        # rank anyway; per micro batch with several (only sharded gradients held)
-        self.grad_sync = d.grad_sync or ("step" if self.dp == 1 else "micro_batch")
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rltrain.config.schema import OptimConfig
+from rltrain.config.schema import OptimConfig, RunConfig
 from rltrain.train.packing import MicroBatch
 
 # The attention implementation name the trainer's models run under (see register_attention).
@@ -164,6 +164,24 @@ def compile_blocks(layers: torch.nn.ModuleList) -> None:
         )
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
+
+
+def resolve_speed_knobs(cfg: RunConfig, device: torch.device, dp: int) -> tuple[bool, bool, str]:
+    """(compile, reshard_after_forward, grad_sync) with their ``null`` defaults resolved.
+
+    ``train.compile``: on with CUDA, off on CPU. ``dtensor.reshard_after_forward``:
+    off with one dp rank (resharding would only free the gathered compute-dtype
+    copy; on with CPU offload, which wants it freed), on with several.
+    ``dtensor.grad_sync``: ``step`` with one dp rank (the gradient is whole there
+    anyway), ``micro_batch`` with several (only sharded gradients are held).
+    """
+    t, d = cfg.train, cfg.dtensor
+    compiled = t.compile if t.compile is not None else device.type == "cuda"
+    reshard = d.reshard_after_forward
+    if reshard is None:
+        reshard = dp > 1 or d.cpu_offload
+    grad_sync = d.grad_sync or ("step" if dp == 1 else "micro_batch")
+    return compiled, reshard, grad_sync
 
 
 def use_fused_adamw(o: OptimConfig, params: list[torch.nn.Parameter]) -> bool:
