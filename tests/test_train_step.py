@@ -150,6 +150,46 @@ def test_abort_leaves_weights_optimizer_and_scaler_bit_identical():
     w.shutdown()
 
 
+def test_failed_micro_batch_after_a_deferred_one_leaves_no_gradient_behind():
+    """dtensor.grad_sync=step (the dp=1 default): a deferring micro batch that fails, and
+    one that fails after an earlier one deferred its gradient sync, each then aborted; the
+    next step equals a fresh worker's step bit for bit (unreduced gradients dropped, sync
+    restored)."""
+    cfg = _cfg(**{"train.max_tokens_per_micro_batch": 24})
+    batch = mixed_batch(B=6, T=12, seed=7)
+    one_micro = batch.select([1, 2])  # a step of a single (non-deferring) micro batch
+    fresh = _worker(cfg)
+    assert len(fresh.plan_micro_batches(one_micro)) == 1
+    initial = _weights(fresh)
+    fresh.train(one_micro, [one_micro.size])
+    ref = _weights(fresh)
+    assert _moved(initial, ref) > 1e-3
+    fresh.shutdown()
+
+    w = _worker(cfg)
+    assert w.grad_sync == "step"
+    real = w.microbatch_loss
+
+    def fail(micro):
+        raise RuntimeError("injected")
+
+    # the step's first (deferring) micro batch fails; then its second one, after a
+    # first that accumulated unreduced gradients
+    for done_first in (True, False):
+        w.begin_train_step()
+        if done_first:
+            w.train_microbatch(batch.select([0, 1, 2]), last=False)
+        w.microbatch_loss = fail
+        with pytest.raises(RuntimeError, match="injected"):
+            w.train_microbatch(batch.select([3, 4]), last=done_first)
+        w.microbatch_loss = real
+        w.abort_train_step()
+    w.train(one_micro, [one_micro.size])
+    for k, v in _weights(w).items():
+        assert torch.equal(v, ref[k]), k
+    w.shutdown()
+
+
 # -- dp=2 ---------------------------------------------------------------------------------
 
 # Rank 0 gets three long rows (three packed micro batches of <= 16 tokens), rank 1 two

@@ -351,8 +351,9 @@ class FSDPTrainer:
         if getattr(self, "_step", None) is None:
             raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
         defer = not last and self.grad_sync == "step"
-        if defer != self._deferred:
-            self.model.set_requires_gradient_sync(not defer)
+        self.model.set_requires_gradient_sync(not defer)
+        # set before the backward: a failed one leaves unreduced gradients for abort to drop
+        self._deferred = defer or self._deferred
         if micro is None:
             micro = self.make_micro_batch(_empty_batch(), [])
         elif isinstance(micro, TrainBatch):
@@ -365,7 +366,7 @@ class FSDPTrainer:
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self._deferred = defer
+        self._deferred = defer  # the last micro batch's backward reduced everything
         self._step.add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
         for name, (metric_kind, value) in metrics.items():
             self._step.add(name, metric_kind, value)
@@ -407,8 +408,8 @@ class FSDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self._deferred:
             drop_unreduced_grads(self.model)
-            self.model.set_requires_gradient_sync(True)
             self._deferred = False
+        self.model.set_requires_gradient_sync(True)
         self._step = None
 
     def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:
