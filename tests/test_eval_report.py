@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rltrain.algorithms.evaluate import evaluate
+from rltrain.algorithms.evaluate import eval_sampling, evaluate
 from rltrain.algorithms.logprobs import scale_logits
 from rltrain.cli import ALGORITHMS, app
 from rltrain.config.compose import group_options
@@ -60,6 +60,22 @@ def test_torch_engine_greedy_matches_a_plain_argmax_loop():
     blocked = set(blocked_token_ids(cfg, engine.tokenizer))
     assert not blocked & {t for r in a.response_ids for t in r}
     assert all(lp <= 0.0 for r in a.response_logprobs for lp in r)
+
+
+def test_eval_sampling_greedy_or_the_rollout_distribution():
+    """One sample per prompt is greedy; pass@k samples as training does (top_k included)."""
+    cfg = tiny_config(**{"rollout.temperature": "0.7", "eval.max_new_tokens": "9"})
+    cfg.rollout.top_k = 5  # a vllm rollout setting (the config check wants rollout=vllm)
+    greedy = eval_sampling(cfg)
+    assert (greedy.temperature, greedy.top_p, greedy.top_k, greedy.max_new_tokens) == (
+        0.0,
+        1.0,
+        0,
+        9,
+    )
+    cfg.eval.samples_per_prompt = 4
+    sampled = eval_sampling(cfg)
+    assert (sampled.temperature, sampled.top_k, sampled.max_new_tokens) == (0.7, 5, 9)
 
 
 def test_evaluate_on_the_tiny_model_greedy_and_pass_at_k():

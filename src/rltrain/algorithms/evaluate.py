@@ -7,11 +7,13 @@ hand in a ``generate(prompt_ids, sampling) -> RolloutBatch`` callable.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 
+from rltrain.algorithms.collect import sampling_params
 from rltrain.config.schema import RunConfig
 from rltrain.data import encode_groups, score_groups
 from rltrain.rollout.base import RolloutBatch, SamplingParams
@@ -20,14 +22,13 @@ Generate = Callable[[list[list[int]], SamplingParams], RolloutBatch]
 
 
 def eval_sampling(cfg: RunConfig) -> SamplingParams:
-    """Greedy for one sample per prompt; the rollout temperature for pass@k."""
-    ev, ro = cfg.eval, cfg.rollout
-    greedy = ev.samples_per_prompt == 1
-    return SamplingParams(
-        temperature=0.0 if greedy else ro.temperature,
-        top_p=1.0 if greedy else ro.top_p,
-        max_new_tokens=ev.max_new_tokens or ro.max_new_tokens,
-    )
+    """Greedy for one sample per prompt; for pass@k the rollout's own distribution
+    (temperature, top_p and top_k, as training samples it)."""
+    ev = cfg.eval
+    max_new_tokens = ev.max_new_tokens or cfg.rollout.max_new_tokens
+    if ev.samples_per_prompt == 1:
+        return SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
+    return dataclasses.replace(sampling_params(cfg), max_new_tokens=max_new_tokens)
 
 
 def evaluate(generate: Generate, task, tokenizer, cfg: RunConfig) -> dict[str, float]:
