@@ -50,6 +50,12 @@ def token_logprobs(
     return logprobs_BT, entropy_BT
 
 
+def _scaled(logits_NV, temperature, blocked_V):
+    """:func:`scale_logits` with the blocked tokens as a boolean [V] mask (traceable)."""
+    x = logits_NV.float() / temperature
+    return x if blocked_V is None else x.masked_fill(blocked_V, float("-inf"))
+
+
 def _chunk_forward(logits_NV, targets_N, temperature, blocked_V, with_entropy: bool):
     """(logprob of each target, entropy or zeros, logsumexp) of one chunk of logits.
 
@@ -57,9 +63,7 @@ def _chunk_forward(logits_NV, targets_N, temperature, blocked_V, with_entropy: b
     reduction kernels reading the logits in their own dtype (no fp32 copies).
     Entropy = -sum_v p_v log p_v (blocked tokens have p = 0 and are left out).
     """
-    x = logits_NV.float() / temperature
-    if blocked_V is not None:
-        x = x.masked_fill(blocked_V, float("-inf"))
+    x = _scaled(logits_NV, temperature, blocked_V)
     lse = torch.logsumexp(x, dim=-1)
     lp = x.gather(-1, targets_N[:, None]).squeeze(-1) - lse
     if with_entropy:
@@ -75,10 +79,7 @@ def _chunk_forward(logits_NV, targets_N, temperature, blocked_V, with_entropy: b
 
 def _chunk_grad_logits(logits_NV, targets_N, grad_lp_N, lse_N, temperature, blocked_V):
     """d(sum_n g_n lp_n) / d logits = g_n (onehot(target_n) - p_n) / temperature, in the logits' dtype."""
-    x = logits_NV.float() / temperature
-    if blocked_V is not None:
-        x = x.masked_fill(blocked_V, float("-inf"))
-    p = torch.exp(x - lse_N[:, None])
+    p = torch.exp(_scaled(logits_NV, temperature, blocked_V) - lse_N[:, None])
     vocab = torch.arange(logits_NV.shape[-1], device=logits_NV.device)
     onehot = (vocab[None, :] == targets_N[:, None]).float()
     return ((onehot - p) * (grad_lp_N[:, None] / temperature)).to(logits_NV.dtype)

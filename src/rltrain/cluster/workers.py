@@ -104,10 +104,9 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
             raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            failed = f"{what}: {name} failed: {type(cause).__name__}: {cause}"
             if not _is_peer_loss(cause):  # a bug or a diverging run: not retried
-                raise WorkerError(
-                    f"{what}: {name} failed: {type(cause).__name__}: {cause}"
-                ) from exc
+                raise WorkerError(failed) from exc
             # A rank whose collective peer died raises (gloo: "Connection closed by
             # peer"), often before Ray reports the death: a machine fault, so name the
             # dead rank when it shows up within a short grace period.
@@ -118,9 +117,7 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
                     f"with it",
                     "died",
                 ) from exc
-            raise WorkerError(
-                f"{what}: {name} failed: {type(cause).__name__}: {cause}", "died"
-            ) from exc
+            raise WorkerError(failed, "died") from exc
         except GetTimeoutError:  # cannot happen for a ready ref; keep waiting if it does
             pending.append(ref)
     return ray.get(refs)
