@@ -9,7 +9,10 @@ fp32 master weights, bf16 refit). In one run it measures
   at the config defaults and for every num_buffers x bucket_bytes of the grid;
 - variants at the default bucket size, one knob at a time: the buckets'
   broadcasts alone (no pack), the unramped plan, the pack kernels, a third
-  buffer, the pack confined to 24-56 SMs (``refit.pack_sms``), 64 NCCL CTAs;
+  buffer, the pack confined to 24-56 SMs (``refit.pack_sms``), 16-64 NCCL CTAs;
+- an fp32 refit (the trainer's fp32 master weights need no cast): every tensor
+  packed, against tensors of at least ``refit.direct_bytes`` sent from the
+  trainer's own storage (no pack), over the raw broadcast of the fp32 size;
 - the pack alone (wall and GPU time);
 - the IPC refit with the engine on the trainer's GPU, against one device copy
   of the model's refit size on that GPU;
@@ -292,7 +295,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         fill = None
         if rank == 0:
             gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
-            fill = gatherer.pack if pack else (lambda bucket, out: None)
+            fill = gatherer.pack if pack else (lambda bucket, out, skip=frozenset(): None)
         times = []
         for k in range(args.repeats + 1):  # the first refit warms up
             step_weights(k)
@@ -382,7 +385,10 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 {"pack_sms": 48},
                 {"pack_sms": 56},
                 {"pack_sms": 48, "num_buffers": 3},
-                {"bucket_bytes": 512 * MiB, "pack_sms": 48},
+                {"bucket_bytes": 1024 * MiB, "pack_sms": 48},
+                {"ctas": 16},
+                {"ctas": 24},
+                {"ctas": 16, "pack_sms": 48},
                 {"ctas": 64},
             ]
         for v in todo:
@@ -391,6 +397,16 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             save()
 
     part("variants", run_variants)
+
+    # 2a. fp32 refit: the master weights go as they are; packed vs sent from their storage.
+    if cuda:
+        from bench_refit_fp32 import run_fp32
+
+        ctx = dict(rank=rank, repeats=args.repeats, group=group, timer=timer, device=device)
+        ctx.update(shapes=shapes, num_params=num_params, default=default, log=log)
+        ctx.update(step_weights=step_weights, reference=lambda m: _reference_flat(worker, m))
+        ctx.update(params=params if rank == 0 else None)
+        part("fp32", lambda: result.update(fp32=run_fp32(**ctx)))
 
     # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
     def run_pack_only() -> None:

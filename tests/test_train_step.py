@@ -254,6 +254,9 @@ def _dp_rank(rank: int, port_train: int, port_sync: int, out_dir: str) -> None:
             refused = "never reduced" in str(exc)
         sync_metrics, _ = w.train(shard, [shard.size])
         sync_weights = _weights(w)
+        # a second step: blocks kept gathered across its micro batches must be the new weights
+        w.train(shard, [shard.size])
+        sync_weights2 = _weights(w)
         w.shutdown()
         if rank == 0:
             torch.save(
@@ -263,6 +266,7 @@ def _dp_rank(rank: int, port_train: int, port_sync: int, out_dir: str) -> None:
                     "reduced": reduced,
                     "old": old,
                     "sync_weights": sync_weights,
+                    "sync_weights2": sync_weights2,
                     "sync_metrics": sync_metrics,
                     "refused": refused,
                 },
@@ -278,7 +282,8 @@ def _dp_rank(rank: int, port_train: int, port_sync: int, out_dir: str) -> None:
 @pytest.mark.timeout(300)
 def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
     """dp=2 with 3 vs 1 micro batches equals dp=1; so does dp.grad_sync=step with blocks
-    kept gathered, after an aborted step that deferred its gradient sync."""
+    kept gathered (across the micro batches of a step, too), after an aborted step that
+    deferred its gradient sync, for two steps."""
     from rltrain.train.distributed import free_port
 
     try:
@@ -297,8 +302,10 @@ def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
     batch = _dp_batch()
     metrics, old = w.train(batch, [batch.size])
     ref = _weights(w)
+    w.train(batch, [batch.size])
+    ref2 = _weights(w)
     w.shutdown()
-    assert _moved(initial, ref) > 1e-3
+    assert _moved(initial, ref) > 1e-3 and _moved(ref, ref2) > 1e-3
     _close(got["weights"], ref, "dp2 vs dp1")
     assert abs(got["metrics"]["loss"] - metrics["loss"]) < 1e-6
     assert got["metrics"]["num_tokens"] == metrics["num_tokens"]
@@ -307,4 +314,5 @@ def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
     # aborted step that left unreduced gradients behind
     assert got["refused"]
     _close(got["sync_weights"], ref, "dp2 grad_sync=step vs dp1")
+    _close(got["sync_weights2"], ref2, "dp2 grad_sync=step vs dp1, second step")
     assert abs(got["sync_metrics"]["loss"] - metrics["loss"]) < 1e-6

@@ -159,6 +159,10 @@ class RefitConfig:
     # nccl: SMs the cast + pack kernels may use (a CUDA green context), so they leave
     # memory bandwidth to the broadcast they overlap; null = all SMs.
     pack_sms: int | None = None
+    # Tensors of at least this many bytes (refit dtype) are sent from the trainer's own
+    # storage, one collective each in the bucket's NCCL group, when one trainer rank holds
+    # them whole in the refit dtype (no pack copy); null = pack every tensor (nccl, gloo).
+    direct_bytes: int | None = 8 * 2**20
 
 
 @dataclass

@@ -124,6 +124,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"refit.pack_sms={r.pack_sms} leaves the pack no SM; set refit.pack_sms>=1 or null (all SMs)."
         )
+    if r.direct_bytes is not None and r.direct_bytes < 2**20:
+        raise ConfigError(
+            f"refit.direct_bytes={r.direct_bytes} would send tensors below 1 MiB one collective each; "
+            "set refit.direct_bytes>=1048576 or null (pack every tensor)."
+        )
 
     ro = cfg.rollout
     _choice("rollout.engine", ro.engine, ENGINES)

@@ -10,8 +10,12 @@ Sender pipeline, per bucket k (``num_buffers`` = B buffers, one CUDA stream each
     stream[k % B]:  wait broadcast k-B (frees the buffer) -> gather + cast + pack k
     NCCL stream:    wait pack k -> broadcast k
 
-so the gather/cast/pack of bucket k+1 runs while bucket k is on the wire. The
-CPU only enqueues; it blocks once, at the end, on the last broadcasts, with
+so the gather/cast/pack of bucket k+1 runs while bucket k is on the wire. A
+bucket is one broadcast, or, with the manifest's ``direct_numel``, one NCCL group
+of broadcasts, one per segment (:func:`~rltrain.refit.base.bucket_segments`): a
+tensor the trainer already holds whole in the refit dtype goes on the wire from
+its own storage, with no pack copy competing with the broadcasts for memory
+bandwidth. The CPU only enqueues; it blocks once, at the end, on the last broadcasts, with
 ``refit.timeout_s`` (the error names the side and rank that waited).
 
 A receiver bound to its engine's parameters owns one flat tensor per bucket
@@ -34,10 +38,14 @@ from rltrain.refit.base import (
     RefitError,
     RefitManifest,
     RefitStats,
+    SourceTensor,
     bind_bucket_storage,
     bucket_checksum,
+    bucket_segments,
     check_checksums,
     cuda_device,
+    segment_tensors,
+    segments_checksum,
     unpack_bucket,
 )
 from rltrain.refit.gloo import broadcast
@@ -132,6 +140,22 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
     work.wait()  # orders the current stream after it and raises a communicator error
 
 
+def broadcast_group(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> dist.Work:
+    """Broadcast ``tensors`` from group rank 0 as one NCCL group (one launch); one work for all."""
+    if len(tensors) == 1:
+        return broadcast(group, tensors[0])
+    try:
+        group._start_coalescing()
+    except TypeError:  # a torch whose binding takes the device
+        group._start_coalescing(tensors[0].device)
+    for t in tensors:
+        broadcast(group, t)
+    try:
+        return group._end_coalescing()
+    except TypeError:
+        return group._end_coalescing(tensors[0].device)
+
+
 def _replicas(world_size: int) -> str:
     return "rollout replica 0" if world_size == 2 else f"rollout replicas 0..{world_size - 2}"
 
@@ -163,9 +187,15 @@ class NcclRefitSender:
             torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device) for _ in range(n)
         ]
         self.streams = pack_streams(self.device, n, pack_sms)
+        self.segments = [bucket_segments(b, manifest.direct_numel) for b in manifest.buckets]
 
-    def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
-        """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums."""
+    def send(
+        self, fill: FillBucket, weight_version: int, source: SourceTensor | None = None
+    ) -> RefitStats:
+        """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums.
+
+        ``source`` gives the tensors of the manifest's direct segments that need no
+        pack (see :func:`~rltrain.refit.base.segment_tensors`)."""
         t0 = time.perf_counter()
         who = f"refit v{weight_version}: policy rank 0 waiting for {_replicas(self.world_size)}"
         header = torch.tensor(
@@ -177,20 +207,31 @@ class NcclRefitSender:
         for s in self.streams:  # the weights were last written on the main stream (optimizer step)
             s.wait_stream(main)
         in_flight: list[dist.Work | None] = [None] * len(self.buffers)
+        extra: list[dist.Work] = []  # buckets sent without their buffer
         checks: list[torch.Tensor] = []
         for bucket in self.manifest.buckets:
             slot = bucket.index % len(self.buffers)
+            segments = self.segments[bucket.index]
             with torch.cuda.stream(self.streams[slot]):
                 prev = in_flight[slot]
-                if prev is not None:
-                    prev.wait()  # this stream (not the CPU) waits until the buffer left
-                fill(bucket, self.buffers[slot])
-                flat = self.buffers[slot][: bucket.numel]
+
+                def fill_after_wait(b, out, skip, prev=prev) -> None:
+                    if prev is not None:
+                        prev.wait()  # this stream (not the CPU) waits until the buffer left
+                    fill(b, out, skip)
+
+                tensors, packed = segment_tensors(
+                    bucket, segments, self.buffers[slot], fill_after_wait, source
+                )
                 if self.verify:
-                    checks.append(bucket_checksum(flat))
+                    checks.append(segments_checksum(segments, tensors))
                 # Issued under this stream: the NCCL stream waits for the pack above.
-                in_flight[slot] = broadcast(self.group, flat)
-        for work in in_flight:
+                work = broadcast_group(self.group, tensors)
+                if packed or prev is None:  # an unused buffer stays held by its last broadcast
+                    in_flight[slot] = work
+                else:
+                    extra.append(work)
+        for work in [*extra, *in_flight]:
             if work is not None:
                 wait(work, self.timeout_s, f"{who} (last buckets)")
         for s in self.streams:
@@ -233,6 +274,7 @@ class NcclRefitReceiver:
         ]
         self.landing: list[torch.Tensor] | None = None
         self._views: list[list[tuple[str, torch.Tensor]]] = []
+        self.segments = [bucket_segments(b, manifest.direct_numel) for b in manifest.buckets]
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Receive straight into ``params`` (see RefitReceiver.bind)."""
@@ -270,7 +312,9 @@ class NcclRefitReceiver:
 
         def post(k: int) -> None:
             if k < len(buckets):
-                posted[k] = broadcast(self.group, self._target(k))
+                flat = self._target(k)
+                parts = [flat[seg.start : seg.end] for seg in self.segments[k]]
+                posted[k] = broadcast_group(self.group, parts)
 
         # Post the first receives before reading the header, so the sender's first
         # bucket does not wait for this CPU to parse it.

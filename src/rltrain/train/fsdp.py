@@ -44,7 +44,7 @@ from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_leng
 from rltrain.train.parallel import (
     apply_tensor_parallel,
     decoder_layers,
-    drop_unreduced_grads,
+    end_accumulation,
     scale_grads_,
     total_grad_norm,
 )
@@ -352,6 +352,9 @@ class FSDPTrainer:
             raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
         defer = not last and self.grad_sync == "step"
         self.model.set_requires_gradient_sync(not defer)
+        # Blocks kept gathered from forward to backward stay gathered until the step's
+        # last backward: the next micro batch needs no all-gather (same peak memory).
+        self.model.set_reshard_after_backward(last or self.reshard_after_forward)
         # set before the backward: a failed one leaves unreduced gradients for abort to drop
         self._deferred = defer or self._deferred
         if micro is None:
@@ -406,10 +409,8 @@ class FSDPTrainer:
         Gradients accumulated unsharded (``dtensor.grad_sync=step``) are dropped too.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        if self._deferred:
-            drop_unreduced_grads(self.model)
-            self._deferred = False
-        self.model.set_requires_gradient_sync(True)
+        end_accumulation(self.model, drop_grads=self._deferred)
+        self._deferred = False
         self._step = None
 
     def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:

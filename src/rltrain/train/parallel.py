@@ -139,6 +139,20 @@ def scale_grads_(params: list[torch.nn.Parameter], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
+def end_accumulation(model: torch.nn.Module, drop_grads: bool) -> None:
+    """Back to reducing and resharding after every backward, gathered blocks freed
+    (``FSDPModule.reshard`` is per module); ``drop_grads``: discard the unreduced ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if drop_grads:
+        drop_unreduced_grads(model)
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def drop_unreduced_grads(model: torch.nn.Module) -> None:
     """Discard the unsharded gradients FSDP2 accumulates while gradient sync is off.
 
