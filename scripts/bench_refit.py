@@ -9,10 +9,8 @@ fp32 master weights, bf16 refit). In one run it measures
   at the config defaults and for every num_buffers x bucket_bytes of the grid;
 - variants at the default bucket size, one knob at a time: the buckets'
   broadcasts alone (no pack), the unramped plan, the pack kernels, a third
-  buffer, the pack confined to 24-56 SMs (``refit.pack_sms``), 16-64 NCCL CTAs;
-- an fp32 refit (the trainer's fp32 master weights need no cast): every tensor
-  packed, against tensors of at least ``refit.direct_bytes`` sent from the
-  trainer's own storage (no pack), over the raw broadcast of the fp32 size;
+  buffer, the pack on all SMs or confined to 24-56 SMs (``refit.pack_sms``; the
+  default is 3/8 of the SMs), 16-64 NCCL CTAs;
 - the pack alone (wall and GPU time);
 - the IPC refit with the engine on the trainer's GPU, against one device copy
   of the model's refit size on that GPU;
@@ -162,7 +160,12 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     log(f"built in {time.perf_counter() - t0:.1f}s: {num_params / 1e9:.3f}B params")
 
     if cuda:
-        from rltrain.refit.nccl import NcclRefitReceiver, NcclRefitSender, make_nccl_group
+        from rltrain.refit.nccl import (
+            NcclRefitReceiver,
+            NcclRefitSender,
+            auto_pack_sms,
+            make_nccl_group,
+        )
 
         group = make_nccl_group(HOST, ports[1], rank, 2, timeout, device)
     else:
@@ -295,7 +298,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         fill = None
         if rank == 0:
             gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
-            fill = gatherer.pack if pack else (lambda bucket, out, skip=frozenset(): None)
+            fill = gatherer.pack if pack else (lambda bucket, out: None)
         times = []
         for k in range(args.repeats + 1):  # the first refit warms up
             step_weights(k)
@@ -318,7 +321,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "first_bucket_bytes": first_bucket_bytes,
             "first_bucket_tensors": len(manifest.buckets[0].slots),
             "ramp": ramp,
-            "pack_sms": pack_sms,
+            "pack_sms": pack_sms if pack_sms is not None or not cuda else auto_pack_sms(device),
             "bucket_mib": [round(b.numel * 2 / MiB) for b in manifest.buckets],
             "seconds": s,
             "ratio": raw_s / s,
@@ -379,16 +382,15 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         ]
         if cuda:
             todo += [
+                {"pack_sms": 0},
                 {"pack_sms": 24},
                 {"pack_sms": 32},
                 {"pack_sms": 40},
-                {"pack_sms": 48},
                 {"pack_sms": 56},
-                {"pack_sms": 48, "num_buffers": 3},
-                {"bucket_bytes": 1024 * MiB, "pack_sms": 48},
+                {"pack_sms": 64},
+                {"bucket_bytes": 1024 * MiB},
                 {"ctas": 16},
                 {"ctas": 24},
-                {"ctas": 16, "pack_sms": 48},
                 {"ctas": 64},
             ]
         for v in todo:
@@ -397,16 +399,6 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             save()
 
     part("variants", run_variants)
-
-    # 2a. fp32 refit: the master weights go as they are; packed vs sent from their storage.
-    if cuda:
-        from bench_refit_fp32 import run_fp32
-
-        ctx = dict(rank=rank, repeats=args.repeats, group=group, timer=timer, device=device)
-        ctx.update(shapes=shapes, num_params=num_params, default=default, log=log)
-        ctx.update(step_weights=step_weights, reference=lambda m: _reference_flat(worker, m))
-        ctx.update(params=params if rank == 0 else None)
-        part("fp32", lambda: result.update(fp32=run_fp32(**ctx)))
 
     # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
     def run_pack_only() -> None:

@@ -6,14 +6,10 @@ One spawn of 4 processes runs every check (imports dominate its cost):
    ``full_tensor()`` bit for bit (fp32 and bf16 buckets, buckets smaller than
    the largest tensor, an uneven FSDP shard of the 9-row embedding);
 2. ranks 0-1: policy at dp=2 refits a torch engine on rank 2 over gloo
-   (verify on, weights landing in place); ranks 0-1 then check the gather at tp=2,
-   and a dp=1 policy refits an engine on rank 1 sending its large tensors from
-   their own storage (``refit.direct_bytes``);
+   (verify on, weights landing in place); ranks 0-1 then check the gather at tp=2;
 3. ranks 2-3: the gloo transport alone with 1, 2 and 3 buffers, bound and
-   unbound receivers, buckets smaller than the largest tensor, packed buckets
-   and buckets split into segments (large tensors sent from the sender's own
-   storage, one without a source packed); verify names a corrupted bucket and
-   the replica.
+   unbound receivers, buckets smaller than the largest tensor; verify names a
+   corrupted bucket and the replica.
 """
 
 from __future__ import annotations
@@ -109,46 +105,8 @@ def _engine_refit(rank: int, ports: list[int], out_dir: str) -> None:
         torch.save(weights, os.path.join(out_dir, "engine_dp2.pt"))
 
 
-def _direct_refit(rank: int, ports: list[int], out_dir: str) -> None:
-    """Rank 0: dp=1 policy whose fp32 weights are the refit dtype; rank 1: torch engine.
-    Tensors of >= 256 elements go from the trainer's storage, one broadcast each."""
-    from rltrain.refit.base import plan_refit
-    from rltrain.train.distributed import DistEnv
-
-    cfg = tiny_config(**{"refit.verify": True, "refit.bucket_bytes": 2**20})
-    cfg.refit.direct_bytes = 4 * 256  # below the 1 MiB the CLI allows: tiny tensors
-    if rank == 0:
-        from rltrain.train.policy_worker import PolicyWorker
-
-        worker = PolicyWorker(cfg, DistEnv(0, 1, HOST, ports[0], "gloo", 60.0), num_threads=1)
-        _perturb(worker, seed=2)
-        manifest = worker.refit_manifest()
-        assert manifest.direct_numel == 256
-        worker.init_refit(HOST, ports[1], 2, "gloo")
-        named = [seg.name for segs in worker.sender.segments for seg in segs if seg.name]
-        assert named and len(named) < len(worker.param_shapes()), named
-        stats = worker.refit_send(weight_version=3)
-        assert stats is not None and stats.weight_version == 3
-        full = {k: v.clone() for k, v in worker.full_tensors().items()}
-        torch.save(full, os.path.join(out_dir, "trainer_direct.pt"))
-        worker.shutdown()
-    else:
-        from rltrain.rollout.torch_engine import TorchEngine
-
-        engine = TorchEngine(cfg, "cpu", 0, num_threads=1)
-        names = [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()]
-        manifest = plan_refit(names, "float32", 2**20, cfg.refit.num_buffers, direct_numel=256)
-        engine.init_refit(manifest, HOST, ports[1], 1, 2, "gloo")
-        stats = engine.refit_receive()
-        assert stats.weight_version == engine.weight_version() == 3
-        weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-        torch.save(weights, os.path.join(out_dir, "engine_direct.pt"))
-
-
 def _transport_checks(rank: int, ports: list[int]) -> None:
     """Ranks 2 (sender) and 3 (receiver): the gloo transport alone."""
-    from dataclasses import replace
-
     from rltrain.refit.base import RefitError, fill_from, plan_buckets
     from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender
 
@@ -162,18 +120,14 @@ def _transport_checks(rank: int, ports: list[int]) -> None:
         "f": torch.randn(450, generator=g),
     }
     shapes = [(k, tuple(v.shape)) for k, v in tensors.items()]
-    as_sent = {k: v.to(torch.bfloat16) for k, v in tensors.items()}  # the sender's own storage
-    cases = [(n, b, d) for n in (1, 2, 3) for b in (False, True) for d in (None, 400)]
-    for i, (num_buffers, bound, direct) in enumerate(cases):
+    for i, (num_buffers, bound) in enumerate((n, b) for n in (1, 2, 3) for b in (False, True)):
         port = ports[i]
-        manifest = replace(plan_buckets(shapes, "bfloat16", 1024, num_buffers), direct_numel=direct)
+        manifest = plan_buckets(shapes, "bfloat16", 1024, num_buffers)
         assert len(manifest.buckets) > num_buffers  # buffers are reused within one refit
-        version = 100 * num_buffers + 10 * bound + (direct is not None)
+        version = 10 * num_buffers + bound
         if rank == 2:
             sender = GlooRefitSender(manifest, HOST, port, 2, 10.0, verify=True)
-            # direct: "c" and "d" go from as_sent; "f" (also >= 400) has no source: packed
-            source = (lambda n: as_sent[n] if n in ("c", "d") else None) if direct else None
-            sender.send(fill_from(tensors), version, source)
+            sender.send(fill_from(tensors), version)
         else:
             receiver = GlooRefitReceiver(manifest, HOST, port, 1, 2, 10.0, verify=True)
             params = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in tensors.items()}
@@ -185,7 +139,7 @@ def _transport_checks(rank: int, ports: list[int]) -> None:
                     params[name].copy_(t)
             for k, v in tensors.items():
                 assert torch.equal(params[k], v.to(torch.bfloat16)), (num_buffers, bound, k)
-    port = ports[len(cases)]
+    port = ports[6]
     # verify=true: a bucket that changed after landing is named with the replica.
     manifest = plan_buckets(shapes, "bfloat16", 1024, 2)
     if rank == 2:
@@ -219,9 +173,8 @@ def _worker(rank: int, world: int, ports: list[int], out_dir: str) -> None:
             worker = _policy(rank, 2, ports[3], dp=1, tp=2)
             _check_gather(worker, "bfloat16", bucket_bytes=16 * 1024)
             worker.shutdown()
-            _direct_refit(rank, ports[17:], out_dir)
         else:
-            _transport_checks(rank, ports[4:17])
+            _transport_checks(rank, ports[4:])
     except BaseException:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -232,18 +185,14 @@ def _worker(rank: int, world: int, ports: list[int], out_dir: str) -> None:
 def test_refit_gather_transports_and_verify(tmp_path):
     from rltrain.train.distributed import free_port
 
-    # 4 groups of steps 1-2, 13 transport checks, 2 for the direct refit
-    ports = [free_port() for _ in range(4 + 13 + 2)]
+    ports = [free_port() for _ in range(4 + 7)]  # 4 groups of steps 1-2, 7 transport checks
     try:
         mp.spawn(_worker, args=(4, ports, str(tmp_path)), nprocs=4, join=True)
     except Exception:
         errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
         pytest.fail(f"a rank failed:\n{errors}")
-    for case in ("dp2", "direct"):
-        trainer = torch.load(tmp_path / f"trainer_{case}.pt")
-        engine = torch.load(tmp_path / f"engine_{case}.pt")
-        assert set(trainer) == set(engine)
-        for name, want in trainer.items():
-            assert torch.equal(engine[name], want), (
-                f"{case}: engine {name} differs from the trainer's"
-            )
+    trainer = torch.load(tmp_path / "trainer_dp2.pt")
+    engine = torch.load(tmp_path / "engine_dp2.pt")
+    assert set(trainer) == set(engine)
+    for name, want in trainer.items():
+        assert torch.equal(engine[name], want), f"engine {name} differs from the trainer's"

@@ -120,14 +120,10 @@ def validate(cfg: RunConfig) -> None:
         )
     if r.timeout_s <= 0:
         raise ConfigError(f"refit.timeout_s={r.timeout_s} must be > 0.")
-    if r.pack_sms is not None and r.pack_sms < 1:
+    if r.pack_sms is not None and r.pack_sms < 0:
         raise ConfigError(
-            f"refit.pack_sms={r.pack_sms} leaves the pack no SM; set refit.pack_sms>=1 or null (all SMs)."
-        )
-    if r.direct_bytes is not None and r.direct_bytes < 2**20:
-        raise ConfigError(
-            f"refit.direct_bytes={r.direct_bytes} would send tensors below 1 MiB one collective each; "
-            "set refit.direct_bytes>=1048576 or null (pack every tensor)."
+            f"refit.pack_sms={r.pack_sms} is negative; set refit.pack_sms>=1 (SMs for the pack), "
+            "0 (all SMs) or null (3/8 of the SMs)."
         )
 
     ro = cfg.rollout

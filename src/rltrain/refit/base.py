@@ -8,7 +8,7 @@ refit dtype, so a bucket is one flat tensor of that dtype.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,9 +42,6 @@ class RefitManifest:
     total_numel: int
     bucket_bytes: int
     num_buffers: int = 2
-    # Tensors of at least this many elements are their own segment of a bucket (see
-    # bucket_segments); None: every bucket is one segment.
-    direct_numel: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -136,14 +133,11 @@ def plan_refit(
     bucket_bytes: int,
     num_buffers: int,
     ramp: bool = True,
-    direct_numel: int | None = None,
 ) -> RefitManifest:
     """The manifest every refit of a run uses: buckets of ``bucket_bytes``, a first bucket of
     an eighth of that (it is packed while nothing is on the wire yet), then, with ``ramp``,
-    doubling sizes and oversized tensors last (see :func:`plan_buckets`); ``direct_numel``
-    splits buckets into segments (see :func:`bucket_segments`)."""
-    manifest = plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8, ramp)
-    return replace(manifest, direct_numel=direct_numel)
+    doubling sizes and oversized tensors last (see :func:`plan_buckets`)."""
+    return plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8, ramp)
 
 
 @dataclass
@@ -158,16 +152,10 @@ class RefitStats:
 
 
 def pack_bucket(
-    bucket: Bucket,
-    tensors: Mapping[str, torch.Tensor],
-    out: torch.Tensor,
-    skip: frozenset[str] = frozenset(),
+    bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor
 ) -> torch.Tensor:
-    """Copy the bucket's tensors (cast to ``out.dtype``) into ``out[:bucket.numel]``,
-    leaving the slots of the names in ``skip`` as they are."""
+    """Copy the bucket's tensors (cast to ``out.dtype``) into ``out[:bucket.numel]``."""
     for slot in bucket.slots:
-        if slot.name in skip:
-            continue
         out[slot.offset : slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))
     return out[: bucket.numel]
 
@@ -180,9 +168,8 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
 
 # -- transport contract ------------------------------------------------------------------
 
-FillBucket = Callable[..., None]
-"""``fill(bucket, out, skip=frozenset())`` writes a bucket's full tensors, cast, into
-``out[:bucket.numel]``, except those named in ``skip`` (the sender's pack step)."""
+FillBucket = Callable[[Bucket, torch.Tensor], None]
+"""Writes a bucket's full tensors, cast, into ``out[:bucket.numel]`` (the sender's pack step)."""
 
 
 class RefitError(RuntimeError):
@@ -224,89 +211,10 @@ class RefitReceiver(Protocol):
 def fill_from(tensors: Mapping[str, torch.Tensor]) -> FillBucket:
     """A :data:`FillBucket` over a name -> full tensor mapping."""
 
-    def fill(bucket: Bucket, out: torch.Tensor, skip: frozenset[str] = frozenset()) -> None:
-        pack_bucket(bucket, tensors, out, skip)
+    def fill(bucket: Bucket, out: torch.Tensor) -> None:
+        pack_bucket(bucket, tensors, out)
 
     return fill
-
-
-# -- segments: the collectives of one bucket ---------------------------------------------
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A range of a bucket moved by one collective; ``name``: it holds exactly that tensor,
-    which the sender may send straight from its own storage instead of packing it."""
-
-    start: int
-    end: int
-    name: str | None = None
-
-
-def bucket_segments(bucket: Bucket, direct_numel: int | None) -> tuple[Segment, ...]:
-    """The collectives of one bucket, identical on both ends.
-
-    Every tensor of at least ``direct_numel`` elements is a segment of its own;
-    the runs of smaller tensors between them are packed segments. With
-    ``direct_numel`` None the bucket is one segment (one collective).
-    """
-    if direct_numel is None:
-        return (Segment(0, bucket.numel),)
-    segments: list[Segment] = []
-    run: int | None = None  # start of the current run of small tensors
-    for slot in bucket.slots:
-        if slot.numel >= direct_numel:
-            if run is not None:
-                segments.append(Segment(run, slot.offset))
-                run = None
-            segments.append(Segment(slot.offset, slot.offset + slot.numel, slot.name))
-        elif run is None:
-            run = slot.offset
-    if run is not None:
-        segments.append(Segment(run, bucket.numel))
-    return tuple(segments)
-
-
-SourceTensor = Callable[[str], "torch.Tensor | None"]
-"""The sender's own full tensor of a name, already in the refit dtype and contiguous
-(None: it has none, the tensor is packed)."""
-
-
-def segment_tensors(
-    bucket: Bucket,
-    segments: tuple[Segment, ...],
-    buffer: torch.Tensor,
-    fill: FillBucket,
-    source: SourceTensor | None,
-) -> tuple[list[torch.Tensor], bool]:
-    """The sender's tensor for every segment of ``bucket``, and whether ``buffer`` was written.
-
-    A named segment whose tensor ``source`` provides is sent from there; ``fill``
-    packs everything else into ``buffer`` (skipping those names), and the other
-    segments are slices of it.
-    """
-    direct: dict[str, torch.Tensor] = {}
-    if source is not None:
-        for seg in segments:
-            if seg.name is not None:
-                t = source(seg.name)
-                if t is not None:
-                    direct[seg.name] = t.reshape(-1)
-    packed = len(direct) < len(segments)
-    if packed:
-        fill(bucket, buffer, frozenset(direct))
-    tensors = [
-        direct[seg.name] if seg.name in direct else buffer[seg.start : seg.end] for seg in segments
-    ]
-    return tensors, packed
-
-
-def segments_checksum(segments: tuple[Segment, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`bucket_checksum` of the bucket that ``tensors`` (one per segment) make up."""
-    total = bucket_checksum(tensors[0], offset=segments[0].start)
-    for seg, t in zip(segments[1:], tensors[1:], strict=True):
-        total += bucket_checksum(t, offset=seg.start)
-    return total
 
 
 # -- landing and verification ------------------------------------------------------------
@@ -353,20 +261,17 @@ def bucket_slices(manifest: RefitManifest, flat: torch.Tensor) -> Iterator[torch
 _CHECKSUM_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bucket_checksum(flat: torch.Tensor, chunk: int = 1 << 24, offset: int = 0) -> torch.Tensor:
+def bucket_checksum(flat: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     """Two int64 sums over the raw bits of ``flat``: plain and position-weighted.
 
     Bitwise: a flipped bit or two swapped elements change it. Returns a [2]
     int64 tensor on ``flat``'s device. Works in chunks to bound memory.
-    ``offset``: where ``flat`` starts in its bucket (the checksums of a bucket's
-    pieces at their offsets add up to the bucket's).
     """
     words = flat.reshape(-1).view(_CHECKSUM_INTS[flat.element_size()])
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, words.numel(), chunk):
         w = words[start : start + chunk].to(torch.int64)
-        pos = torch.arange(offset + start, offset + start + w.numel(), device=flat.device)
-        pos = pos % 65521 + 1
+        pos = torch.arange(start, start + w.numel(), device=flat.device) % 65521 + 1
         total[0] += w.sum()
         total[1] += (w * pos).sum()
     return total

@@ -191,11 +191,9 @@ class BucketGatherer:
                 max((p[-1].src_offset + _numel(p[-1].block[1]) if p else 0) for p in per_rank)
             )
         # Single rank: per (bucket, out buffer) the ready-made source/destination views.
-        self._copies: dict[tuple[int, int, frozenset[str]], _LocalCopies] = {}
+        self._copies: dict[tuple[int, int], _LocalCopies] = {}
 
-    def _copy_local(
-        self, index: int, parts: list[_Part], out: torch.Tensor, skip: frozenset[str]
-    ) -> None:
+    def _copy_local(self, index: int, parts: list[_Part], out: torch.Tensor) -> None:
         """Single rank: the "gather" is no collective, only the cast copies into ``out``.
 
         The views are built once per (bucket, buffer) and reused while the
@@ -205,11 +203,9 @@ class BucketGatherer:
         tensor, which matters most for the first bucket, packed while nothing
         is on the wire yet.
         """
-        if skip:
-            parts = [p for p in parts if p.name not in skip]
         locals_ = [_local(self.params[p.name]) for p in parts]
         ptrs = [t.data_ptr() for t in locals_]
-        key = (index, out.data_ptr(), skip)
+        key = (index, out.data_ptr())
         copies = self._copies.get(key)
         if copies is None or copies.ptrs != ptrs:
             if len(self._copies) > 4 * len(self.manifest.buckets):
@@ -227,38 +223,20 @@ class BucketGatherer:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fn(out, inp, group=self.group)
 
-    def direct_source(self, name: str) -> torch.Tensor | None:
-        """``name``'s storage when a refit can send it as is: one trainer rank holding it
-        whole, contiguous, in the refit dtype, on the trainer's device (else None)."""
-        if self.world != 1 or name in self.fallback:
-            return None
-        local = _local(self.params[name])
-        ok = (
-            local.dtype == self.manifest.torch_dtype
-            and local.device == self.device
-            and local.is_contiguous()
-        )
-        return local.detach() if ok else None
-
     @torch.no_grad()
-    def pack(
-        self, bucket: Bucket, out: torch.Tensor | None, skip: frozenset[str] = frozenset()
-    ) -> None:
+    def pack(self, bucket: Bucket, out: torch.Tensor | None) -> None:
         """Write ``bucket``'s full tensors, cast to ``out.dtype``, into ``out[:bucket.numel]``.
 
         Collective: every trainer rank calls it with the same bucket; ``out``
         is used on ``root`` only (others may pass None). Runs on the current
         CUDA stream; the collective's wait makes that stream (not the CPU) wait.
-        ``skip``: names the refit sends from :meth:`direct_source` (one rank only).
         """
-        if skip and self.world != 1:
-            raise ValueError("only a single trainer rank sends tensors from their own storage")
         dtype = self.manifest.torch_dtype
         is_root = self.rank == self.root
         if is_root and out is None:
             raise ValueError("the refit root must pass a bucket buffer to pack into")
         for slot in bucket.slots:  # same order on every rank: collectives stay matched
-            if slot.name in self.fallback and slot.name not in skip:
+            if slot.name in self.fallback:
                 p = self.params[slot.name].detach()
                 full = p.full_tensor() if isinstance(p, DTensor) else p
                 if is_root:
@@ -266,7 +244,7 @@ class BucketGatherer:
         parts = self._parts[bucket.index]
         if self.world == 1:
             if parts[0]:
-                self._copy_local(bucket.index, parts[0], out, skip)  # type: ignore[arg-type]
+                self._copy_local(bucket.index, parts[0], out)  # type: ignore[arg-type]
             return
         chunk = self._chunk_numel[bucket.index]
         if chunk == 0:

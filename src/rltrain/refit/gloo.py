@@ -7,10 +7,7 @@ bucket broadcasts are in flight at once: the sender packs bucket k+1 (which
 gathers FSDP/TP shards, see :mod:`rltrain.refit.gather`) while bucket k is on
 the wire, and a receiver loads bucket k into its model while bucket k+1
 arrives. A receiver bound to its engine's parameters receives straight into
-them (one flat tensor per bucket) instead of into reused buffers. With the
-manifest's ``direct_numel``, a bucket moves as one broadcast per segment
-(:func:`~rltrain.refit.base.bucket_segments`), and the tensors the trainer holds
-whole in the refit dtype are sent from their own storage instead of packed.
+them (one flat tensor per bucket) instead of into reused buffers.
 """
 
 from __future__ import annotations
@@ -27,13 +24,9 @@ from rltrain.refit.base import (
     RefitError,
     RefitManifest,
     RefitStats,
-    SourceTensor,
     bind_bucket_storage,
     bucket_checksum,
-    bucket_segments,
     check_checksums,
-    segment_tensors,
-    segments_checksum,
     unpack_bucket,
 )
 
@@ -69,12 +62,6 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
         ) from exc
 
 
-def wait_all(works: list[dist.Work], timeout_s: float, what: str) -> None:
-    """:func:`wait` for each of ``works`` (one bucket's broadcasts)."""
-    for work in works:
-        wait(work, timeout_s, what)
-
-
 def _replicas(world_size: int) -> str:
     return "rollout replica 0" if world_size == 2 else f"rollout replicas 0..{world_size - 2}"
 
@@ -100,43 +87,31 @@ class GlooRefitSender:
         self.buffers = [
             torch.empty(max_numel, dtype=manifest.torch_dtype) for _ in range(manifest.num_buffers)
         ]
-        self.segments = [bucket_segments(b, manifest.direct_numel) for b in manifest.buckets]
 
-    def send(
-        self, fill: FillBucket, weight_version: int, source: SourceTensor | None = None
-    ) -> RefitStats:
-        """Broadcast a header, every bucket (packed by ``fill``), then checksums if verifying.
-
-        ``source`` gives the tensors of the manifest's direct segments that need no
-        pack (see :func:`~rltrain.refit.base.segment_tensors`)."""
+    def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
+        """Broadcast a header, every bucket (packed by ``fill``), then checksums if verifying."""
         t0 = time.perf_counter()
         who = f"refit v{weight_version}: policy rank 0 waiting for {_replicas(self.world_size)}"
         header = torch.tensor([weight_version, self.manifest.total_numel], dtype=torch.int64)
         wait(broadcast(self.group, header), self.timeout_s, f"{who} (header)")
-        in_flight: list[list[dist.Work]] = [[] for _ in self.buffers]
+        in_flight: list[dist.Work | None] = [None] * len(self.buffers)
         checks: list[torch.Tensor] = []
         pack_s = 0.0
         for bucket in self.manifest.buckets:
             slot = bucket.index % len(self.buffers)
-            what = f"{who} (bucket {bucket.index - len(self.buffers)})"
-
-            def fill_after_wait(b, out, skip, slot=slot, what=what) -> None:
-                # The buffer may still be on the wire: wait before overwriting it.
-                wait_all(in_flight[slot], self.timeout_s, what)
-                in_flight[slot] = []
-                fill(b, out, skip)
-
+            prev = in_flight[slot]
+            if prev is not None:  # buffer still on the wire: wait before overwriting it
+                wait(prev, self.timeout_s, f"{who} (bucket {bucket.index - len(self.buffers)})")
             tp = time.perf_counter()
-            segments = self.segments[bucket.index]
-            tensors, _ = segment_tensors(
-                bucket, segments, self.buffers[slot], fill_after_wait, source
-            )
+            fill(bucket, self.buffers[slot])
+            flat = self.buffers[slot][: bucket.numel]
             pack_s += time.perf_counter() - tp
             if self.verify:
-                checks.append(segments_checksum(segments, tensors))
-            in_flight[slot] += [broadcast(self.group, t) for t in tensors]
-        for works in in_flight:
-            wait_all(works, self.timeout_s, f"{who} (last buckets)")
+                checks.append(bucket_checksum(flat))
+            in_flight[slot] = broadcast(self.group, flat)
+        for work in in_flight:
+            if work is not None:
+                wait(work, self.timeout_s, f"{who} (last buckets)")
         if self.verify:
             wait(broadcast(self.group, torch.stack(checks)), self.timeout_s, f"{who} (checksums)")
         return RefitStats(
@@ -172,7 +147,6 @@ class GlooRefitReceiver:
         ]
         self.landing: list[torch.Tensor] | None = None
         self._views: list[list[tuple[str, torch.Tensor]]] = []
-        self.segments = [bucket_segments(b, manifest.direct_numel) for b in manifest.buckets]
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Receive straight into ``params`` (CPU tensors of the refit dtype); see RefitReceiver."""
@@ -205,20 +179,17 @@ class GlooRefitReceiver:
             )
         buckets = self.manifest.buckets
         nbuf = self.manifest.num_buffers
-        posted: dict[int, list[dist.Work]] = {}
+        posted: dict[int, dist.Work] = {}
         got: list[torch.Tensor] = []
 
         def post(k: int) -> None:
             if k < len(buckets):
-                flat = self._target(k)
-                posted[k] = [
-                    broadcast(self.group, flat[seg.start : seg.end]) for seg in self.segments[k]
-                ]
+                posted[k] = broadcast(self.group, self._target(k))
 
         for k in range(min(nbuf, len(buckets))):
             post(k)
         for k, bucket in enumerate(buckets):
-            wait_all(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
+            wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
             flat = self._target(k)
             views = self._views[k] if self.landing is not None else unpack_bucket(bucket, flat)
             for name, tensor in views:

@@ -10,12 +10,8 @@ Sender pipeline, per bucket k (``num_buffers`` = B buffers, one CUDA stream each
     stream[k % B]:  wait broadcast k-B (frees the buffer) -> gather + cast + pack k
     NCCL stream:    wait pack k -> broadcast k
 
-so the gather/cast/pack of bucket k+1 runs while bucket k is on the wire. A
-bucket is one broadcast, or, with the manifest's ``direct_numel``, one NCCL group
-of broadcasts, one per segment (:func:`~rltrain.refit.base.bucket_segments`): a
-tensor the trainer already holds whole in the refit dtype goes on the wire from
-its own storage, with no pack copy competing with the broadcasts for memory
-bandwidth. The CPU only enqueues; it blocks once, at the end, on the last broadcasts, with
+so the gather/cast/pack of bucket k+1 runs while bucket k is on the wire. The
+CPU only enqueues; it blocks once, at the end, on the last broadcasts, with
 ``refit.timeout_s`` (the error names the side and rank that waited).
 
 A receiver bound to its engine's parameters owns one flat tensor per bucket
@@ -38,14 +34,10 @@ from rltrain.refit.base import (
     RefitError,
     RefitManifest,
     RefitStats,
-    SourceTensor,
     bind_bucket_storage,
     bucket_checksum,
-    bucket_segments,
     check_checksums,
     cuda_device,
-    segment_tensors,
-    segments_checksum,
     unpack_bucket,
 )
 from rltrain.refit.gloo import broadcast
@@ -87,14 +79,25 @@ def make_nccl_group(
     return group
 
 
+def auto_pack_sms(device: torch.device) -> int:
+    """``refit.pack_sms=null``: 3/8 of the GPU's SMs in whole groups of 8 (48 of an H100's
+    or H200's 132; 40-48 were the best of 24-64 in scripts/results/bench_refit-*.json)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(8, sms * 3 // 8 // 8 * 8)
+
+
 def pack_streams(device: torch.device, n: int, pack_sms: int | None) -> list[torch.cuda.Stream]:
-    """``n`` streams for the pack kernels; with ``pack_sms``, confined to that many SMs.
+    """``n`` streams for the pack kernels, confined to ``pack_sms`` SMs (0: all of them;
+    None: :func:`auto_pack_sms`, or all SMs without a word where green contexts are missing).
 
     The cast of the next bucket competes with the broadcast of the current one
     for memory bandwidth; confined to a CUDA green context of ``pack_sms`` SMs it
     runs slower but steadier and leaves the NCCL kernels the rest. With a green
     context, one stream serves every buffer (the pipeline is in order anyway).
     """
+    auto = pack_sms is None
+    if auto:
+        pack_sms = auto_pack_sms(device)
     if not pack_sms:
         return [torch.cuda.Stream(device) for _ in range(n)]
     try:
@@ -109,11 +112,12 @@ def pack_streams(device: torch.device, n: int, pack_sms: int | None) -> list[tor
             finally:
                 ctx.pop_context()
     except (ImportError, RuntimeError, TypeError) as exc:  # no green contexts in this build/driver
-        warnings.warn(
-            f"refit.pack_sms={pack_sms}: CUDA green contexts are unavailable ({exc}); "
-            "the refit packs on all SMs (set refit.pack_sms=null to silence this)",
-            stacklevel=2,
-        )
+        if not auto:
+            warnings.warn(
+                f"refit.pack_sms={pack_sms}: CUDA green contexts are unavailable ({exc}); "
+                "the refit packs on all SMs (set refit.pack_sms=0 to silence this)",
+                stacklevel=2,
+            )
         return [torch.cuda.Stream(device) for _ in range(n)]
     _GREEN_CONTEXTS.append(ctx)  # the stream lives as long as its context
     return [stream] * n
@@ -138,22 +142,6 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
             )
         time.sleep(0)  # yield the core, stay responsive
     work.wait()  # orders the current stream after it and raises a communicator error
-
-
-def broadcast_group(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> dist.Work:
-    """Broadcast ``tensors`` from group rank 0 as one NCCL group (one launch); one work for all."""
-    if len(tensors) == 1:
-        return broadcast(group, tensors[0])
-    try:
-        group._start_coalescing()
-    except TypeError:  # a torch whose binding takes the device
-        group._start_coalescing(tensors[0].device)
-    for t in tensors:
-        broadcast(group, t)
-    try:
-        return group._end_coalescing()
-    except TypeError:
-        return group._end_coalescing(tensors[0].device)
 
 
 def _replicas(world_size: int) -> str:
@@ -187,15 +175,9 @@ class NcclRefitSender:
             torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device) for _ in range(n)
         ]
         self.streams = pack_streams(self.device, n, pack_sms)
-        self.segments = [bucket_segments(b, manifest.direct_numel) for b in manifest.buckets]
 
-    def send(
-        self, fill: FillBucket, weight_version: int, source: SourceTensor | None = None
-    ) -> RefitStats:
-        """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums.
-
-        ``source`` gives the tensors of the manifest's direct segments that need no
-        pack (see :func:`~rltrain.refit.base.segment_tensors`)."""
+    def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
+        """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums."""
         t0 = time.perf_counter()
         who = f"refit v{weight_version}: policy rank 0 waiting for {_replicas(self.world_size)}"
         header = torch.tensor(
@@ -207,31 +189,20 @@ class NcclRefitSender:
         for s in self.streams:  # the weights were last written on the main stream (optimizer step)
             s.wait_stream(main)
         in_flight: list[dist.Work | None] = [None] * len(self.buffers)
-        extra: list[dist.Work] = []  # buckets sent without their buffer
         checks: list[torch.Tensor] = []
         for bucket in self.manifest.buckets:
             slot = bucket.index % len(self.buffers)
-            segments = self.segments[bucket.index]
             with torch.cuda.stream(self.streams[slot]):
                 prev = in_flight[slot]
-
-                def fill_after_wait(b, out, skip, prev=prev) -> None:
-                    if prev is not None:
-                        prev.wait()  # this stream (not the CPU) waits until the buffer left
-                    fill(b, out, skip)
-
-                tensors, packed = segment_tensors(
-                    bucket, segments, self.buffers[slot], fill_after_wait, source
-                )
+                if prev is not None:
+                    prev.wait()  # this stream (not the CPU) waits until the buffer left
+                fill(bucket, self.buffers[slot])
+                flat = self.buffers[slot][: bucket.numel]
                 if self.verify:
-                    checks.append(segments_checksum(segments, tensors))
+                    checks.append(bucket_checksum(flat))
                 # Issued under this stream: the NCCL stream waits for the pack above.
-                work = broadcast_group(self.group, tensors)
-                if packed or prev is None:  # an unused buffer stays held by its last broadcast
-                    in_flight[slot] = work
-                else:
-                    extra.append(work)
-        for work in [*extra, *in_flight]:
+                in_flight[slot] = broadcast(self.group, flat)
+        for work in in_flight:
             if work is not None:
                 wait(work, self.timeout_s, f"{who} (last buckets)")
         for s in self.streams:
@@ -274,7 +245,6 @@ class NcclRefitReceiver:
         ]
         self.landing: list[torch.Tensor] | None = None
         self._views: list[list[tuple[str, torch.Tensor]]] = []
-        self.segments = [bucket_segments(b, manifest.direct_numel) for b in manifest.buckets]
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Receive straight into ``params`` (see RefitReceiver.bind)."""
@@ -312,9 +282,7 @@ class NcclRefitReceiver:
 
         def post(k: int) -> None:
             if k < len(buckets):
-                flat = self._target(k)
-                parts = [flat[seg.start : seg.end] for seg in self.segments[k]]
-                posted[k] = broadcast_group(self.group, parts)
+                posted[k] = broadcast(self.group, self._target(k))
 
         # Post the first receives before reading the header, so the sender's first
         # bucket does not wait for this CPU to parse it.

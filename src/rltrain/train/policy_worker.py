@@ -16,7 +16,7 @@ from rltrain.algorithms.logprobs import chunked_token_logprobs
 from rltrain.algorithms.losses import clipped_pg_terms
 from rltrain.config.schema import RunConfig
 from rltrain.refit import RefitSender, make_refit_sender
-from rltrain.refit.base import DTYPE_BYTES, RefitManifest, RefitStats, plan_refit
+from rltrain.refit.base import RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, free_port, node_ip
@@ -170,25 +170,9 @@ class PolicyWorker(FSDPTrainer):
         """Names, shapes and bucket layout of every refit (same on all ranks)."""
         r = self.cfg.refit
         self.manifest = plan_refit(
-            self.param_shapes(),
-            self.cfg.precision.refit_dtype,
-            r.bucket_bytes,
-            r.num_buffers,
-            direct_numel=self._direct_numel(),
+            self.param_shapes(), self.cfg.precision.refit_dtype, r.bucket_bytes, r.num_buffers
         )
         return self.manifest
-
-    def _direct_numel(self) -> int | None:
-        """refit.direct_bytes in elements when this gang can send tensors from their own
-        storage (one rank, parameters in the refit dtype on the device), else None."""
-        r = self.cfg.refit
-        dtype = getattr(torch, self.cfg.precision.refit_dtype)
-        own = self.env.world_size == 1 and not self.cfg.dtensor.cpu_offload
-        if r.direct_bytes is None or not own:
-            return None
-        if any(p.dtype != dtype for p in self.model.parameters()):
-            return None
-        return max(1, r.direct_bytes // DTYPE_BYTES[dtype])
 
     def refit_endpoint(self) -> tuple[str, int]:
         """Address of the refit group's store (rank 0 hosts it)."""
@@ -219,8 +203,7 @@ class PolicyWorker(FSDPTrainer):
         deliver them to every replica (rank 0); other ranks return None."""
         assert self.manifest is not None and self.gatherer is not None, "init_refit first"
         if self.sender is not None:
-            source = self.gatherer.direct_source if self.manifest.direct_numel else None
-            return self.sender.send(self.gatherer.pack, weight_version, source)
+            return self.sender.send(self.gatherer.pack, weight_version)
         for bucket in self.manifest.buckets:
             self.gatherer.pack(bucket, None)
         return None
