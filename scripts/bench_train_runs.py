@@ -131,6 +131,29 @@ def profile_step(fn, device: torch.device, top: int = 25) -> dict:
     }
 
 
+class _GcTimer:
+    """Seconds spent in Python's full (generation 2) collections, per train() call."""
+
+    def __init__(self):
+        self.per_step: list[float] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.per_step:
+            self.per_step[-1] += time.perf_counter() - self._t0
+
+    def step(self) -> None:
+        self.per_step.append(0.0)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) -> dict:
     """Timed PolicyWorker.train steps on this rank's rows; tokens counted on this rank.
 
@@ -141,9 +164,11 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
     device = worker.device
     times, times_all = [], []
     real = float(batch.attention_mask_BT.sum())
+    gc_s = _GcTimer()
     for i in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
+        gc_s.step()
         metrics, _ = worker.train(batch, [batch.size])
         _sync(device)
         if i == 0:
@@ -161,6 +186,7 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
         "loss": metrics["loss"],
         "first_step_s": times_all[0],
         "steps_s": times_all,
+        "gc_full_collection_s": gc_s.per_step,
         "first_loss": first["loss"],
         "first_grad_norm": first["grad_norm"],
         "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
@@ -176,6 +202,7 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
             "optim.fused": cfg.optim.fused,
         },
     }
+    gc_s.close()
     if profile and device.type == "cuda":
         try:
             step = functools.partial(worker.train, batch, [batch.size])

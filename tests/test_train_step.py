@@ -316,3 +316,17 @@ def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
     _close(got["sync_weights"], ref, "dp2 grad_sync=step vs dp1")
     _close(got["sync_weights2"], ref2, "dp2 grad_sync=step vs dp1, second step")
     assert abs(got["sync_metrics"]["loss"] - metrics["loss"]) < 1e-6
+
+
+def test_first_step_freezes_the_long_lived_objects_and_shutdown_thaws_them():
+    """After the first optimizer step the objects alive are frozen out of Python's full
+    collections (gc.freeze); shutdown undoes it, so a process can build another worker."""
+    import gc
+
+    w = _worker(_cfg())
+    before = gc.get_freeze_count()
+    batch = mixed_batch(B=2, T=8, seed=3)
+    w.train(batch, [batch.size])
+    assert gc.get_freeze_count() > max(before, 1000)  # the model, optimizer, modules...
+    w.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -31,6 +31,12 @@ class TrainBatch:
     returns_BT: torch.Tensor | None = None
     old_values_BT: torch.Tensor | None = None
 
+    @classmethod
+    def empty(cls) -> TrainBatch:
+        """A zero-row batch: the source of an empty micro batch."""
+        z = torch.zeros((0, 1))
+        return cls(z.long(), z.long(), z, torch.zeros(0), z)
+
     @property
     def size(self) -> int:
         return self.input_ids_BT.shape[0]

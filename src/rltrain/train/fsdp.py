@@ -34,9 +34,11 @@ from rltrain.train.kernels import (
     apply_liger,
     attention_kwargs,
     compile_blocks,
+    freeze_gc_once,
     make_adamw,
     register_attention,
     resolve_speed_knobs,
+    unfreeze_gc,
 )
 from rltrain.train.metrics import MetricKind, StepMetrics
 from rltrain.train.optim import make_lr_scheduler, total_optimizer_steps
@@ -358,7 +360,7 @@ class FSDPTrainer:
         # set before the backward: a failed one leaves unreduced gradients for abort to drop
         self._deferred = defer or self._deferred
         if micro is None:
-            micro = self.make_micro_batch(_empty_batch(), [])
+            micro = self.make_micro_batch(TrainBatch.empty(), [])
         elif isinstance(micro, TrainBatch):
             micro = self.make_micro_batch(micro, list(range(micro.size)))
         else:
@@ -397,6 +399,7 @@ class FSDPTrainer:
         count = sequences if kind is MetricKind.SEQUENCE_MEAN else tokens
         grad_factor = self.loss_prescale * self.dp / max(count, 1.0)
         metrics.update(self.optimizer_step(grad_factor))
+        freeze_gc_once()  # the first step built the long-lived objects (compiled graphs)
         metrics["num_tokens"] = tokens
         metrics["num_sequences"] = sequences
         self._step = None
@@ -585,14 +588,9 @@ class FSDPTrainer:
         return meta
 
     def shutdown(self) -> None:
+        unfreeze_gc()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _empty_batch() -> TrainBatch:
-    """A zero-row batch: the source of an empty micro batch."""
-    z = torch.zeros((0, 1))
-    return TrainBatch(z.long(), z.long(), z, torch.zeros(0), z)
 
 
 def _hf_name(name: str) -> str:
