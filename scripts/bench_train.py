@@ -393,7 +393,7 @@ def main() -> None:
                     policy("packed_4x", tokens=4 * max_tokens),
                 ],
                 warmup=1,
-                steps=2,
+                steps=5,
                 timeout=args.compile_timeout,
             )
         ],
