@@ -17,7 +17,7 @@ phase at a time (single-GPU phases on GPU 0):
 * ``baseline_full`` - plain HF causal-LM loss + FSDP2 + AdamW, same rows, micro batch 2
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
   (2 x --max-tokens per micro batch) vs padded (micro batch 2, sdpa); packed with
-  4 x --max-tokens per micro batch as a variant
+  4 x --max-tokens per micro batch, and packed under flex attention, as variants
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
   re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
@@ -391,6 +391,12 @@ def main() -> None:
                     policy("packed", tokens=2 * max_tokens),
                     policy("padded", packing=False, micro=2, attention="sdpa"),
                     policy("packed_4x", tokens=4 * max_tokens),
+                    # flex: CUDA only
+                    *(
+                        []
+                        if smoke
+                        else [policy("packed_flex", tokens=2 * max_tokens, attention="flex")]
+                    ),
                 ],
                 warmup=1,
                 steps=5,

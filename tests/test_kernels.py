@@ -211,3 +211,106 @@ def test_auto_knobs_resolve_per_device_and_dp():
     )
     assert (w.reshard_after_forward, w.grad_sync) == (True, "micro_batch")
     w.shutdown()
+
+
+def _reference_varlen(gqa_keyword: bool):
+    """A plain-torch stand-in for torch.nn.attention.varlen.varlen_attn (CUDA-only there):
+    causal sdpa on each segment of the flattened rows. ``gqa_keyword``: the signature of
+    torch >= 2.11 (window_size, enable_gqa, scale); else torch 2.10's (is_causal only)."""
+    import torch.nn.functional as F
+
+    calls = []
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, causal, gqa, scale):
+        assert torch.equal(cu_q, cu_k) and max_q == max_k and causal
+        assert cu_q.dtype == torch.int32 and int(cu_q[-1]) == q.shape[0]
+        if k.shape[1] != q.shape[1]:
+            assert gqa, "fewer kv heads without enable_gqa"
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        bounds = cu_q.tolist()
+        assert max(b - a for a, b in zip(bounds, bounds[1:], strict=False)) == max_q
+        out = torch.empty_like(q)
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            seg = [t[a:b].transpose(0, 1) for t in (q, k, v)]
+            out[a:b] = F.scaled_dot_product_attention(*seg, is_causal=True, scale=scale).transpose(
+                0, 1
+            )
+        calls.append(len(bounds) - 1)
+        return out
+
+    if gqa_keyword:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+            return run(q, k, v, cu_q, cu_k, max_q, max_k, tuple(window_size) == (-1, 0),
+                       enable_gqa, scale)  # fmt: skip
+    else:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            return run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, False, None)
+
+    return varlen_attn, calls
+
+
+@pytest.mark.parametrize("gqa_keyword", [True, False], ids=["torch>=2.11", "torch2.10"])
+def test_varlen_attention_matches_the_masked_path(monkeypatch, gqa_keyword):
+    """train.attention=varlen (flash varlen on CUDA; a per-segment sdpa stand-in here): the
+    packed and padded logprobs and a train step's weights equal the 4-D mask path's."""
+    import torch.nn.attention.varlen as varlen_mod
+
+    import rltrain.train.fsdp as fsdp
+
+    batch = mixed_batch(B=7, T=12, seed=2)
+    out = {}
+    for kind in ("sdpa", "varlen"):
+        for packing in (True, False):
+            cfg = _cfg(**{"train.packing": packing, "train.max_tokens_per_micro_batch": 40,
+                          "train.micro_batch_size": 3, "train.causal_rows": False})  # fmt: skip
+            if kind == "varlen":
+                fake, calls = _reference_varlen(gqa_keyword)
+                monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+                monkeypatch.setattr(fsdp, "choose_attention", lambda cfg, device: "varlen")
+            w = _worker(cfg)
+            assert w.attention == kind
+            initial = _weights(w)
+            lp = w.compute_logprobs(batch)
+            w.train(batch, [batch.size])
+            out[kind, packing] = (lp, _weights(w))
+            w.shutdown()
+            if kind == "varlen":
+                assert calls and max(calls) > 1  # several segments per call: sequences kept apart
+            monkeypatch.undo()
+    for packing in (True, False):
+        (lp_ref, w_ref), (lp, w_var) = out["sdpa", packing], out["varlen", packing]
+        assert float(lp_ref.abs().sum()) > 0 and _moved(initial, w_ref) > 1e-3
+        torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=0)
+        for k in w_ref:
+            torch.testing.assert_close(w_var[k], w_ref[k], atol=1e-5, rtol=0)
+
+
+def test_varlen_boundaries_cut_sequences_padding_and_rows():
+    from rltrain.train.kernels import varlen_boundaries
+    from rltrain.train.packing import pack
+
+    batch = mixed_batch(B=5, T=12, seed=3)
+    micro = pack(batch, [0, 1, 2, 3, 4], True, 0, row_multiple=8, row_tokens=None)
+    cu, longest = varlen_boundaries(micro)
+    R, S = micro.seq_id_RS.shape
+    flat = micro.seq_id_RS.reshape(-1)
+    assert cu[0] == 0 and cu[-1] == R * S and cu == sorted(set(cu))
+    for a, b in zip(cu, cu[1:], strict=False):
+        assert len(set(flat[a:b].tolist())) == 1  # a segment is one sequence or one padding run
+        assert a // S == (b - 1) // S  # and never spans two rows
+    assert longest == max(b - a for a, b in zip(cu, cu[1:], strict=False))
+    assert sum(1 for a in cu[:-1] if flat[a] >= 0) == len(micro.rows)
+
+
+def test_varlen_needs_cuda_and_16_bit_compute():
+    cfg = tiny_config(**{"train.attention": "sdpa"})
+    cfg.train.attention = "varlen"
+    with pytest.raises(ConfigError, match="train.attention=varlen runs flash .* 16-bit"):
+        validate(cfg)  # the embedded default computes in fp32
+    cfg.cluster.device = "cpu"
+    with pytest.raises(ConfigError, match="train.attention=varlen needs CUDA"):
+        validate(cfg)

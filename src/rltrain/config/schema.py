@@ -56,8 +56,9 @@ class TrainConfig:
     # micro_batch_size is not used. false = padded rows of micro_batch_size.
     packing: bool = True
     max_tokens_per_micro_batch: int = 2048
-    # Attention kernel of the trainer: auto = flex on CUDA, sdpa on CPU.
-    attention: str = "auto"  # auto | sdpa | flex
+    # Attention kernel of the trainer for packed rows: auto = varlen (torch's flash varlen
+    # kernel) on CUDA with 16-bit compute, flex on CUDA otherwise, sdpa on CPU.
+    attention: str = "auto"  # auto | sdpa | flex | varlen
     # Positions per chunk when logprobs/entropy are formed from hidden states
     # (bounds the fp32 logits held at once to chunk x vocab).
     logprob_chunk_tokens: int = 1024

@@ -53,11 +53,16 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     if cfg.dtensor.grad_sync is not None:
         _choice("dtensor.grad_sync", cfg.dtensor.grad_sync, ("micro_batch", "step"))
-    _choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
-    if t.attention == "flex" and cfg.cluster.device == "cpu":
+    _choice("train.attention", t.attention, ("auto", "sdpa", "flex", "varlen"))
+    if t.attention in ("flex", "varlen") and cfg.cluster.device == "cpu":
         raise ConfigError(
-            "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
+            f"train.attention={t.attention} needs CUDA (no CPU kernel or backward); "
             "use train.attention=sdpa or auto on cluster.device=cpu."
+        )
+    if t.attention == "varlen" and cfg.precision.param_dtype == "float32":
+        raise ConfigError(
+            "train.attention=varlen runs flash attention, which needs 16-bit compute; "
+            "use precision=bf16 or fp16, or train.attention=flex."
         )
     _validate_speed(cfg)
     _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)

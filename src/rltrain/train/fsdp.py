@@ -33,10 +33,12 @@ from rltrain.train.distributed import DistEnv, init_distributed
 from rltrain.train.kernels import (
     apply_liger,
     attention_kwargs,
+    choose_attention,
     compile_blocks,
     freeze_gc_once,
     make_adamw,
     register_attention,
+    register_varlen_attention,
     resolve_speed_knobs,
     unfreeze_gc,
 )
@@ -184,23 +186,19 @@ class FSDPTrainer:
         return model
 
     def _set_attention(self, model: torch.nn.Module) -> None:
-        """Pick the attention kernel (``train.attention``): flex on CUDA, sdpa on CPU by default.
+        """Pick the attention kernel (``train.attention``, see :func:`choose_attention`).
 
-        Packed rows need a block-causal mask: a 4-D boolean mask under sdpa
-        (exact, dense), a BlockMask under flex (skips the masked blocks). The
-        model runs under one attention function that follows the mask it is
-        given, so rows holding one sequence can use causal sdpa either way.
+        Packed rows need sequences kept apart: a 4-D boolean mask under sdpa
+        (exact, dense), a BlockMask under flex (skips the masked blocks), the
+        sequences' boundaries under varlen (no mask). The model runs under one
+        attention function that follows what it is given, so rows holding one
+        sequence use causal sdpa in every case.
         """
-        choice = self.cfg.train.attention
-        if choice == "auto":
-            choice = "flex" if self.device.type == "cuda" else "sdpa"
-        if choice == "flex" and self.device.type != "cuda":
-            raise ValueError(
-                "train.attention=flex needs CUDA (flex_attention has no CPU backward); "
-                "use train.attention=sdpa or auto"
-            )
-        self.attention = choice
-        model.set_attn_implementation(register_attention())
+        self.attention = choose_attention(self.cfg, self.device)
+        varlen = self.attention == "varlen"
+        model.set_attn_implementation(
+            register_varlen_attention() if varlen else register_attention()
+        )
 
     @property
     def is_rank0(self) -> bool:
@@ -243,11 +241,11 @@ class FSDPTrainer:
 
     def make_micro_batch(self, batch: TrainBatch, rows: list[int]) -> MicroBatch:
         """``rows`` of ``batch`` laid out per ``train.packing``, on this rank's device."""
-        # flex: one row per micro batch (it skips the masked blocks), padded to a
+        # flex / varlen: one row per micro batch (masked pairs cost nothing), padded to a
         # multiple of its block size so few distinct shapes get compiled. sdpa
         # computes every query x key pair of a row, so there rows hold at most
         # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
-        flex = self.attention == "flex"
+        flex = self.attention in ("flex", "varlen")
         lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
         longest = max(lengths, default=2)
         if flex and self.cfg.train.causal_rows and len(set(lengths)) == 1:

@@ -1,6 +1,7 @@
 """Trainer speed options applied to a model before it is sharded: the attention
-dispatch (plain causal sdpa for rows that hold one sequence, a flex ``BlockMask``
-or a 4-D mask for packed rows), liger-kernel's Triton RMSNorm/SwiGLU/RoPE, per-block
+dispatch (plain causal sdpa for rows that hold one sequence; for packed rows a
+flex ``BlockMask``, a 4-D mask, or torch's flash varlen kernel over the
+sequences' boundaries), liger-kernel's Triton RMSNorm/SwiGLU/RoPE, per-block
 ``torch.compile`` and fused AdamW.
 
 Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every rank.
@@ -51,6 +52,129 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
+VARLEN_NAME = "rltrain_varlen"
+
+
+def varlen_available() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen`` (flash attention over packed
+    sequences, CUDA and 16-bit only)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _varlen_options() -> dict[str, bool]:
+    """Which keywords this torch's ``varlen_attn`` takes (torch 2.10 has ``is_causal``,
+    later ones ``window_size``; ``enable_gqa`` and ``scale`` came later still)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    return {k: k in params for k in ("window_size", "enable_gqa", "scale")}
+
+
+_VARLEN_OPTIONS: dict[str, bool] = {}
+
+
+def _varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one HF layer over packed rows with torch's flash varlen kernel.
+
+    ``cu_seq_lens_q`` / ``max_length_q`` (model forward keywords, see
+    :func:`attention_kwargs`) cut the flattened rows into sequences, each causal
+    on its own: no mask is built and no masked pair is computed. Without them (rows
+    that hold one sequence each, no padding) it is causal sdpa. Returns [B, S, H, D].
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, H, S, D = query.shape
+    q = query.transpose(1, 2).reshape(B * S, H, D)
+    k = key.transpose(1, 2).reshape(B * S, key.shape[1], D)
+    v = value.transpose(1, 2).reshape(B * S, value.shape[1], D)
+    opts = _VARLEN_OPTIONS
+    extra: dict[str, object] = {}
+    if opts["window_size"]:
+        extra["window_size"] = (-1, 0)  # causal
+    else:
+        extra["is_causal"] = True
+    if k.shape[1] != H:
+        if opts["enable_gqa"]:
+            extra["enable_gqa"] = True
+        else:  # older torch: the kv heads repeated for every query head of their group
+            k = k.repeat_interleave(H // k.shape[1], dim=1)
+            v = v.repeat_interleave(H // v.shape[1], dim=1)
+    if scaling is not None and opts["scale"]:
+        extra["scale"] = scaling
+    elif scaling is not None and abs(scaling - D**-0.5) > 1e-6:
+        raise ValueError(
+            f"train.attention=varlen: this torch's varlen_attn has no scale argument and the "
+            f"model scales by {scaling}, not 1/sqrt(head_dim); use train.attention=flex"
+        )
+    max_len = kwargs["max_length_q"]
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+    return out.view(B, S, H, D), None
+
+
+def register_varlen_attention() -> str:
+    """Register :func:`_varlen` with transformers under :data:`VARLEN_NAME` (idempotent).
+
+    No mask function is registered for it, so HF builds no mask at all: the
+    sequences' boundaries come in as ``cu_seq_lens_q`` instead."""
+    from transformers import AttentionInterface
+
+    _VARLEN_OPTIONS.update(_varlen_options())
+    AttentionInterface.register(VARLEN_NAME, _varlen)
+    return VARLEN_NAME
+
+
+def varlen_boundaries(micro: MicroBatch) -> tuple[list[int], int]:
+    """Cumulative boundaries of the segments of ``micro``'s flattened rows, and the longest.
+
+    Every sequence is a segment; so is each run of padding (it attends only to
+    itself and its outputs are never read), and every row starts a new segment.
+    Computed from the host-side layout, so no GPU sync.
+    """
+    R, S = micro.seq_id_RS.shape
+    cuts = {r * S for r in range(R)} | {R * S}
+    for row, start, length in zip(micro.seq_row, micro.seq_start, micro.seq_len, strict=True):
+        cuts.update((row * S + start, row * S + start + length))
+    cu = sorted(cuts)
+    return cu, max(b - a for a, b in zip(cu, cu[1:], strict=False))
+
+
+def choose_attention(cfg: RunConfig, device: torch.device) -> str:
+    """``train.attention`` resolved: ``auto`` = varlen on CUDA with 16-bit compute and a
+    torch that has it, else flex on CUDA, sdpa on CPU; explicit choices are checked."""
+    choice = cfg.train.attention
+    cuda = device.type == "cuda"
+    half = cfg.precision.param_dtype in ("bfloat16", "float16")
+    if choice == "auto":
+        if not cuda:
+            return "sdpa"
+        return "varlen" if half and varlen_available() else "flex"
+    if choice in ("flex", "varlen") and not cuda:
+        raise ValueError(
+            f"train.attention={choice} needs CUDA (no CPU kernel or backward); "
+            "use train.attention=sdpa or auto"
+        )
+    if choice == "varlen" and not (half and varlen_available()):
+        raise ValueError(
+            "train.attention=varlen needs torch.nn.attention.varlen (torch >= 2.10) and "
+            f"16-bit compute (precision.param_dtype is {cfg.precision.param_dtype}); "
+            "use train.attention=flex or auto"
+        )
+    return choice
+
+
 def one_sequence_per_row(micro: MicroBatch) -> bool:
     """True when every row of ``micro`` holds at most one sequence, starting at position 0.
 
@@ -70,10 +194,24 @@ def attention_kwargs(micro: MicroBatch, attention: str, causal_rows: bool) -> di
     ``is_causal``. Padded rows otherwise: the 2-D padding mask. Packed rows:
     position ids restart per sequence and the mask is block-causal (a flex
     ``BlockMask`` for ``attention="flex"``, else a 4-D boolean mask), since
-    position ids alone do not separate sequences under sdpa or flex.
+    position ids alone do not separate sequences under sdpa or flex. ``varlen``:
+    the segments' boundaries instead of a mask, for padded rows as well.
     """
     if causal_rows and one_sequence_per_row(micro):
         return {"attention_mask": None}
+    if attention == "varlen":  # padded rows too: sequences and padding runs are segments
+        cu, longest = varlen_boundaries(micro)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        if micro.seq_id_RS.device.type == "cuda":
+            cu_t = cu_t.pin_memory().to(micro.seq_id_RS.device, non_blocking=True)
+        return {
+            "attention_mask": None,
+            "position_ids": micro.position_ids_RS,
+            "cu_seq_lens_q": cu_t,
+            "cu_seq_lens_k": cu_t,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
     if not micro.packed:
         return {"attention_mask": micro.attention_mask_RS}
     seq = micro.seq_id_RS
