@@ -213,10 +213,10 @@ def test_auto_knobs_resolve_per_device_and_dp():
     w.shutdown()
 
 
-def _reference_varlen(gqa_keyword: bool):
+def _reference_varlen(torch_version: str):
     """A plain-torch stand-in for torch.nn.attention.varlen.varlen_attn (CUDA-only there):
-    causal sdpa on each segment of the flattened rows. ``gqa_keyword``: the signature of
-    torch >= 2.11 (window_size, enable_gqa, scale); else torch 2.10's (is_causal only)."""
+    causal sdpa on each segment of the flattened rows, with the keywords of that torch's
+    signature (2.10: is_causal; 2.11: window_size, scale; 2.13: also enable_gqa)."""
     import torch.nn.functional as F
 
     calls = []
@@ -239,12 +239,18 @@ def _reference_varlen(gqa_keyword: bool):
         calls.append(len(bounds) - 1)
         return out
 
-    if gqa_keyword:
+    if torch_version == "2.13":
 
         def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
                         window_size=(-1, -1), enable_gqa=False):  # fmt: skip
             return run(q, k, v, cu_q, cu_k, max_q, max_k, tuple(window_size) == (-1, 0),
                        enable_gqa, scale)  # fmt: skip
+    elif torch_version == "2.11":
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):  # fmt: skip
+            return run(q, k, v, cu_q, cu_k, max_q, max_k, tuple(window_size) == (-1, 0),
+                       False, scale)  # fmt: skip
     else:
 
         def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
@@ -253,8 +259,8 @@ def _reference_varlen(gqa_keyword: bool):
     return varlen_attn, calls
 
 
-@pytest.mark.parametrize("gqa_keyword", [True, False], ids=["torch>=2.11", "torch2.10"])
-def test_varlen_attention_matches_the_masked_path(monkeypatch, gqa_keyword):
+@pytest.mark.parametrize("torch_version", ["2.13", "2.11", "2.10"])
+def test_varlen_attention_matches_the_masked_path(monkeypatch, torch_version):
     """train.attention=varlen (flash varlen on CUDA; a per-segment sdpa stand-in here): the
     packed and padded logprobs and a train step's weights equal the 4-D mask path's."""
     import torch.nn.attention.varlen as varlen_mod
@@ -268,7 +274,7 @@ def test_varlen_attention_matches_the_masked_path(monkeypatch, gqa_keyword):
             cfg = _cfg(**{"train.packing": packing, "train.max_tokens_per_micro_batch": 40,
                           "train.micro_batch_size": 3, "train.causal_rows": False})  # fmt: skip
             if kind == "varlen":
-                fake, calls = _reference_varlen(gqa_keyword)
+                fake, calls = _reference_varlen(torch_version)
                 monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
                 monkeypatch.setattr(fsdp, "choose_attention", lambda cfg, device: "varlen")
             w = _worker(cfg)

@@ -66,8 +66,8 @@ def varlen_available() -> bool:
 
 
 def _varlen_options() -> dict[str, bool]:
-    """Which keywords this torch's ``varlen_attn`` takes (torch 2.10 has ``is_causal``,
-    later ones ``window_size``; ``enable_gqa`` and ``scale`` came later still)."""
+    """Which keywords this torch's ``varlen_attn`` takes (2.10: ``is_causal``; 2.11:
+    ``window_size`` and ``scale``; later: ``enable_gqa`` too)."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
