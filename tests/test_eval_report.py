@@ -18,7 +18,7 @@ from rltrain.cli import ALGORITHMS, app
 from rltrain.config.compose import group_options
 from rltrain.config.errors import ConfigError
 from rltrain.data import build_task
-from rltrain.models.loader import blocked_token_ids, check_model_available
+from rltrain.models.loader import blocked_token_ids
 from rltrain.rollout.base import SamplingParams
 from rltrain.rollout.torch_engine import TorchEngine
 from tests.conftest import tiny_config
@@ -178,32 +178,39 @@ def test_plan_reads_the_model_size_from_the_hf_cache(tmp_path, monkeypatch):
     )
 
 
-def test_model_availability_check(tmp_path, monkeypatch):
+def test_model_check_before_any_cluster(tmp_path, monkeypatch):
+    """The one start-up check of model.path / model.tokenizer (check_inputs): with the hub
+    out of reach, an id must be in the local HF cache; local folders must hold the files."""
     import huggingface_hub.constants
+
+    from rltrain.config.validate import check_inputs
+    from rltrain.models import source
 
     cache = tmp_path / "hub"
     cache.mkdir()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(source, "hub_reachable", lambda *a: False)
     cfg = tiny_config(**{"model": "qwen2.5-1.5b-instruct"})
     with pytest.raises(ConfigError) as err:
-        check_model_available(cfg)
+        check_inputs(cfg)
     msg = str(err.value)
-    assert (
-        "model.path='Qwen/Qwen2.5-1.5B-Instruct' is not a local folder and is not in the Hugging Face cache"
-        in msg
-    )
+    assert "model.path='Qwen/Qwen2.5-1.5B-Instruct' is not a local folder" in msg
     assert "HF_HOME" in msg and "model.path=/local/dir" in msg and str(cache) in msg
-    _fake_hf_cache(cache, "Qwen/Qwen2.5-1.5B-Instruct")
-    check_model_available(cfg)  # found in the cache: no error
-
+    qwen = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    _fake_hf_cache(cache, "Qwen/Qwen2.5-1.5B-Instruct", qwen)
+    check_inputs(cfg)  # found in the cache: no error
+    cfg.model.tokenizer = "acme/tokenizer-never-downloaded"
     with pytest.raises(
-        ConfigError, match=r"model.path='/no/such/dir' does not exist; set model.path=/local/dir"
+        ConfigError, match="model.tokenizer='acme/tokenizer-never-downloaded' is not a local"
     ):
-        check_model_available(tiny_config(**{"model.path": "/no/such/dir"}))
+        check_inputs(cfg)
+
+    with pytest.raises(ConfigError, match=r"model.path=/no/such/dir does not exist"):
+        check_inputs(tiny_config(**{"model.path": "/no/such/dir"}))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="is a folder without config.json"):
-        check_model_available(tiny_config(**{"model.path": str(tmp_path / "empty")}))
-    check_model_available(tiny_config())  # the embedded model needs nothing
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_inputs(tiny_config(**{"model.path": str(tmp_path / "empty")}))
+    check_inputs(tiny_config())  # the embedded model needs nothing
 
 
 def test_recipe_with_missing_model_exits_2_before_any_cluster(tmp_path, monkeypatch):

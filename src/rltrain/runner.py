@@ -150,11 +150,10 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         place(role_bundles(plan, cfg.cluster), local_nodes(cfg.cluster))
     if cfg.cluster.mode == "ray":
         check_reachable(cfg.cluster)
-    # Inputs next (model on disk, data rows, reward.fn importable): exit 2 before Ray starts.
+    # Inputs next (tokenizer, data rows, reward.fn importable): exit 2 before Ray starts.
     from rltrain.data import build_task
-    from rltrain.models.loader import check_model_available, load_tokenizer
+    from rltrain.models.loader import load_tokenizer
 
-    check_model_available(cfg)
     tokenizer = load_tokenizer(cfg)
     task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     run_name, out = resolve_output_dir(cfg)

@@ -78,10 +78,11 @@ def evaluate_model(cfg: RunConfig) -> dict[str, float]:
     ConfigError for a missing model, bad data or an empty validation split.
     """
     from rltrain.config.errors import ConfigError
+    from rltrain.config.validate import check_inputs
     from rltrain.data import build_task
-    from rltrain.models.loader import check_model_available, load_tokenizer
+    from rltrain.models.loader import load_tokenizer
 
-    check_model_available(cfg)
+    check_inputs(cfg)
     tokenizer = load_tokenizer(cfg)
     task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     if not task.validation():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 from transformers import (
@@ -103,46 +102,3 @@ def blocked_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> lis
             )
         ids.append(vocab[tok])
     return ids
-
-
-def _looks_local(name: str) -> bool:
-    return name.startswith(("/", ".", "~")) or name.count("/") != 1
-
-
-def check_model_available(cfg: RunConfig) -> None:
-    """Raise ConfigError unless model.path (and model.tokenizer) is a local folder or in the HF cache.
-
-    Called before any cluster starts (planning does not call it: a plan may
-    describe a model that is not on this machine). Never touches the network.
-    """
-    if cfg.model.path is None:
-        return
-    checks = [("model.path", cfg.model.path, "config.json")]
-    if cfg.model.tokenizer is not None:
-        checks.append(("model.tokenizer", cfg.model.tokenizer, "tokenizer_config.json"))
-    for key, name, marker in checks:
-        folder = Path(name).expanduser()
-        if folder.is_dir():
-            if not (folder / marker).is_file():
-                raise ConfigError(
-                    f"{key}='{name}' is a folder without {marker}; point {key} at a Hugging Face "
-                    "model folder (config.json, tokenizer files, *.safetensors)."
-                )
-            continue
-        if _looks_local(name):
-            raise ConfigError(
-                f"{key}='{name}' does not exist; set {key}=/local/dir to a downloaded model folder."
-            )
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        try:
-            hit = try_to_load_from_cache(name, marker)
-        except Exception:  # noqa: BLE001 - an invalid repo id is a config error
-            hit = None
-        if not isinstance(hit, str):
-            raise ConfigError(
-                f"{key}='{name}' is not a local folder and is not in the Hugging Face cache "
-                f"({HF_HUB_CACHE}); download it where there is network (hf download {name}) and "
-                f"point HF_HOME at that cache, or set {key}=/local/dir."
-            )

@@ -93,13 +93,23 @@ def _hub_config(key: str, repo_id: str) -> Path:
                 f"{key}='{repo_id}': its config.json could not be fetched from the HF hub "
                 f"({type(exc).__name__}); check the id or give a local folder."
             ) from exc
-    cached = hf.try_to_load_from_cache(repo_id, "config.json")
+    return _cached(key, repo_id, "config.json")
+
+
+def _cached(key: str, repo_id: str, filename: str) -> Path:
+    """``filename`` of a hub id from the local HF cache (the hub cannot be reached)."""
+    import huggingface_hub as hf
+
+    try:
+        cached = hf.try_to_load_from_cache(repo_id, filename)
+    except Exception:  # noqa: BLE001 - an invalid repo id reads as not cached
+        cached = None
     if isinstance(cached, str):
         return Path(cached)
     raise ConfigError(
         f"{key}='{repo_id}' is not a local folder, the HF hub cannot be reached and the id is not in "
         f"the local HF cache ({hf.constants.HF_HUB_CACHE}); download it on a connected machine "
-        "or give a local folder."
+        f"(hf download {repo_id}) and point HF_HOME at that cache, or set {key}=/local/dir."
     )
 
 
@@ -134,8 +144,11 @@ def check_model_source(path: str, key: str = "model.path") -> None:
 
 
 def check_tokenizer_source(name: str, key: str = "model.tokenizer") -> None:
-    """A local tokenizer folder must exist and hold tokenizer files; hub ids are left to loading."""
+    """A local tokenizer folder must exist and hold tokenizer files; a hub id must be in the
+    local HF cache when the hub cannot be reached (else it is left to loading)."""
     if not looks_local(name):
+        if not hub_reachable():
+            _cached(key, name, "tokenizer_config.json")
         return
     folder = Path(name).expanduser()
     if not folder.is_dir():

@@ -83,10 +83,11 @@ def check_inputs(cfg: RunConfig, checked: dict[str, None]) -> None:
     key = repr((cfg.model.path, cfg.model.tokenizer, cfg.model.tiny, asdict(cfg.data), cfg.reward))
     if key in checked:
         return
+    from rltrain.config.validate import check_inputs as check_model_inputs
     from rltrain.data import build_task
-    from rltrain.models.loader import check_model_available, load_tokenizer
+    from rltrain.models.loader import load_tokenizer
 
-    check_model_available(cfg)
+    check_model_inputs(cfg)
     try:
         tokenizer = load_tokenizer(cfg)
     except ConfigError:
