@@ -7,8 +7,8 @@ phase at a time (single-GPU phases on GPU 0):
 
 * ``policy_full``  - PolicyWorker.train on full 4096-token rows (8 rows, 8192 tokens per micro batch):
   ``bf16`` is the shipped default (on CUDA: compiled decoder blocks and logprob head,
-  causal sdpa for one-sequence rows, fused AdamW, blocks kept gathered from forward to
-  backward and gradients reduced once per step at dp=1); ``eager`` without compile;
+  causal sdpa for one-sequence rows, fused AdamW; at dp=1 blocks kept gathered through
+  the step's micro batches and gradients reduced once per step); ``eager`` without compile;
   ``reshard`` re-gathers blocks in backward; ``sync_micro_batch`` reduces gradients
   after every micro batch. One profiled step of the default follows (``profile``:
   time per kernel class, top kernels). ``policy_full_expandable``: the default with

@@ -245,20 +245,20 @@ class FSDPTrainer:
         # multiple of its block size so few distinct shapes get compiled. sdpa
         # computes every query x key pair of a row, so there rows hold at most
         # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
-        flex = self.attention in ("flex", "varlen")
+        one_row = self.attention in ("flex", "varlen")
         lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
         longest = max(lengths, default=2)
-        if flex and self.cfg.train.causal_rows and len(set(lengths)) == 1:
+        if one_row and self.cfg.train.causal_rows and len(set(lengths)) == 1:
             # Equal lengths (full rows, or one sequence alone): one sequence per row,
             # no padding, and causal sdpa instead of a block mask.
-            flex = False
+            one_row = False
         return pack(
             batch,
             rows,
             self.cfg.train.packing,
             self.tokenizer.pad_token_id,
-            row_multiple=128 if flex else 1,
-            row_tokens=None if flex else longest,
+            row_multiple=128 if one_row else 1,
+            row_tokens=None if one_row else longest,
         ).to(self.device)
 
     # -- forward ------------------------------------------------------------------
