@@ -69,7 +69,7 @@ def model_config(smoke: bool) -> RunConfig:
         "bfloat16",
         "bfloat16",
     )
-    cfg.refit.timeout_s = 20.0 if smoke else 120.0
+    cfg.refit.timeout_s = 20.0 if smoke else 30.0
     return cfg
 
 
@@ -112,6 +112,54 @@ def _engine_flat(engine, manifest) -> torch.Tensor:
     return torch.cat(
         [params[s.name].detach().reshape(-1) for b in manifest.buckets for s in b.slots]
     )
+
+
+def kernel_timeline(prof) -> dict:
+    """The GPU kernels of one profiled refit: NCCL kernels one by one, the others (the
+    pack) as merged busy intervals; the CPU's top-level ops in order (up to 60) and
+    their time by name. Milliseconds from the first kernel."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CUDA
+    )
+    if not kernels:
+        return {}
+    t0 = kernels[0][0]
+    nccl = [
+        [round((a - t0) / 1e3, 4), round((b - t0) / 1e3, 4), n[:40]]
+        for a, b, n in kernels
+        if "nccl" in n.lower()
+    ]
+    busy: list[list[float]] = []
+    for a, b, n in kernels:
+        if "nccl" in n.lower():
+            continue
+        a, b = (a - t0) / 1e3, (b - t0) / 1e3
+        if busy and a <= busy[-1][1] + 0.005:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    top = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CPU and e.cpu_parent is None
+    )
+    by_name: dict[str, float] = {}
+    for a, b, n in top:
+        by_name[n[:40]] = by_name.get(n[:40], 0.0) + (b - a) / 1e3
+    return {
+        "nccl": nccl,
+        "other_busy": [[round(a, 4), round(b, 4)] for a, b in busy],
+        "other_total_ms": round(sum(b - a for a, b in busy), 4),
+        "cpu_ops": [
+            [round((a - t0) / 1e3, 4), round((b - a) / 1e3, 4), n[:40]] for a, b, n in top[:60]
+        ],
+        "cpu_ms_by_op": {k: round(v, 4) for k, v in sorted(by_name.items(), key=lambda x: -x[1])},
+    }
 
 
 def run(rank: int, args, ports: list[int], out_dir: str) -> None:
@@ -165,6 +213,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             NcclRefitSender,
             auto_pack_sms,
             make_nccl_group,
+            make_nccl_groups,
         )
 
         group = make_nccl_group(HOST, ports[1], rank, 2, timeout, device)
@@ -186,6 +235,14 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     def raw_broadcast() -> float:
         buf = torch.ones(num_params, dtype=dtype, device=device)
         runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
+        if cuda and args.trace:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                timer.time(lambda: broadcast(group, buf).wait())
+            Path(out_dir, f"trace-raw-rank{rank}.json").write_text(
+                json.dumps(kernel_timeline(prof))
+            )
         return statistics.median(runs[2:])
 
     raw_s = raw_broadcast()
@@ -230,7 +287,10 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "ipc_ratio": "one device-to-device copy of the model's bf16 size / IPC refit time (same GPU)",
             "timing": f"median of {args.repeats} refits after one warm-up; barrier before, receiver sync + ack after",
             "copy_numel": "tensors of at least this many elements are cast with their own copy_, "
-            "smaller ones with one _foreach_copy_ per bucket (single trainer rank)",
+            "smaller ones with one _foreach_copy_ per bucket (null: all of them in that one "
+            "_foreach_copy_; single trainer rank)",
+            "sender_cpu_ms": "the sending CPU: when the first broadcast / every broadcast was "
+            "enqueued and when the refit completed, from the start of send() (median)",
             "ctas": "CTAs (channels) of the refit NCCL communicator (null: NCCL's choice)",
             "first_bucket_bytes": "size of the small first bucket (null: none)",
         },
@@ -242,43 +302,54 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         if rank == 0:
             Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
 
-    groups: dict[int | None, dist.ProcessGroup] = {None: group}
+    groups: dict[tuple[int | None, int], list[dist.ProcessGroup]] = {(None, 1): [group]}
     next_port = iter(ports[2:-1])
 
-    def group_for(ctas: int | None) -> dist.ProcessGroup:
-        if ctas not in groups:
+    def groups_for(ctas: int | None, lanes: int) -> list[dist.ProcessGroup]:
+        if (ctas, lanes) not in groups:
             port = next(next_port)
-            groups[ctas] = make_nccl_group(HOST, port, rank, 2, timeout, device, ctas=ctas)
-        return groups[ctas]
+            groups[ctas, lanes] = make_nccl_groups(
+                HOST, port, rank, 2, timeout, device, lanes, ctas=ctas
+            )
+        return groups[ctas, lanes]
 
     def measure(
         bucket_bytes: int,
         num_buffers: int,
-        copy_numel: int = 1 << 20,
+        copy_numel: int | None = None,
         ctas: int | None = None,
         first_bucket_bytes: int | None | str = "default",
         pack: bool = True,
         ramp: bool = True,
         pack_sms: int | None = None,
+        lanes: int = 1,
+        trace: str | None = None,
+        growth: float | None = None,
     ) -> dict:
-        if first_bucket_bytes == "default":
-            manifest = plan_refit(shapes, "bfloat16", bucket_bytes, num_buffers, ramp)
+        if first_bucket_bytes == "default":  # plan_refit's choice
             first_bucket_bytes = bucket_bytes // 8
-        else:
-            manifest = plan_buckets(
-                shapes, "bfloat16", bucket_bytes, num_buffers, first_bucket_bytes, ramp
-            )
+        manifest = plan_buckets(
+            shapes,
+            "bfloat16",
+            bucket_bytes,
+            num_buffers,
+            first_bucket_bytes,
+            ramp,
+            **({} if growth is None else {"growth": growth}),  # None: plan_buckets' default
+        )
         if cuda:
-            g = group_for(ctas)
+            gs = groups_for(ctas, lanes)
             ok = torch.ones(1, device=device)
             sender = receiver = None
             try:
                 if rank == 0:
                     sender = NcclRefitSender(
-                        manifest, HOST, 0, 2, timeout, device, group=g, pack_sms=pack_sms
+                        manifest, HOST, 0, 2, timeout, device, groups=gs, pack_sms=pack_sms
                     )
                 else:
-                    receiver = NcclRefitReceiver(manifest, HOST, 0, 1, 2, timeout, device, group=g)
+                    receiver = NcclRefitReceiver(
+                        manifest, HOST, 0, 1, 2, timeout, device, groups=gs
+                    )
             except Exception:
                 ok.zero_()
                 print(f"rank {rank}: building the refit ends failed:\n{traceback.format_exc()}")
@@ -299,11 +370,11 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         if rank == 0:
             gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
             fill = gatherer.pack if pack else (lambda bucket, out: None)
-        times = []
+        times, cpu = [], []
         for k in range(args.repeats + 1):  # the first refit warms up
             step_weights(k)
             if rank == 0:
-                seconds = timer.time(lambda k=k: sender.send(fill, 100 + k))
+                seconds = timer.time(lambda k=k: cpu.append(sender.send(fill, 100 + k).extra))
             else:
                 seconds = timer.time(engine.refit_receive)
                 assert engine.weight_version() == 100 + k
@@ -311,6 +382,20 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
                 check_equal(manifest)
             if k:
                 times.append(seconds)
+        if (
+            trace and args.trace and cuda
+        ):  # one more refit under the profiler: the kernels' timeline per rank
+            from torch.profiler import ProfilerActivity, profile
+
+            step_weights(args.repeats + 1)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                if rank == 0:
+                    timer.time(lambda: sender.send(fill, 99))
+                else:
+                    timer.time(engine.refit_receive)
+            Path(out_dir, f"trace-{trace}-rank{rank}.json").write_text(
+                json.dumps(kernel_timeline(prof))
+            )
         s = statistics.median(times)
         row = {
             "bucket_bytes": bucket_bytes,
@@ -321,6 +406,8 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "first_bucket_bytes": first_bucket_bytes,
             "first_bucket_tensors": len(manifest.buckets[0].slots),
             "ramp": ramp,
+            "growth": growth,
+            "lanes": lanes,
             "pack_sms": pack_sms if pack_sms is not None or not cuda else auto_pack_sms(device),
             "bucket_mib": [round(b.numel * 2 / MiB) for b in manifest.buckets],
             "seconds": s,
@@ -328,17 +415,24 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "GBps": total_bytes / s / 1e9,
             "runs": times,
         }
+        if cpu and cpu[-1]:  # the sender's CPU: when the first / every broadcast was enqueued
+            row["sender_cpu_ms"] = {
+                key: round(statistics.median(c[key] for c in cpu[1:]) * 1e3, 4) for key in cpu[-1]
+            }
         if not pack:
             row["note"] = "broadcast of the buckets only (no gather/cast/pack; weights not checked)"
         log(
             f"refit {bucket_bytes // MiB:5d} MiB x {num_buffers} copy>={copy_numel} ctas={ctas} "
-            f"first={first_bucket_bytes} pack={pack} ramp={ramp} sms={pack_sms}: {s * 1e3:7.2f} ms "
+            f"first={first_bucket_bytes} pack={pack} ramp={ramp}x{growth} sms={pack_sms} lanes={lanes}: "
+            f"{s * 1e3:7.2f} ms "
             f"ratio {raw_s / s:.3f} ({len(manifest.buckets)} buckets)"
         )
         return row
 
     def part(name: str, fn) -> None:
         """Run one part; an error is recorded (both ranks keep going where they can)."""
+        if args.parts and name not in args.parts.split(","):
+            return
         try:
             fn()
         except Exception:
@@ -348,7 +442,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
 
     # 2. end-to-end refit at the defaults, then the grid and the variants.
     def run_default() -> None:
-        row = measure(default.bucket_bytes, default.num_buffers)
+        row = measure(default.bucket_bytes, default.num_buffers, trace="default")
         result["default"] = {**row}
         result["summary"] = {
             "ratio_default": raw_s / row["seconds"],
@@ -357,6 +451,34 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         }
 
     part("default", run_default)
+
+    # 2a. the raw buffer cut into k equal broadcasts, on one NCCL lane or alternating over two:
+    # the cost of cutting a refit into buckets, without any pack.
+    def run_chunked() -> None:
+        if not cuda:
+            return
+        buf = torch.ones(num_params, dtype=dtype, device=device)
+        rows = []
+        for lanes in (1, 2):
+            gs = groups_for(None, lanes)
+            for k in (1, 2, 4, 8, 16):
+                chunks = buf.chunk(k)
+
+                def go(chunks=chunks, gs=gs) -> None:
+                    works = [broadcast(gs[i % len(gs)], c) for i, c in enumerate(chunks)]
+                    for w in works:
+                        w.wait()
+
+                runs = [timer.time(go) for _ in range(args.repeats + 1)]
+                sec = statistics.median(runs[1:])
+                rows.append({"lanes": lanes, "chunks": k, "seconds": sec, "ratio": raw_s / sec})
+                log(
+                    f"chunked broadcast {k:2d} x lanes={lanes}: {sec * 1e3:.2f} ms {raw_s / sec:.3f}"
+                )
+        result["chunked_broadcast"] = rows
+        del buf
+
+    part("chunked", run_chunked)
     sizes = [1 * MiB, 4 * MiB] if tiny else [64 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB]
 
     def run_grid() -> None:
@@ -376,22 +498,27 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             {"pack": False},
             {"pack": False, "ramp": False},
             {"ramp": False},
-            {"bucket_bytes": 512 * MiB, "ramp": False},
-            {"copy_numel": 2**62},
+            {"growth": 2.0},
+            {"copy_numel": 1 << 20},
             {"num_buffers": 3},
+            {"num_buffers": 4},
+            {"first_bucket_bytes": 8 * MiB},
+            {"first_bucket_bytes": 32 * MiB},
         ]
         if cuda:
             todo += [
+                {"lanes": 2},
+                {"lanes": 2, "pack": False},
+                {"lanes": 2, "num_buffers": 3},
                 {"pack_sms": 0},
-                {"pack_sms": 24},
                 {"pack_sms": 32},
                 {"pack_sms": 40},
                 {"pack_sms": 56},
                 {"pack_sms": 64},
+                {"bucket_bytes": 256 * MiB, "num_buffers": 4},
                 {"bucket_bytes": 1024 * MiB},
                 {"ctas": 16},
                 {"ctas": 24},
-                {"ctas": 64},
             ]
         for v in todo:
             kw = {"bucket_bytes": b, "num_buffers": nb, **v}
@@ -407,7 +534,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
         out = torch.empty(max(b.numel for b in manifest.buckets), dtype=dtype, device=device)
         rows = {}
-        for copy_numel in (1 << 20, 2**62):
+        for copy_numel in (None, 1 << 20):
             gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
             runs, gpu = [], []
             for _ in range(args.repeats + 1):
@@ -497,9 +624,10 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     if cuda:
         part("ipc", run_ipc)
     save()
-    for g in groups.values():
-        if hasattr(g, "shutdown"):
-            g.shutdown()
+    for gs in groups.values():
+        for g in gs:
+            if hasattr(g, "shutdown"):
+                g.shutdown()
     if rank == 0:
         worker.shutdown()
 
@@ -511,13 +639,25 @@ def main() -> None:
         "--tiny", action="store_true", help="tiny shapes on the GPUs (a quick check)"
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="profile one extra refit of some parts and save the kernel timelines under "
+        "'traces' (the profiler slows later launches: not for the published figures)",
+    )
+    parser.add_argument(
+        "--parts",
+        default="",
+        help="comma-separated parts to run (default: all): "
+        "default,chunked,grid,variants,pack_only,ipc",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "scripts/results"))
     args = parser.parse_args()
     if not args.smoke and torch.cuda.device_count() < 2:
         sys.exit("error: scripts/bench_refit.py needs 2 GPUs; use --smoke on a CPU machine.")
     from rltrain.train.distributed import free_port
 
-    ports = [free_port() for _ in range(16)]
+    ports = [free_port() for _ in range(40)]
     tmp = Path(args.out) / ".bench_refit_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     failed = None
@@ -532,6 +672,8 @@ def main() -> None:
     )  # what was measured, even after a failure
     if failed:
         result["errors"]["process"] = failed[-3000:]
+    for p in sorted(tmp.glob("trace-*.json")):  # kernel timelines, one per rank and traced part
+        result.setdefault("traces", {})[p.stem.removeprefix("trace-")] = json.loads(p.read_text())
     name = "cpu-smoke" if args.smoke else result["device"].replace(" ", "-").lower()
     if args.tiny and not args.smoke:
         name += "-tiny"

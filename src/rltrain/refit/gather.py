@@ -96,6 +96,7 @@ class _Part:
 class _LocalCopies:
     """Cached destination/source views of one bucket on a single rank."""
 
+    params: list[torch.Tensor]  # the parameters whose storage the views read
     ptrs: list[int]
     large: list[tuple[torch.Tensor, torch.Tensor]]
     small_dst: list[torch.Tensor]
@@ -105,21 +106,33 @@ class _LocalCopies:
     def build(
         cls,
         parts: list[_Part],
-        locals_: list[torch.Tensor],
+        params: list[torch.Tensor],
         out: torch.Tensor,
-        ptrs: list[int],
-        copy_numel: int,
+        copy_numel: int | None,
     ) -> _LocalCopies:
+        locals_ = [_local(p) for p in params]
         large, small_dst, small_src = [], [], []
         for part, local in zip(parts, locals_, strict=True):
             dst = out[part.slot_offset : part.slot_offset + _numel(part.shape)]
             src = local.reshape(-1)
-            if dst.numel() >= copy_numel:
+            if copy_numel is not None and dst.numel() >= copy_numel:
                 large.append((dst, src))
             else:
                 small_dst.append(dst)
                 small_src.append(src)
-        return cls(ptrs, large, small_dst, small_src)
+        return cls(params, [t.data_ptr() for t in locals_], large, small_dst, small_src)
+
+    def launch(self) -> None:
+        for dst, src in self.large:
+            dst.copy_(src)  # one vectorised cast kernel per large tensor
+        if self.small_dst:
+            # One fused launch (multi-tensor apply) for the rest: a few microseconds of
+            # CPU per tensor instead of a whole copy_ each.
+            torch._foreach_copy_(self.small_dst, self.small_src)
+
+    def current(self) -> bool:
+        """True while every parameter still has the storage the views were built on."""
+        return [_local(p).data_ptr() for p in self.params] == self.ptrs
 
 
 class BucketGatherer:
@@ -137,12 +150,13 @@ class BucketGatherer:
         root: int = 0,
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
-        copy_numel: int = 1 << 20,
+        copy_numel: int | None = None,
     ):
         self.params = named_params
-        # Single rank: tensors of at least this many elements get their own copy_
-        # (a contiguous cast runs at full memory bandwidth); smaller ones share
-        # one _foreach_copy_ launch.
+        # Single rank: tensors of at least this many elements get a copy_ of their own;
+        # the others share one _foreach_copy_ per bucket. None (the default): every
+        # tensor of a bucket in one _foreach_copy_, which casts at the same memory
+        # bandwidth for far less CPU per tensor (scripts/results/bench_refit-*.json).
         self.copy_numel = copy_numel
         # Where the collective runs (the trainer's device; shards may sit on the CPU when offloaded).
         self.device = device or next(iter(named_params.values())).device
@@ -190,33 +204,39 @@ class BucketGatherer:
             self._chunk_numel.append(
                 max((p[-1].src_offset + _numel(p[-1].block[1]) if p else 0) for p in per_rank)
             )
+        # Per bucket, its slots that take the full_tensor() fallback (usually none).
+        self._fallback_slots = [
+            [slot for slot in bucket.slots if slot.name in self.fallback]
+            for bucket in manifest.buckets
+        ]
         # Single rank: per (bucket, out buffer) the ready-made source/destination views.
         self._copies: dict[tuple[int, int], _LocalCopies] = {}
 
     def _copy_local(self, index: int, parts: list[_Part], out: torch.Tensor) -> None:
         """Single rank: the "gather" is no collective, only the cast copies into ``out``.
 
-        The views are built once per (bucket, buffer) and reused while the
-        parameters' storages stay put (checked by data pointer, so a parameter
-        re-pointed by a checkpoint load rebuilds them): a refit then costs two
-        kernel launches' worth of CPU per bucket instead of one slice per
-        tensor, which matters most for the first bucket, packed while nothing
-        is on the wire yet.
+        The views are built once per (bucket, out buffer) and reused while the
+        parameters' storages stay put. The cached copies are launched first and
+        checked after (data pointers; a parameter re-pointed by a checkpoint load
+        fails it), so the check runs on the CPU while the GPU copies. A failed
+        check rebuilds the views and copies again on the same stream, which
+        overwrites the stale bytes before anything that follows reads them; the
+        stale views kept the old storage alive, so nothing read freed memory.
+        This keeps the CPU's part of a bucket to a launch or two, which matters
+        most for the first bucket, packed while nothing is on the wire yet.
         """
-        locals_ = [_local(self.params[p.name]) for p in parts]
-        ptrs = [t.data_ptr() for t in locals_]
         key = (index, out.data_ptr())
         copies = self._copies.get(key)
-        if copies is None or copies.ptrs != ptrs:
-            if len(self._copies) > 4 * len(self.manifest.buckets):
-                self._copies.clear()  # buffers were replaced: drop views of the old ones
-            copies = _LocalCopies.build(parts, locals_, out, ptrs, self.copy_numel)
-            self._copies[key] = copies
-        for dst, src in copies.large:
-            dst.copy_(src)  # one vectorised cast kernel per large tensor
-        if copies.small_dst:
-            # One fused launch for the many small tensors (norms, biases).
-            torch._foreach_copy_(copies.small_dst, copies.small_src)
+        if copies is not None:
+            copies.launch()
+            if copies.current():
+                return
+        if len(self._copies) > 4 * len(self.manifest.buckets):
+            self._copies.clear()  # buffers were replaced: drop views of the old ones
+        params = [self.params[p.name] for p in parts]
+        copies = _LocalCopies.build(parts, params, out, self.copy_numel)
+        self._copies[key] = copies
+        copies.launch()
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         # all_gather_single replaces all_gather_into_tensor in newer torch; 2.11 has only the latter.
@@ -235,12 +255,11 @@ class BucketGatherer:
         is_root = self.rank == self.root
         if is_root and out is None:
             raise ValueError("the refit root must pass a bucket buffer to pack into")
-        for slot in bucket.slots:  # same order on every rank: collectives stay matched
-            if slot.name in self.fallback:
-                p = self.params[slot.name].detach()
-                full = p.full_tensor() if isinstance(p, DTensor) else p
-                if is_root:
-                    out[slot.offset : slot.offset + slot.numel].copy_(full.reshape(-1))  # type: ignore[index]
+        for slot in self._fallback_slots[bucket.index]:  # same order on every rank
+            p = self.params[slot.name].detach()
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if is_root:
+                out[slot.offset : slot.offset + slot.numel].copy_(full.reshape(-1))  # type: ignore[index]
         parts = self._parts[bucket.index]
         if self.world == 1:
             if parts[0]:

@@ -43,6 +43,48 @@ from rltrain.refit.base import (
 from rltrain.refit.gloo import broadcast
 
 
+def make_nccl_groups(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device: torch.device,
+    lanes: int = 1,
+    ctas: int | None = None,
+) -> list[dist.ProcessGroup]:
+    """``lanes`` standalone NCCL groups of the same ``world_size`` ranks, rendezvousing at host:port.
+
+    Each group is a communicator of its own with its own NCCL stream, so the
+    broadcasts of consecutive buckets sent on different lanes overlap: one
+    bucket's start-up runs under the previous bucket's tail. The communicators
+    are connected eagerly on ``device`` so that a rendezvous failure shows up
+    here rather than in the first refit. ``ctas`` (None: NCCL's choice) fixes the
+    number of CTAs (channels) of these communicators only, through their
+    ``ncclConfig_t`` rather than the process-wide ``NCCL_*_NCHANNELS``.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    device = cuda_device(device)
+    torch.cuda.set_device(device)
+    groups = []
+    for lane in range(lanes):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # A high-priority NCCL stream gets SMs first when the pack kernels of the next
+        # bucket fill the GPU, so the broadcast is not delayed behind them.
+        opts.is_high_priority_stream = True
+        if ctas is not None and hasattr(opts, "config"):
+            opts.config.min_ctas = ctas
+            opts.config.max_ctas = ctas
+        prefix = dist.PrefixStore(f"rltrain-refit-nccl-{lane}", store)
+        group = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        if hasattr(group, "eager_connect_single_device"):
+            group.eager_connect_single_device(device)
+        groups.append(group)
+    return groups
+
+
 def make_nccl_group(
     host: str,
     port: int,
@@ -52,31 +94,8 @@ def make_nccl_group(
     device: torch.device,
     ctas: int | None = None,
 ) -> dist.ProcessGroup:
-    """A standalone NCCL group of ``world_size`` ranks rendezvousing at host:port.
-
-    The communicator is connected eagerly on ``device`` so that a rendezvous
-    failure shows up here rather than in the first refit. ``ctas`` (None: NCCL's
-    choice) fixes the number of CTAs (channels) of this communicator only, through
-    its ``ncclConfig_t`` rather than the process-wide ``NCCL_*_NCHANNELS``.
-    """
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    # A high-priority NCCL stream gets SMs first when the pack kernels of the next
-    # bucket fill the GPU, so the broadcast is not delayed behind them.
-    opts.is_high_priority_stream = True
-    if ctas is not None and hasattr(opts, "config"):
-        opts.config.min_ctas = ctas
-        opts.config.max_ctas = ctas
-    device = cuda_device(device)
-    torch.cuda.set_device(device)
-    group = dist.ProcessGroupNCCL(
-        dist.PrefixStore("rltrain-refit-nccl", store), rank, world_size, opts
-    )
-    if hasattr(group, "eager_connect_single_device"):
-        group.eager_connect_single_device(device)
-    return group
+    """One standalone NCCL group (see :func:`make_nccl_groups`)."""
+    return make_nccl_groups(host, port, rank, world_size, timeout_s, device, 1, ctas)[0]
 
 
 def auto_pack_sms(device: torch.device) -> int:
@@ -160,36 +179,53 @@ class NcclRefitSender:
         timeout_s: float,
         device: torch.device | str,
         verify: bool = False,
-        group: dist.ProcessGroup | None = None,
+        groups: list[dist.ProcessGroup] | None = None,
         pack_sms: int | None = None,
+        lanes: int = 1,
     ):
         self.manifest = manifest
         self.timeout_s = timeout_s
         self.verify = verify
         self.world_size = world_size
         self.device = cuda_device(device)
-        self.group = group or make_nccl_group(host, port, 0, world_size, timeout_s, self.device)
+        self.groups = groups or make_nccl_groups(
+            host, port, 0, world_size, timeout_s, self.device, lanes
+        )
+        self.group = self.groups[0]  # header and checksums
         max_numel = max((b.numel for b in manifest.buckets), default=1)
         n = manifest.num_buffers
         self.buffers = [
             torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device) for _ in range(n)
         ]
         self.streams = pack_streams(self.device, n, pack_sms)
+        self._distinct_streams = list({id(s): s for s in self.streams}.values())
+        self.header = torch.tensor([0, manifest.total_numel], dtype=torch.int64, device=self.device)
+        self._version = self.header[:1]
+
+    def _send_header(self, weight_version: int) -> dist.Work:
+        """[weight version, total elements], written on the device (no host-to-device copy
+        the CPU would wait for). No CPU wait here: a missing replica shows in the final,
+        bounded waits."""
+        self._version.fill_(weight_version)
+        return broadcast(self.group, self.header)
 
     def send(self, fill: FillBucket, weight_version: int) -> RefitStats:
-        """Header, then every bucket packed by ``fill`` on its buffer's stream, then checksums."""
+        """Every bucket packed by ``fill`` on its buffer's stream, the header after the first
+        bucket (so the first bytes leave without waiting for it), then checksums.
+
+        ``RefitStats.extra`` holds the CPU's side: seconds from the call until the first
+        bucket's broadcast was enqueued, until every broadcast was, and until the last
+        one completed.
+        """
         t0 = time.perf_counter()
         who = f"refit v{weight_version}: policy rank 0 waiting for {_replicas(self.world_size)}"
-        header = torch.tensor(
-            [weight_version, self.manifest.total_numel], dtype=torch.int64, device=self.device
-        )
-        # No CPU wait for the header: a missing replica shows in the final, bounded waits.
-        broadcast(self.group, header)
         main = torch.cuda.current_stream(self.device)
-        for s in self.streams:  # the weights were last written on the main stream (optimizer step)
+        for s in self._distinct_streams:  # the weights were last written on the main stream
             s.wait_stream(main)
         in_flight: list[dist.Work | None] = [None] * len(self.buffers)
         checks: list[torch.Tensor] = []
+        first = 0.0
+        header_work: dist.Work | None = None
         for bucket in self.manifest.buckets:
             slot = bucket.index % len(self.buffers)
             with torch.cuda.stream(self.streams[slot]):
@@ -200,20 +236,29 @@ class NcclRefitSender:
                 flat = self.buffers[slot][: bucket.numel]
                 if self.verify:
                     checks.append(bucket_checksum(flat))
-                # Issued under this stream: the NCCL stream waits for the pack above.
-                in_flight[slot] = broadcast(self.group, flat)
-        for work in in_flight:
+                # Issued under this stream: the lane's NCCL stream waits for the pack above.
+                in_flight[slot] = broadcast(self.groups[bucket.index % len(self.groups)], flat)
+            if bucket.index == 0:
+                first = time.perf_counter() - t0
+                header_work = self._send_header(weight_version)
+        if header_work is None:  # no buckets
+            header_work = self._send_header(weight_version)
+        enqueued = time.perf_counter() - t0
+        # The header last: the next refit rewrites it on the main stream.
+        for work in [*in_flight, header_work]:
             if work is not None:
                 wait(work, self.timeout_s, f"{who} (last buckets)")
         for s in self.streams:
             main.wait_stream(s)
         if self.verify:
             wait(broadcast(self.group, torch.stack(checks)), self.timeout_s, f"{who} (checksums)")
+        seconds = time.perf_counter() - t0
         return RefitStats(
             weight_version,
-            time.perf_counter() - t0,
+            seconds,
             self.manifest.total_bytes,
             len(self.manifest.buckets),
+            {"first_enqueued_s": first, "enqueued_s": enqueued, "done_s": seconds},
         )
 
 
@@ -230,14 +275,18 @@ class NcclRefitReceiver:
         timeout_s: float,
         device: torch.device | str,
         verify: bool = False,
-        group: dist.ProcessGroup | None = None,
+        groups: list[dist.ProcessGroup] | None = None,
+        lanes: int = 1,
     ):
         self.manifest = manifest
         self.rank = rank
         self.timeout_s = timeout_s
         self.verify = verify
         self.device = cuda_device(device)
-        self.group = group or make_nccl_group(host, port, rank, world_size, timeout_s, self.device)
+        self.groups = groups or make_nccl_groups(
+            host, port, rank, world_size, timeout_s, self.device, lanes
+        )
+        self.group = self.groups[0]  # header and checksums
         max_numel = max((b.numel for b in manifest.buckets), default=1)
         self.buffers = [
             torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device)
@@ -274,7 +323,6 @@ class NcclRefitReceiver:
         replica = self.rank - 1
         who = f"rollout replica {replica} waiting for policy rank 0"
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        header_work = broadcast(self.group, header)
         buckets = self.manifest.buckets
         ahead = len(buckets) if self.landing is not None else self.manifest.num_buffers
         posted: dict[int, dist.Work] = {}
@@ -282,11 +330,13 @@ class NcclRefitReceiver:
 
         def post(k: int) -> None:
             if k < len(buckets):
-                posted[k] = broadcast(self.group, self._target(k))
+                posted[k] = broadcast(self.groups[k % len(self.groups)], self._target(k))
 
-        # Post the first receives before reading the header, so the sender's first
-        # bucket does not wait for this CPU to parse it.
-        for k in range(min(ahead, len(buckets))):
+        # The header travels after the first bucket (the sender's order); every first
+        # receive is posted before the header is read, so no bucket waits for this CPU.
+        post(0)
+        header_work = broadcast(self.group, header)
+        for k in range(1, min(ahead, len(buckets))):
             post(k)
         wait(header_work, self.timeout_s, f"{who} (refit header)")
         version, total = (int(x) for x in header.tolist())
