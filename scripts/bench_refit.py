@@ -7,23 +7,29 @@ fp32 master weights, bf16 refit). In one run it measures
 - the raw NCCL broadcast of one buffer of the model's refit size (GPU0 -> GPU1);
 - the end-to-end refit (gather + cast + pack + broadcast + land in the engine)
   at the config defaults and for every num_buffers x bucket_bytes of the grid;
+- that raw buffer cut into 1-16 equal broadcasts, on one NCCL communicator or
+  alternating over two (what cutting a refit into buckets costs by itself);
 - variants at the default bucket size, one knob at a time: the buckets'
-  broadcasts alone (no pack), the unramped plan, the pack kernels, a third
-  buffer, the pack on all SMs or confined to 24-56 SMs (``refit.pack_sms``; the
-  default is 3/8 of the SMs), 16-64 NCCL CTAs;
+  broadcasts alone (no pack), the unramped plan, doubling instead of 1.5x
+  growth, a copy_ per large tensor, 3-4 buffers, smaller first buckets, two
+  NCCL communicators ("lanes") taking turns, the pack on all SMs or confined to
+  32-64 SMs (``refit.pack_sms``; the default is 3/8 of the SMs), 16/24 NCCL CTAs;
 - the pack alone (wall and GPU time);
 - the IPC refit with the engine on the trainer's GPU, against one device copy
   of the model's refit size on that GPU;
 
 Each part is saved as soon as it is done, and a failed part is recorded under
-``errors`` while the others still run;
+``errors`` while the others still run (``--parts`` runs a subset). Every row
+holds the sending CPU's timeline (``sender_cpu_ms``); ``--trace`` adds the
+kernels' timelines of one extra raw broadcast and default refit (not for
+published figures: the profiler slows every later launch);
 
 and asserts after every refit that the engine's weights equal the trainer's
 (cast to bf16) bit for bit. Every timed region starts after a barrier and ends
 when the receiver has synchronized and acknowledged (one tiny all-reduce),
 for the raw broadcast and the refit alike.
 
-    python scripts/bench_refit.py --out $OUT            # GPU machine, 2 GPUs
+    python scripts/bench_refit.py --repeats 9 --out $OUT   # GPU machine, 2 GPUs
     python scripts/bench_refit.py --smoke               # CPU, gloo, tiny shapes
 """
 
