@@ -163,3 +163,26 @@ def test_pack_sms_must_not_be_negative():
     cfg.refit.pack_sms = -1
     with pytest.raises(ConfigError, match=r"refit.pack_sms=-1 is negative; set refit.pack_sms>=1"):
         validate(cfg)
+
+
+def test_nccl_layout_check_names_the_replica_and_the_fields():
+    from rltrain.refit.nccl import _layout, check_layout
+
+    shapes = [("a", (1000,)), ("b", (3000,)), ("c", (10,))]
+    mine = plan_refit(shapes, "bfloat16", 4096, 2)
+    other = plan_refit(shapes[:2], "bfloat16", 4096, 2)
+    cpu = torch.device("cpu")
+    check_layout(_layout(mine, 1, cpu), _layout(mine, 1, cpu), 0)  # same: no error
+    with pytest.raises(
+        RefitError, match=r"rollout replica 2's refit layout .*elements 4000 vs 4010"
+    ):
+        check_layout(_layout(other, 1, cpu), _layout(mine, 1, cpu), 2)
+    with pytest.raises(RefitError, match=r"NCCL lanes 2 vs 1"):
+        check_layout(_layout(mine, 2, cpu), _layout(mine, 1, cpu), 0)
+
+
+def test_ramp_caps_stay_finite_with_thousands_of_buckets():
+    shapes = [(f"t{i}", (1024,)) for i in range(3000)]
+    manifest = plan_refit(shapes, "float32", 4 * 1024, 2)  # one tensor per full bucket
+    assert len(manifest.buckets) > 1800
+    assert sum(len(b.slots) for b in manifest.buckets) == 3000

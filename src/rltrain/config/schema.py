@@ -159,7 +159,7 @@ class RefitConfig:
     verify: bool = False
     # nccl: SMs the cast + pack kernels may use (a CUDA green context), so they leave
     # memory bandwidth to the broadcast they overlap; 0 = all SMs; null = 3/8 of the SMs
-    # (48 on H100/H200: 0.93 of raw broadcast against 0.90 on all SMs in bench_refit).
+    # (48 on H100/H200: 0.93 of raw broadcast against 0.91 on all SMs in bench_refit).
     pack_sms: int | None = None
 
 

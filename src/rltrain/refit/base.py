@@ -117,7 +117,8 @@ def plan_buckets(
     def cap_of(index: int) -> int:
         if not ramp or first_bucket_bytes is None or index == 0:
             return cap
-        return min(cap, max(1, int(first_bucket_bytes // elem * growth**index)))
+        # (the exponent is capped: 1.5**100 outgrows any bucket, 1.5**1751 overflows a float)
+        return min(cap, max(1, int(first_bucket_bytes // elem * growth ** min(index, 100))))
 
     for i, (name, shape) in enumerate(shapes):
         numel = _numel(shape)

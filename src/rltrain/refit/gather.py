@@ -216,26 +216,20 @@ class BucketGatherer:
         """Single rank: the "gather" is no collective, only the cast copies into ``out``.
 
         The views are built once per (bucket, out buffer) and reused while the
-        parameters' storages stay put. The cached copies are launched first and
-        checked after (data pointers; a parameter re-pointed by a checkpoint load
-        fails it), so the check runs on the CPU while the GPU copies. A failed
-        check rebuilds the views and copies again on the same stream, which
-        overwrites the stale bytes before anything that follows reads them; the
-        stale views kept the old storage alive, so nothing read freed memory.
-        This keeps the CPU's part of a bucket to a launch or two, which matters
-        most for the first bucket, packed while nothing is on the wire yet.
+        parameters' storages stay put (checked by data pointer before every
+        launch, so a parameter re-pointed by a checkpoint load rebuilds them and
+        no copy ever reads a storage that was let go). With the first bucket
+        holding a few tensors, the check costs microseconds there, and the CPU's
+        part of a bucket stays a launch or two.
         """
         key = (index, out.data_ptr())
         copies = self._copies.get(key)
-        if copies is not None:
-            copies.launch()
-            if copies.current():
-                return
-        if len(self._copies) > 4 * len(self.manifest.buckets):
-            self._copies.clear()  # buffers were replaced: drop views of the old ones
-        params = [self.params[p.name] for p in parts]
-        copies = _LocalCopies.build(parts, params, out, self.copy_numel)
-        self._copies[key] = copies
+        if copies is None or not copies.current():
+            if len(self._copies) > 4 * len(self.manifest.buckets):
+                self._copies.clear()  # buffers were replaced: drop views of the old ones
+            params = [self.params[p.name] for p in parts]
+            copies = _LocalCopies.build(parts, params, out, self.copy_numel)
+            self._copies[key] = copies
         copies.launch()
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:

@@ -12,7 +12,11 @@ Sender pipeline, per bucket k (``num_buffers`` = B buffers, one CUDA stream each
 
 so the gather/cast/pack of bucket k+1 runs while bucket k is on the wire. The
 CPU only enqueues; it blocks once, at the end, on the last broadcasts, with
-``refit.timeout_s`` (the error names the side and rank that waited).
+``refit.timeout_s`` (the error names the side and rank that waited). The
+version header follows the first bucket, so the first bytes leave without
+waiting for it. Once, when the ends are built, every replica checks that its
+layout (elements, buckets, largest bucket, lanes) is the sender's: a mismatch
+would otherwise hang or garble a broadcast.
 
 A receiver bound to its engine's parameters owns one flat tensor per bucket
 that *is* the engine's weights (the parameters are views into it), so the
@@ -62,6 +66,10 @@ def make_nccl_groups(
     here rather than in the first refit. ``ctas`` (None: NCCL's choice) fixes the
     number of CTAs (channels) of these communicators only, through their
     ``ncclConfig_t`` rather than the process-wide ``NCCL_*_NCHANNELS``.
+
+    Runs use one lane (``scripts/bench_refit.py`` measures more): kernels of
+    several communicators run side by side, and NCCL only guarantees their
+    progress while all of them fit on the GPU at once.
     """
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
@@ -163,6 +171,34 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
     work.wait()  # orders the current stream after it and raises a communicator error
 
 
+def _layout(manifest: RefitManifest, lanes: int, device: torch.device) -> torch.Tensor:
+    """What both ends must agree on before the first refit: the elements in all, the
+    buckets, the largest bucket and the NCCL lanes (a difference would hang a broadcast)."""
+    largest = max((b.numel for b in manifest.buckets), default=0)
+    return torch.tensor(
+        [manifest.total_numel, len(manifest.buckets), largest, lanes],
+        dtype=torch.int64,
+        device=device,
+    )
+
+
+def check_layout(sent: torch.Tensor, mine: torch.Tensor, replica: int) -> None:
+    """Raise a RefitError naming ``replica`` and every field where the layouts differ."""
+    if torch.equal(sent.cpu(), mine.cpu()):
+        return
+    names = ("elements", "buckets", "largest bucket", "NCCL lanes")
+    diff = ", ".join(
+        f"{n} {int(a)} vs {int(b)}"
+        for n, a, b in zip(names, sent.tolist(), mine.tolist(), strict=True)
+        if a != b
+    )
+    raise RefitError(
+        f"refit setup: rollout replica {replica}'s refit layout differs from policy rank 0's "
+        f"({diff}, sender vs replica); both ends must be built from the manifest the "
+        "policy sends"
+    )
+
+
 def _replicas(world_size: int) -> str:
     return "rollout replica 0" if world_size == 2 else f"rollout replicas 0..{world_size - 2}"
 
@@ -192,6 +228,13 @@ class NcclRefitSender:
             host, port, 0, world_size, timeout_s, self.device, lanes
         )
         self.group = self.groups[0]  # header and checksums
+        # Once, before any refit: every replica checks its layout against this one.
+        layout = _layout(manifest, len(self.groups), self.device)
+        wait(
+            broadcast(self.group, layout),
+            timeout_s,
+            f"refit setup: policy rank 0 waiting for {_replicas(world_size)}",
+        )
         max_numel = max((b.numel for b in manifest.buckets), default=1)
         n = manifest.num_buffers
         self.buffers = [
@@ -287,6 +330,15 @@ class NcclRefitReceiver:
             host, port, rank, world_size, timeout_s, self.device, lanes
         )
         self.group = self.groups[0]  # header and checksums
+        replica = rank - 1
+        mine = _layout(manifest, len(self.groups), self.device)
+        sent = torch.empty_like(mine)
+        wait(
+            broadcast(self.group, sent),
+            timeout_s,
+            f"refit setup: rollout replica {replica} waiting for policy rank 0",
+        )
+        check_layout(sent, mine, replica)
         max_numel = max((b.numel for b in manifest.buckets), default=1)
         self.buffers = [
             torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device)
