@@ -20,7 +20,7 @@ setup: $(STAMP)
 run: setup  ## the embedded default: tiny model, copy task, local Ray on CPU
 	$(VENV)/bin/rltrain grpo $(ARGS)
 
-test: setup
+test: setup lint typecheck  ## lint, types, then the whole suite (what CI runs)
 	$(VENV)/bin/pytest -q
 
 test-fast: setup  ## everything except the end-to-end runs

@@ -12,12 +12,17 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from rltrain.config.compose import to_yaml
 from rltrain.config.schema import RunConfig
 from rltrain.plan import Resources, RunPlan, make_plan
+
+if TYPE_CHECKING:
+    from rltrain.cluster.workers import Workers
+    from rltrain.data import Task
 
 
 @dataclass
@@ -26,8 +31,8 @@ class RunContext:
 
     cfg: RunConfig
     plan: RunPlan
-    workers: object  # rltrain.cluster.workers.Workers
-    task: object  # rltrain.data.Task
+    workers: Workers
+    task: Task
     tokenizer: object
     output_dir: Path
     start_step: int = 0  # the loop continues after this step (0 = a fresh run)

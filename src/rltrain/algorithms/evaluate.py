@@ -16,7 +16,7 @@ import torch
 from rltrain.algorithms.collect import sampling_params
 from rltrain.config.schema import RunConfig
 from rltrain.data import encode_groups, score_groups
-from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.rollout.base import Engine, RolloutBatch, SamplingParams
 
 Generate = Callable[[list[list[int]], SamplingParams], RolloutBatch]
 
@@ -95,7 +95,7 @@ def evaluate_model(cfg: RunConfig) -> dict[str, float]:
     if cfg.rollout.engine == "vllm":
         from rltrain.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(cfg, device)
+        engine: Engine = VLLMEngine(cfg, device)
     else:
         from rltrain.rollout.torch_engine import TorchEngine
 

@@ -161,7 +161,7 @@ def _gcs_handshake(address: str, timeout_s: float) -> str | None:
     so that the wait stays bounded whatever the other end does.
     """
     try:
-        from ray._raylet import GcsClient
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
     except ImportError:  # Ray moved its client: leave the check to ray.init
         return None
     outcome: list[BaseException | None] = []

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -114,7 +114,7 @@ def _schema_keys(path: str) -> list[str] | None:
         if not isinstance(node, DictConfig) or part not in node:
             return None
         node = node[part]
-    return list(node.keys()) if isinstance(node, DictConfig) else None
+    return cast(list[str], list(node.keys())) if isinstance(node, DictConfig) else None
 
 
 def _is_free_dict(path: str) -> bool:

@@ -57,7 +57,7 @@ def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
         from rltrain.models.tiny import build_tiny_model
 
         model = build_tiny_model(tiny_shape(cfg), load_tokenizer(cfg), seed=cfg.seed)
-        return model.to(TORCH_DTYPES[dtype])
+        return model.to(TORCH_DTYPES[dtype])  # type: ignore[arg-type]
     try:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=TORCH_DTYPES[dtype])
     except OSError as exc:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from rltrain.config.schema import TinyModelConfig
 from rltrain.models.vocab import vocabulary
@@ -37,7 +42,7 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
     """Qwen2 architecture config for the embedded model."""
     return Qwen2Config(
         vocab_size=shape.vocab_size or len(tokenizer),
@@ -55,7 +60,7 @@ def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast
 
 
 def build_tiny_model(
-    shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int
+    shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> Qwen2ForCausalLM:
     """Randomly initialised tiny Qwen2; the same seed gives the same weights everywhere."""
     config = tiny_qwen2_config(shape, tokenizer)

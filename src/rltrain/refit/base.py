@@ -163,7 +163,7 @@ class RefitStats:
 
 
 def pack_bucket(
-    bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor
+    bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> torch.Tensor:
     """Copy the bucket's tensors (cast to ``out.dtype``) into ``out[:bucket.numel]``."""
     for slot in bucket.slots:

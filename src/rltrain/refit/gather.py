@@ -17,7 +17,7 @@ costs speed, never correctness.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +145,7 @@ class BucketGatherer:
 
     def __init__(
         self,
-        named_params: dict[str, torch.Tensor],
+        named_params: Mapping[str, torch.Tensor],
         manifest: RefitManifest,
         root: int = 0,
         group: dist.ProcessGroup | None = None,

@@ -39,7 +39,7 @@ def make_group(
     """A standalone gloo group of ``world_size`` ranks rendezvousing at host:port."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(
+    return dist.ProcessGroupGloo(  # type: ignore[return-value]
         dist.PrefixStore("rltrain-refit", store), rank, world_size, timeout
     )
 

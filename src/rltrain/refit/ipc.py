@@ -163,7 +163,7 @@ class IpcRefitSender:
         self.stream.synchronize()
         t_packed = time.perf_counter()
         if self.verify:
-            self.store.set(f"{n}/checksums", pickle.dumps(torch.stack(checks).cpu()))
+            self.store.set(f"{n}/checksums", pickle.dumps(torch.stack(checks).cpu()))  # type: ignore[arg-type]
         self.store.set(f"{n}/done", f"{weight_version},{self.manifest.total_numel}")
         extra = {
             "wait_ready_s": t_ready - t0,
@@ -212,7 +212,7 @@ class IpcRefitReceiver:
         self._views = [
             list(unpack_bucket(b, t)) for b, t in zip(self.manifest.buckets, landing, strict=True)
         ]
-        self.store.set(f"handles/{self.rank - 1}", pickle.dumps(reduce_tensor(flat)))
+        self.store.set(f"handles/{self.rank - 1}", pickle.dumps(reduce_tensor(flat)))  # type: ignore[arg-type]
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Make ``params`` views into the flat tensor the trainer packs into (see RefitReceiver.bind)."""

@@ -90,7 +90,7 @@ def make_nccl_groups(
         if hasattr(group, "eager_connect_single_device"):
             group.eager_connect_single_device(device)
         groups.append(group)
-    return groups
+    return groups  # type: ignore[return-value]
 
 
 def make_nccl_group(
@@ -133,11 +133,11 @@ def pack_streams(device: torch.device, n: int, pack_sms: int | None) -> list[tor
         ctx = GreenContext.create(num_sms=pack_sms, device_id=device.index)
         stream = ctx.Stream() if hasattr(ctx, "Stream") else None
         if stream is None:  # older torch: a stream created while the context is current
-            ctx.set_context()
+            ctx.set_context()  # type: ignore[attr-defined]
             try:
                 stream = torch.cuda.Stream(device)
             finally:
-                ctx.pop_context()
+                ctx.pop_context()  # type: ignore[attr-defined]
     except (ImportError, RuntimeError, TypeError) as exc:  # no green contexts in this build/driver
         if not auto:
             warnings.warn(

@@ -42,7 +42,7 @@ class TorchEngine:
         self.device = torch.device(device)
         self.tokenizer = load_tokenizer(cfg)
         self.dtype = TORCH_DTYPES[cfg.precision.rollout_dtype]
-        self.model = load_model(cfg, cfg.precision.rollout_dtype).to(self.device).eval()
+        self.model = load_model(cfg, cfg.precision.rollout_dtype).to(self.device).eval()  # type: ignore[arg-type]
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id

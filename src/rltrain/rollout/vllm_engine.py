@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -250,7 +250,7 @@ class VLLMEngine:
         versions: set[int] = set()
 
         def named() -> Iterator[tuple[str, torch.Tensor]]:
-            for sent_version, name, tensor in self.refit_receiver.receive():
+            for sent_version, name, tensor in cast(RefitReceiver, self.refit_receiver).receive():
                 versions.add(sent_version)
                 yield name, tensor
 

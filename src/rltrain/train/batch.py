@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -43,40 +44,34 @@ class TrainBatch:
 
     def slice(self, start: int, end: int) -> TrainBatch:
         """Rows [start, end) of every field."""
-        return replace(
-            self,
-            **{
-                f.name: (
-                    getattr(self, f.name)[start:end] if getattr(self, f.name) is not None else None
-                )
-                for f in fields(self)
-            },
-        )
+        sliced: dict[str, Any] = {
+            f.name: (
+                getattr(self, f.name)[start:end] if getattr(self, f.name) is not None else None
+            )
+            for f in fields(self)
+        }
+        return replace(self, **sliced)
 
     def select(self, rows: list[int]) -> TrainBatch:
         """The given rows (in that order) of every field."""
         idx = torch.tensor(rows, dtype=torch.long)
-        return replace(
-            self,
-            **{
-                f.name: (getattr(self, f.name)[idx] if getattr(self, f.name) is not None else None)
-                for f in fields(self)
-            },
-        )
+        selected: dict[str, Any] = {
+            f.name: (getattr(self, f.name)[idx] if getattr(self, f.name) is not None else None)
+            for f in fields(self)
+        }
+        return replace(self, **selected)
 
     def split(self, size: int) -> list[TrainBatch]:
         return [self.slice(i, min(i + size, self.size)) for i in range(0, self.size, size)]
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return replace(
-            self,
-            **{
-                f.name: (
-                    getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None
-                )
-                for f in fields(self)
-            },
-        )
+        moved: dict[str, Any] = {
+            f.name: (
+                getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None
+            )
+            for f in fields(self)
+        }
+        return replace(self, **moved)
 
 
 def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id: int) -> TrainBatch:

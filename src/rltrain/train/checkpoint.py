@@ -109,7 +109,7 @@ def load_trainer_state(
     if not (path / "trainer.pt").is_file():
         raise FileNotFoundError(f"{path} is not a trainer checkpoint (no trainer.pt)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

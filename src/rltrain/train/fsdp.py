@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rltrain.config.schema import RunConfig
@@ -53,6 +54,11 @@ from rltrain.train.parallel import (
     total_grad_norm,
 )
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from rltrain.train.value_worker import ValueModel
+
 
 class OverflowStormError(RuntimeError):
     """Too many optimizer steps in a row were skipped for inf/nan gradients (fp16 loss scaling)."""
@@ -83,7 +89,7 @@ class FSDPTrainer:
         )
         torch.manual_seed(cfg.seed)
         self.model = self.load_sharded_model()  # fp32 master weights
-        self.hf_config = self.model.config
+        self.hf_config = cast("PretrainedConfig", self.model.config)
         o = cfg.optim
         self.optimizer = make_adamw(list(self.model.parameters()), o)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, o, total_optimizer_steps(cfg))
@@ -125,7 +131,7 @@ class FSDPTrainer:
             # Offloaded shards live on CPU, which an NCCL broadcast cannot fill:
             # every rank reads the weights itself, as before.
             return self._shard(load_model(self.cfg, "float32"), trainable)
-        full_sd: dict[str, torch.Tensor] = {}
+        full_sd: dict[str, Any] = {}
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
             loaded = self.build_model()
@@ -174,7 +180,7 @@ class FSDPTrainer:
         mp = MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
         )
-        kwargs = {"mesh": self.mesh["dp"], "mp_policy": mp}
+        kwargs: dict[str, Any] = {"mesh": self.mesh["dp"], "mp_policy": mp}
         if d.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for layer in decoder_layers(model):
@@ -196,7 +202,7 @@ class FSDPTrainer:
         """
         self.attention = choose_attention(self.cfg, self.device)
         varlen = self.attention == "varlen"
-        model.set_attn_implementation(
+        cast("PreTrainedModel | ValueModel", model).set_attn_implementation(
             register_varlen_attention() if varlen else register_attention()
         )
 
@@ -278,7 +284,7 @@ class FSDPTrainer:
         full matrix.
         """
         captured: list[torch.Tensor] = []
-        handle = model.base_model.register_forward_hook(
+        handle = cast("PreTrainedModel", model).base_model.register_forward_hook(
             lambda _m, _args, out: captured.append(out.last_hidden_state)
         )
         try:
@@ -294,7 +300,7 @@ class FSDPTrainer:
 
     def output_weight(self, model: torch.nn.Module) -> torch.Tensor:
         """lm_head weight [V, H], unsharded; valid after :meth:`forward_hidden`."""
-        weight = model.get_output_embeddings().weight
+        weight = cast("PreTrainedModel", model).get_output_embeddings().weight
         if isinstance(weight, DTensor):
             raise RuntimeError("lm_head weight is still sharded; call forward_hidden first")
         return weight
@@ -332,7 +338,7 @@ class FSDPTrainer:
             raise RuntimeError("begin_train_step called while a step is open; finish or abort it")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._step = StepMetrics()
+        self._step: StepMetrics | None = StepMetrics()
         self._step_kind: MetricKind | None = None
 
     def train_microbatch(
@@ -351,10 +357,10 @@ class FSDPTrainer:
         if getattr(self, "_step", None) is None:
             raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
         defer = not last and self.grad_sync == "step"
-        self.model.set_requires_gradient_sync(not defer)
+        cast(FSDPModule, self.model).set_requires_gradient_sync(not defer)
         # Blocks kept gathered from forward to backward stay gathered until the step's
         # last backward: the next micro batch needs no all-gather (same peak memory).
-        self.model.set_reshard_after_backward(last or self.reshard_after_forward)
+        cast(FSDPModule, self.model).set_reshard_after_backward(last or self.reshard_after_forward)
         # set before the backward: a failed one leaves unreduced gradients for abort to drop
         self._deferred = defer or self._deferred
         if micro is None:
@@ -370,9 +376,9 @@ class FSDPTrainer:
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         self._deferred = defer  # the last micro batch's backward reduced everything
-        self._step.add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
+        cast(StepMetrics, self._step).add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
         for name, (metric_kind, value) in metrics.items():
-            self._step.add(name, metric_kind, value)
+            cast(StepMetrics, self._step).add(name, metric_kind, value)
         return token_out if micro.num_sequences else None
 
     def finish_train_step(self) -> dict[str, float]:

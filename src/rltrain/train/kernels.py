@@ -10,6 +10,7 @@ Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every ran
 from __future__ import annotations
 
 import gc
+from typing import cast
 
 import torch
 
@@ -216,13 +217,15 @@ def attention_kwargs(micro: MicroBatch, attention: str, causal_rows: bool) -> di
         return {"attention_mask": micro.attention_mask_RS}
     seq = micro.seq_id_RS
     if attention == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
         def document_causal(b, h, q, kv):
             return (seq[b, q] == seq[b, kv]) & (q >= kv) & (seq[b, q] >= 0)
 
         R, S = seq.shape
-        mask = create_block_mask(document_causal, R, None, S, S, device=str(seq.device))
+        mask: BlockMask | torch.Tensor = create_block_mask(
+            document_causal, R, None, S, S, device=str(seq.device)
+        )
     else:
         S = seq.shape[1]
         causal = torch.ones(S, S, dtype=torch.bool, device=seq.device).tril()
@@ -263,7 +266,10 @@ def apply_liger(model: torch.nn.Module) -> None:
     from transformers import PreTrainedModel
 
     # A wrapper around an HF backbone (the value model) is patched through its backbone.
-    target = model if isinstance(model, PreTrainedModel) else getattr(model, "model", model)
+    target = cast(
+        PreTrainedModel,
+        model if isinstance(model, PreTrainedModel) else getattr(model, "model", model),
+    )
     model_type = target.config.model_type
     patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
     if patch is None:

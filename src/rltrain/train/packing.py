@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, fields, replace
+from typing import Any, cast
 
 import torch
 
@@ -75,14 +76,12 @@ class MicroBatch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        return replace(
-            self,
-            **{
-                f.name: move(getattr(self, f.name))
-                for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            },
-        )
+        moved: dict[str, Any] = {
+            f.name: move(getattr(self, f.name))
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
 
 def row_lengths(batch: TrainBatch) -> list[int]:
@@ -177,7 +176,7 @@ def pack(
             out[row, start : start + n] = src_BT[r, :n]
         return out
 
-    ids = layout(batch.input_ids_BT, pad_id)
+    ids = cast(torch.Tensor, layout(batch.input_ids_BT, pad_id))  # a tensor in, a tensor out
     seq_id = torch.full((R, S), -1, dtype=torch.long)
     pos = torch.zeros((R, S), dtype=torch.long)
     adv = torch.zeros((R, S), dtype=torch.float32)
@@ -196,7 +195,7 @@ def pack(
         input_ids_RS=ids,
         position_ids_RS=pos,
         seq_id_RS=seq_id,
-        response_mask_RS=layout(batch.response_mask_BT),
+        response_mask_RS=cast(torch.Tensor, layout(batch.response_mask_BT)),
         advantages_RS=adv,
         old_logprobs_RS=layout(batch.old_logprobs_BT),
         ref_logprobs_RS=layout(batch.ref_logprobs_BT),

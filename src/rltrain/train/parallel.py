@@ -8,9 +8,13 @@ applies them when it shards a model.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -43,7 +47,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bo
         parallelize_module,
     )
 
-    cfg = model.config
+    cfg = cast("PretrainedConfig", model.config)
     tp = tp_mesh.size()
     if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
         raise ValueError(
@@ -146,8 +150,8 @@ def end_accumulation(model: torch.nn.Module, drop_grads: bool) -> None:
 
     if drop_grads:
         drop_unreduced_grads(model)
-    model.set_requires_gradient_sync(True)
-    model.set_reshard_after_backward(True)
+    cast(FSDPModule, model).set_requires_gradient_sync(True)
+    cast(FSDPModule, model).set_reshard_after_backward(True)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import cast
 
 import torch
 
@@ -106,7 +107,7 @@ class PolicyWorker(FSDPTrainer):
         ratio = terms["ratio"]
         T, Mx, Mn = MetricKind.TOKEN_MEAN, MetricKind.MAX, MetricKind.MIN
         metrics = {
-            "entropy": (T, (ent * mask).sum()),
+            "entropy": (T, (cast(torch.Tensor, ent) * mask).sum()),  # not None: with_entropy=True
             "pg_clipfrac": (T, (terms["clipped"] * mask).sum()),
             "ratio_mean": (T, (ratio * mask).sum()),
             "ratio_max": (Mx, torch.where(valid, ratio, -math.inf).max()),

@@ -12,6 +12,7 @@ get the same rows) and every method is called on all ranks.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -26,6 +27,9 @@ from rltrain.train.fsdp import FSDPTrainer
 from rltrain.train.metrics import MetricKind
 from rltrain.train.packing import MicroBatch, unpack
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
 # Names of the explained-variance sufficient statistics in the step metrics.
 EV_SUMS = ("ev/n", "ev/sum_r", "ev/sum_rr", "ev/sum_e", "ev/sum_ee")
 
@@ -38,7 +42,7 @@ class ValueModel(torch.nn.Module):
     the actions.
     """
 
-    def __init__(self, backbone: torch.nn.Module, config) -> None:
+    def __init__(self, backbone: PreTrainedModel, config: PretrainedConfig) -> None:
         super().__init__()
         self.model = backbone  # named like the causal LM's so FSDP/TP helpers find model.layers
         self.config = config
@@ -92,9 +96,10 @@ class ValueWorker(FSDPTrainer):
         # update of a small critic signal rounds to zero). Its master weights and
         # AdamW state are fp32 like every parameter here.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        if not any(t.is_meta for t in model.value_head.parameters()):
-            model.value_head.to(self.device)
-        fully_shard(model.value_head, mesh=self.mesh["dp"], mp_policy=fp32)
+        head = cast(ValueModel, model).value_head
+        if not any(t.is_meta for t in head.parameters()):
+            head.to(self.device)
+        fully_shard(head, mesh=self.mesh["dp"], mp_policy=fp32)
         return super()._shard(model, trainable)
 
     # -- forward ------------------------------------------------------------------------
@@ -187,7 +192,7 @@ class ValueWorker(FSDPTrainer):
         return metrics
 
 
-def _backbone(causal_lm: torch.nn.Module) -> torch.nn.Module:
+def _backbone(causal_lm: torch.nn.Module) -> PreTrainedModel:
     backbone = getattr(causal_lm, "model", None)
     if backbone is None:
         raise TypeError(f"{type(causal_lm).__name__} has no .model backbone for a value head")
