@@ -218,11 +218,10 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             NcclRefitReceiver,
             NcclRefitSender,
             auto_pack_sms,
-            make_nccl_group,
             make_nccl_groups,
         )
 
-        group = make_nccl_group(HOST, ports[1], rank, 2, timeout, device)
+        (group,) = make_nccl_groups(HOST, ports[1], rank, 2, timeout, device)
     else:
         group = make_group(HOST, ports[1], rank, 2, timeout)
     timer = Timer(group, device)

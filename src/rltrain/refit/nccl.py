@@ -93,19 +93,6 @@ def make_nccl_groups(
     return groups  # type: ignore[return-value]
 
 
-def make_nccl_group(
-    host: str,
-    port: int,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    device: torch.device,
-    ctas: int | None = None,
-) -> dist.ProcessGroup:
-    """One standalone NCCL group (see :func:`make_nccl_groups`)."""
-    return make_nccl_groups(host, port, rank, world_size, timeout_s, device, 1, ctas)[0]
-
-
 def auto_pack_sms(device: torch.device) -> int:
     """``refit.pack_sms=null``: 3/8 of the GPU's SMs in whole groups of 8 (48 of an H100's
     or H200's 132; 40-48 were the best of 24-64 in scripts/results/bench_refit-*.json)."""

@@ -128,8 +128,7 @@ class FSDPTrainer:
         state dict) are broadcast too, so every rank ends with rank 0's weights.
         """
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
-            # Offloaded shards live on CPU, which an NCCL broadcast cannot fill:
-            # every rank reads the weights itself, as before.
+            # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
             return self._shard(load_model(self.cfg, "float32"), trainable)
         full_sd: dict[str, Any] = {}
         full_buffers: dict[str, torch.Tensor] = {}
