@@ -139,6 +139,20 @@ def test_top_k_one_is_greedy(engine, trainer_model):
             assert tok == int(logits[len(prompt) + j - 1].argmax())
 
 
+def test_direct_landing_finds_vllms_fused_parameters_and_cpu_falls_back(engine, trainer_model):
+    """The manifest of the trainer's HF tensors finds vLLM's fused parameters by name (q_proj ->
+    qkv_proj); on CPU vLLM has repacked and emptied them after loading, so the landing is
+    refused with that reason and the engine loads through reload_weights. (On CUDA the
+    mapped rows are checked against the trainer's weights in the gpu tier.)"""
+    from rltrain.rollout.vllm_landing import build_landing
+
+    params = {n: p.detach() for n, p in trainer_model.named_parameters()}
+    manifest = plan_buckets([(n, tuple(p.shape)) for n, p in params.items()], "float32", 1 << 16)
+    landing, why = build_landing(manifest, engine._model(), True)
+    assert landing is None
+    assert "self_attn.qkv_proj.weight" in why and "(0,)" in why, why
+
+
 def test_refit_through_gloo_replaces_weights(engine, trainer_model):
     """Changed weights sent over the real gloo transport (small buckets, 2 buffers in flight)."""
     gen = torch.Generator().manual_seed(0)
@@ -179,6 +193,7 @@ def test_refit_through_gloo_replaces_weights(engine, trainer_model):
         t.join()
         assert stats.weight_version == version == engine.weight_version()
         assert stats.extra["tensors"] == len(params)
+        assert stats.extra["direct"] == 0.0 and "CPU" in engine.landing_note
         assert result["stats"].weight_version == version
 
     after = engine.generate(prompts, sampling)

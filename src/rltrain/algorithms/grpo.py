@@ -93,6 +93,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "weight_version": float(weight_version),
             "refit/bytes": float(refit.bytes),
             "refit/buckets": float(refit.buckets),
+            **{f"time/refit_{k}": v for k, v in refit.extra.items()},
             **ctx.task.reward_metrics(),
             **timer.metrics(),
             "time/generate_engine": rollout.engine_seconds,

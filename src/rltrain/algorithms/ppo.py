@@ -88,7 +88,10 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             with timer("refit"):
                 weight_version += 1
                 refit = workers.refit(weight_version)
-            policy_metrics.update({"refit/bytes": float(refit.bytes)})
+            policy_metrics.update(
+                {"refit/bytes": float(refit.bytes)}
+                | {f"time/refit_{k}": v for k, v in refit.extra.items()}
+            )
 
         # step 10: metrics and checkpoint
         step_s = time.perf_counter() - t_step

@@ -78,6 +78,17 @@ class WorkerHost:
 RemoteHost = ray.remote(WorkerHost)
 
 
+def refit_summary(sent: RefitStats, received: list[RefitStats]) -> RefitStats:
+    """The sender's stats with the replicas' side, in seconds: ``send`` (policy rank 0: gather,
+    pack, transfer), ``replica`` and ``land`` (slowest replica: its whole receive, and the part
+    spent putting the bytes into the engine's weights). The loops log them as time/refit_*."""
+    extra = {"send": sent.seconds}
+    if received:
+        extra["replica"] = max(r.seconds for r in received)
+        extra["land"] = max(r.extra.get("land_s", 0.0) for r in received)
+    return replace(sent, extra=extra)
+
+
 def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
     """ray.get that names the stuck or dead worker instead of hanging or dumping a trace.
 
@@ -344,12 +355,13 @@ class Workers:
             f"refit v{weight_version}",
         )
         stats: RefitStats = out[0]
-        replica_versions = [s.weight_version for s in out[len(send) :]]
+        replicas: list[RefitStats] = out[len(send) :]
+        replica_versions = [s.weight_version for s in replicas]
         if any(v != weight_version for v in replica_versions):
             raise WorkerError(
                 f"refit v{weight_version}: replicas report weight versions {replica_versions}"
             )
-        return stats
+        return refit_summary(stats, replicas)
 
     # -- rollout ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:

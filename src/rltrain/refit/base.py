@@ -218,6 +218,30 @@ class RefitReceiver(Protocol):
         """
         ...
 
+    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+        """Yield (weight_version, bucket, flat) for every bucket of one refit, in order.
+
+        ``flat[:bucket.numel]`` holds the bucket; it may be a reused buffer, so
+        the consumer enqueues its copies (on the current stream) before asking
+        for the next bucket. The per-tensor :meth:`receive` is built on this.
+        """
+        ...
+
+
+def tensors_of(
+    buckets: Iterator[tuple[int, Bucket, torch.Tensor]],
+    bound_views: list[list[tuple[str, torch.Tensor]]] | None,
+) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """The per-tensor view of a bucket stream: (weight_version, name, tensor).
+
+    ``bound_views`` (per bucket, fixed views of bound storage) saves building
+    views of a landing that never moves.
+    """
+    for version, bucket, flat in buckets:
+        views = bound_views[bucket.index] if bound_views else unpack_bucket(bucket, flat)
+        for name, tensor in views:
+            yield version, name, tensor
+
 
 def fill_from(tensors: Mapping[str, torch.Tensor]) -> FillBucket:
     """A :data:`FillBucket` over a name -> full tensor mapping."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.refit.base import (
+    Bucket,
     FillBucket,
     RefitError,
     RefitManifest,
@@ -27,6 +28,7 @@ from rltrain.refit.base import (
     bind_bucket_storage,
     bucket_checksum,
     check_checksums,
+    tensors_of,
     unpack_bucket,
 )
 
@@ -167,6 +169,10 @@ class GlooRefitReceiver:
 
     def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
         """Yield (weight_version, name, tensor) for every tensor of one refit (see RefitReceiver)."""
+        return tensors_of(self.receive_buckets(), self._views if self.landing is not None else None)
+
+    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+        """Yield (weight_version, bucket, flat) for every bucket of one refit (see RefitReceiver)."""
         replica = self.rank - 1
         who = f"rollout replica {replica} waiting for policy rank 0"
         header = torch.empty(2, dtype=torch.int64)
@@ -191,9 +197,7 @@ class GlooRefitReceiver:
         for k, bucket in enumerate(buckets):
             wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
             flat = self._target(k)
-            views = self._views[k] if self.landing is not None else unpack_bucket(bucket, flat)
-            for name, tensor in views:
-                yield version, name, tensor
+            yield version, bucket, flat
             if self.verify:  # what the engine now holds (bound) or has just copied
                 got.append(bucket_checksum(flat))
             post(k + nbuf)  # the buffer is free again once its tensors were consumed

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.refit.base import (
+    Bucket,
     FillBucket,
     RefitError,
     RefitManifest,
@@ -40,6 +41,7 @@ from rltrain.refit.base import (
     bucket_slices,
     check_checksums,
     cuda_device,
+    tensors_of,
     unpack_bucket,
 )
 
@@ -229,6 +231,11 @@ class IpcRefitReceiver:
         Bound: the tensors are the engine's parameters (nothing to copy). Unbound:
         views into this replica's landing tensor, which the consumer copies.
         """
+        return tensors_of(self.receive_buckets(), self._views)
+
+    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+        """Yield (weight_version, bucket, flat) per bucket, after the trainer wrote them all
+        (``flat`` is this replica's landing slice of that bucket)."""
         replica = self.rank - 1
         n, self.count = self.count, self.count + 1
         if self.landing is None:  # unbound: a landing tensor of its own, shared once
@@ -251,9 +258,8 @@ class IpcRefitReceiver:
                 f"refit v{version}: policy rank 0 sends {total} elements but rollout replica "
                 f"{replica} expects {self.manifest.total_numel}; the manifests differ"
             )
-        for views in self._views:
-            for name, tensor in views:
-                yield version, name, tensor
+        for bucket, flat in zip(self.manifest.buckets, self.landing, strict=True):  # type: ignore[arg-type]
+            yield version, bucket, flat
         if self.verify:
             got = torch.stack([bucket_checksum(t) for t in self.landing])  # type: ignore[union-attr]
             _wait_keys(

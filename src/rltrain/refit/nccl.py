@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.refit.base import (
+    Bucket,
     FillBucket,
     RefitError,
     RefitManifest,
@@ -42,6 +43,7 @@ from rltrain.refit.base import (
     bucket_checksum,
     check_checksums,
     cuda_device,
+    tensors_of,
     unpack_bucket,
 )
 from rltrain.refit.gloo import broadcast
@@ -352,7 +354,11 @@ class NcclRefitReceiver:
         return self.buffers[k % len(self.buffers)][: self.manifest.buckets[k].numel]
 
     def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
-        """Yield (weight_version, name, tensor) for every tensor of one refit.
+        """Yield (weight_version, name, tensor) for every tensor of one refit (see RefitReceiver)."""
+        return tensors_of(self.receive_buckets(), self._views if self.landing is not None else None)
+
+    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+        """Yield (weight_version, bucket, flat) for every bucket of one refit.
 
         Bound: every bucket's broadcast is posted at once into the engine's own
         storage. Unbound: ``num_buffers`` reused buffers; the next broadcast into
@@ -387,9 +393,7 @@ class NcclRefitReceiver:
         for k, bucket in enumerate(buckets):
             wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
             flat = self._target(k)
-            views = self._views[k] if self.landing is not None else unpack_bucket(bucket, flat)
-            for name, tensor in views:
-                yield version, name, tensor
+            yield version, bucket, flat
             if self.verify:
                 got.append(bucket_checksum(flat))
             post(k + ahead)

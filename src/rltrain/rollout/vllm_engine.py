@@ -12,10 +12,17 @@ How it stays on-policy with the trainer:
   blocked-token mask, i.e. the distribution ``algorithms/logprobs.py`` scores
   (vLLM's default, raw logprobs, ignores the temperature); blocked tokens are
   excluded through ``allowed_token_ids`` (every id of the model but them);
-* weights are replaced in place after every refit through the worker's
-  ``reload_weights`` (checkpoint-format names, so the HF names of the trainer
-  load as they are), then the prefix cache is dropped so no KV computed with
-  the old weights is reused.
+* weights are replaced in place after every refit: with one tensor-parallel
+  rank in this process, each received bucket lands straight in vLLM's
+  parameters with one fused copy (the fused qkv / gate_up layouts are mapped
+  once from the manifest, see ``vllm_landing.py``); otherwise through the
+  worker's ``reload_weights`` (checkpoint-format names, so the HF names of the
+  trainer load as they are). Then the prefix cache is dropped so no KV
+  computed with the old weights is reused;
+* colocated with the trainer, the engine sleeps between generate calls. When
+  every parameter lands directly, it sleeps at level 2 (weights discarded,
+  not copied to host memory and back: the next refit overwrites all of them;
+  vLLM keeps the model's buffers) and refuses to generate until a refit landed.
 
 Engine settings come from ``rollout.vllm`` (config fields, no environment):
 the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -40,6 +47,7 @@ from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitManifest, RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.rollout.vllm_landing import VllmLanding, build_landing
 
 GIB = 2**30
 
@@ -80,7 +88,10 @@ class VLLMEngine:
         self._version = 0
         self._calls = 0
         self._asleep = False
+        self._weights_discarded = False  # level-2 sleep: no generate before the next refit
         self.refit_receiver: RefitReceiver | None = None
+        self.landing: VllmLanding | None = None
+        self.landing_note = "not set up"  # why refits land directly, or why they do not
 
     # -- construction ------------------------------------------------------
     def _save_tiny_model(self) -> str:
@@ -137,6 +148,11 @@ class VLLMEngine:
             raise RuntimeError(
                 f"rollout replica {self.replica_index}: generate while asleep; call wake_up first"
             )
+        if self._weights_discarded:
+            raise RuntimeError(
+                f"rollout replica {self.replica_index}: generate after a level-2 sleep without a "
+                "refit; the engine's weights were discarded"
+            )
         t0 = time.perf_counter()
         self._calls += 1
         base = (
@@ -184,9 +200,12 @@ class VLLMEngine:
 
     # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
     def sleep(self) -> None:
-        """Offload weights to host memory and drop the KV cache (vLLM sleep level 1)."""
-        self.llm.sleep(level=1)
+        """Free the GPU memory for the trainer: drop the KV cache, and discard the weights when
+        every refit overwrites all of them (level 2), else offload them to host memory (level 1)."""
+        level = 2 if self.landing is not None else 1
+        self.llm.sleep(level=level)
         self._asleep = True
+        self._weights_discarded = level == 2
 
     def wake_up(self) -> None:
         """Bring weights and KV cache back; a no-op when awake."""
@@ -234,18 +253,80 @@ class VLLMEngine:
         transport: str = "gloo",
     ) -> None:
         """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest
-        comes from the policy. vLLM owns its weight storage and fuses parameters (qkv,
-        gate_up), so they cannot be views of the HF-named buckets: every refit is copied
-        in through ``reload_weights``."""
+        comes from the policy. Then map the manifest onto vLLM's parameters once, so every
+        refit lands each bucket with one fused copy (see ``vllm_landing.py``)."""
         r = self.cfg.refit
         self.refit_receiver = make_refit_receiver(
             transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify
         )
+        self.landing, self.landing_note = self._build_landing(manifest)
+
+    def _model(self) -> torch.nn.Module:
+        """vLLM's model object (in this process: one tensor-parallel rank, in-process core)."""
+
+        def get(worker: Any) -> Any:
+            runner = worker.model_runner
+            return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+        (model,) = self.llm.collective_rpc(get)
+        return cast(torch.nn.Module, model)
+
+    def _build_landing(self, manifest: RefitManifest) -> tuple[VllmLanding | None, str]:
+        if self.device != "cuda":
+            # vLLM's CPU kernels repack linear weights after loading: load through vLLM.
+            return None, "reload_weights: vLLM on CPU repacks weights after loading"
+        if self.cfg.rollout.tp > 1:
+            return None, "reload_weights: rollout.tp > 1 (the weights live in other processes)"
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        landing, why = build_landing(
+            manifest, self._model(), bool(getattr(hf_config, "tie_word_embeddings", False))
+        )
+        if landing is None:
+            return None, f"reload_weights: {why}"
+        return landing, "direct: one fused copy per bucket into vLLM's parameters"
 
     def refit_receive(self) -> RefitStats:
-        """Receive one refit and load it while later buckets arrive; version from the sender."""
+        """Receive one refit and land it; the version comes from the sender.
+
+        ``extra`` splits the time: ``wait_s`` waiting for the bytes (transfer),
+        ``land_s`` putting them into vLLM's parameters (engine side).
+        """
         if self.refit_receiver is None:
             raise RuntimeError("refit_receive before init_refit")
+        if self.landing is None:
+            return self._refit_reload()
+        t0 = time.perf_counter()
+        self.wake_up()
+        waited = landed = 0.0
+        versions: set[int] = set()
+        t_wait = time.perf_counter()
+        with torch.no_grad():
+            for sent_version, bucket, flat in self.refit_receiver.receive_buckets():
+                t_land = time.perf_counter()
+                waited += t_land - t_wait
+                versions.add(sent_version)
+                self.landing.land(bucket, flat)
+                t_wait = time.perf_counter()
+                landed += t_wait - t_land
+        t_sync = time.perf_counter()
+        torch.cuda.synchronize()  # the new weights are in place before any generate
+        self.llm.reset_prefix_cache()  # KV of cached prefixes came from the old weights
+        landed += time.perf_counter() - t_sync
+        (version,) = versions  # one header per refit: every bucket carries the same version
+        self._version = version
+        self._weights_discarded = False
+        m = self.refit_receiver.manifest
+        return RefitStats(
+            version,
+            time.perf_counter() - t0,
+            m.total_bytes,
+            len(m.buckets),
+            {"wait_s": waited, "land_s": landed, "direct": 1.0},
+        )
+
+    def _refit_reload(self) -> RefitStats:
+        """Receive one refit and load it through vLLM's ``reload_weights`` while later buckets
+        arrive (models or placements the direct landing does not map)."""
         t0 = time.perf_counter()
         versions: set[int] = set()
 
@@ -257,9 +338,14 @@ class VLLMEngine:
         n = self.load_weights(named(), weight_version=-1)
         (version,) = versions  # one header per refit: every tensor carries the same version
         self._version = version
-        m = self.refit_receiver.manifest
+        m = cast(RefitReceiver, self.refit_receiver).manifest
+        seconds = time.perf_counter() - t0
         return RefitStats(
-            version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)}
+            version,
+            seconds,
+            m.total_bytes,
+            len(m.buckets),
+            {"tensors": float(n), "land_s": seconds, "direct": 0.0},
         )
 
     def shutdown(self) -> None:
