@@ -29,7 +29,22 @@ and asserts after every refit that the engine's weights equal the trainer's
 when the receiver has synchronized and acknowledged (one tiny all-reduce),
 for the raw broadcast and the refit alike.
 
+With ``--engine vllm`` the receiver is the project's vLLM engine (vLLM 0.26 in
+the receiving process, the refit landing in vLLM's own parameters, see
+``rollout/vllm_landing.py``), timed until it can generate with the new weights:
+
+- on 2 GPUs (vLLM on GPU 1): the raw broadcast, then the NCCL refit into vLLM at
+  the defaults and at a few bucket sizes: ``summary.vllm_ratio_default``;
+- ``--one-gpu``: the IPC refit with the trainer and the engine on GPU 0, first
+  into the torch engine, then into vLLM, in the same run:
+  ``summary.vllm_ipc_over_torch_ipc`` (vLLM's time over the torch engine's).
+
+Their rows merge into the result file of the same device (``vllm`` key and
+summary entries), so the torch-engine figures of an earlier run stay.
+
     python scripts/bench_refit.py --repeats 9 --out $OUT   # GPU machine, 2 GPUs
+    python scripts/bench_refit.py --engine vllm --out $OUT            # 2 GPUs, NCCL into vLLM
+    python scripts/bench_refit.py --engine vllm --one-gpu --out $OUT  # 1 GPU, IPC torch vs vLLM
     python scripts/bench_refit.py --smoke               # CPU, gloo, tiny shapes
 """
 
@@ -170,7 +185,10 @@ def kernel_timeline(prof) -> dict:
 
 def run(rank: int, args, ports: list[int], out_dir: str) -> None:
     try:
-        _run(rank, args, ports, out_dir)
+        if args.engine == "vllm":
+            _run_vllm(rank, args, ports, out_dir)
+        else:
+            _run(rank, args, ports, out_dir)
     except BaseException:
         Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -637,6 +655,247 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         worker.shutdown()
 
 
+def _vllm_flat(engine, manifest) -> torch.Tensor:
+    """The vLLM engine's weights in manifest order, read through its landing's views."""
+    parts = []
+    for bucket, targets, keep in zip(
+        manifest.buckets, engine.landing.targets, engine.landing.keep, strict=True
+    ):
+        assert len(keep) == len(bucket.slots), "the bench's model has no skipped tensors"
+        parts += [t.reshape(-1) for t in targets]
+    return torch.cat(parts)
+
+
+def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
+    """The vLLM receiver: NCCL into vLLM on GPU 1, or (--one-gpu) IPC into the torch engine
+    and then into vLLM, all on GPU 0. Rank 0 is the policy worker (trainer)."""
+    from rltrain.refit.base import bucket_checksum, plan_refit
+    from rltrain.refit.gather import BucketGatherer
+    from rltrain.refit.gloo import broadcast, make_group
+    from rltrain.train.fsdp import _hf_name
+
+    one_gpu = args.one_gpu
+    if rank == 1 and not one_gpu:
+        # vLLM's worker takes the first visible GPU: show it GPU 1 only (before CUDA starts).
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+    device = torch.device("cuda", 0 if (one_gpu or rank == 1) else rank)
+    torch.cuda.set_device(device)
+    cfg = model_config(args.tiny)
+    cfg.rollout.engine = "vllm"
+    cfg.rollout.vllm.gpu_memory_utilization = 0.3 if one_gpu else 0.5
+    timeout = 120.0
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    t0 = time.perf_counter()
+    if one_gpu:  # two processes on one GPU: barriers and checks over gloo (CPU)
+        group = make_group(HOST, ports[1], rank, 2, timeout)
+        timer = Timer(group, torch.device("cpu"))
+    else:
+        from rltrain.refit.nccl import NcclRefitReceiver, NcclRefitSender, make_nccl_groups
+
+        (group,) = make_nccl_groups(HOST, ports[1], rank, 2, timeout, device)
+        timer = Timer(group, device)
+    if rank == 0:
+        from rltrain.train.distributed import DistEnv
+        from rltrain.train.policy_worker import PolicyWorker
+
+        env = DistEnv(0, 1, HOST, ports[0], "nccl", timeout)
+        with device:
+            worker = PolicyWorker(cfg, env)
+        params = {_hf_name(n): p for n, p in worker.model.named_parameters()}
+        shapes = _share_shapes(group, worker.param_shapes(), timer.token.device)
+    else:
+        shapes = _share_shapes(group, None, timer.token.device)
+    num_params = sum(torch.Size(s).numel() for _, s in shapes)
+    total_bytes = num_params * 2
+    dtype = torch.bfloat16
+    default = RefitConfig()
+    result: dict = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "model": {
+            "shapes": "tiny" if args.tiny else "Qwen2.5-1.5B (random init)",
+            "num_params": num_params,
+            "refit_bytes": total_bytes,
+        },
+        "definitions": {
+            "vllm_ratio": "raw NCCL broadcast of the model's bf16 size / NCCL refit into vLLM, "
+            "from the send until vLLM can generate with the new weights",
+            "vllm_ipc_over_torch_ipc": "IPC refit into vLLM / IPC refit into the torch engine, "
+            "same GPU, same run",
+            "timing": f"median of {args.repeats} refits after one warm-up; barrier before, "
+            "receiver sync + ack after",
+        },
+    }
+
+    def step_weights(k: int) -> None:
+        if rank == 0:
+            with torch.no_grad():
+                for p in params.values():
+                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
+                    local.add_(1e-3 * (k + 1))
+
+    def check_equal(manifest, engine_flat) -> None:
+        """Bitwise: full tensors over NCCL (2 GPUs), position-weighted checksums over gloo."""
+        ref = _reference_flat(worker, manifest) if rank == 0 else None
+        if one_gpu:
+            mine = bucket_checksum(ref if rank == 0 else engine_flat()).cpu().float()
+            other = mine.clone()
+            broadcast(group, other).wait()
+            bad = torch.tensor([float(not torch.equal(mine, other))])
+        else:
+            if rank == 1:
+                ref = torch.empty(num_params, dtype=dtype, device=device)
+            broadcast(group, ref).wait()
+            bad = torch.zeros(1, device=device)
+            if rank == 1:
+                bad += (engine_flat().view(torch.int16) != ref.view(torch.int16)).sum()
+        group.allreduce([bad]).wait()
+        if float(bad.item()):
+            raise AssertionError("engine weights differ from the trainer's (cast to bf16)")
+
+    def timed_refits(step, check, base: int) -> list[float]:
+        times = []
+        for k in range(args.repeats + 1):  # the first refit warms up
+            step_weights(base + k)
+            seconds = timer.time(step)
+            check()
+            if k:
+                times.append(seconds)
+        return times
+
+    def build_vllm():
+        from rltrain.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(cfg, "cuda", 0)
+
+    engine = None
+    if not one_gpu:
+        buf = torch.ones(num_params, dtype=dtype, device=device)
+        runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
+        raw_s = statistics.median(runs[2:])
+        del buf
+        result["raw_broadcast"] = {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9}
+        log(f"raw broadcast {raw_s * 1e3:.2f} ms")
+        if rank == 1:
+            engine = build_vllm()
+        timer.time(lambda: None)  # both ends built
+        log(f"built in {time.perf_counter() - t0:.1f}s: {num_params / 1e9:.3f}B params")
+        rows = []
+        sizes = [default.bucket_bytes] + [
+            b for b in (128 * MiB, 256 * MiB, 1024 * MiB) if b != default.bucket_bytes
+        ]
+        for i, bucket_bytes in enumerate(sizes):
+            manifest = plan_refit(shapes, "bfloat16", bucket_bytes, default.num_buffers)
+            gs = make_nccl_groups(HOST, ports[2 + i], rank, 2, timeout, device)
+            if rank == 0:
+                sender = NcclRefitSender(manifest, HOST, 0, 2, timeout, device, groups=gs)
+                gatherer = BucketGatherer(params, manifest)
+                step = lambda s=sender, g=gatherer: s.send(g.pack, 300)  # noqa: E731
+                flat = None
+            else:
+                engine.refit_receiver = NcclRefitReceiver(
+                    manifest, HOST, 0, 1, 2, timeout, device, groups=gs
+                )
+                engine.landing, engine.landing_note = engine._build_landing(manifest)
+                assert engine.landing is not None, engine.landing_note
+                step = engine.refit_receive
+                flat = lambda m=manifest: _vllm_flat(engine, m)  # noqa: E731
+            times = timed_refits(step, lambda m=manifest, f=flat: check_equal(m, f), 10 * i)
+            sec = statistics.median(times)
+            rows.append(
+                {
+                    "bucket_bytes": bucket_bytes,
+                    "num_buffers": default.num_buffers,
+                    "buckets": len(manifest.buckets),
+                    "seconds": sec,
+                    "ratio": raw_s / sec,
+                    "runs": times,
+                }
+            )
+            log(
+                f"nccl into vLLM, {bucket_bytes // MiB} MiB buckets: {sec * 1e3:.2f} ms, ratio {raw_s / sec:.3f}"
+            )
+        result["vllm_nccl"] = rows
+        result["summary"] = {
+            "vllm_ratio_default": rows[0]["ratio"],
+            "vllm_ratio_best": max(r["ratio"] for r in rows),
+        }
+    else:
+        from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
+
+        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
+        rows = {}
+        for n, kind in enumerate(("torch", "vllm")):
+            port = ports[10 + n]
+            if rank == 0:
+                sender = IpcRefitSender(manifest, HOST, port, 2, timeout, device)
+                gatherer = BucketGatherer(params, manifest)
+                stats: list = []
+                step = lambda s=sender, g=gatherer, st=stats: st.append(s.send(g.pack, 500))  # noqa: E731
+                flat = None
+            else:
+                if kind == "torch":
+                    from rltrain.rollout.torch_engine import TorchEngine
+
+                    with device:
+                        engine = TorchEngine(cfg, str(device), 0)
+                    receiver = IpcRefitReceiver(manifest, HOST, port, 1, 2, timeout, device)
+                    engine.refit_receiver = receiver
+                    engine.refit_in_place = receiver.bind(engine._params)
+                    assert engine.refit_in_place
+                    flat = lambda e=engine: _engine_flat(e, manifest)  # noqa: E731
+                else:
+                    del engine
+                    torch.cuda.empty_cache()
+                    engine = build_vllm()
+                    engine.refit_receiver = IpcRefitReceiver(
+                        manifest, HOST, port, 1, 2, timeout, device
+                    )
+                    engine.landing, engine.landing_note = engine._build_landing(manifest)
+                    assert engine.landing is not None, engine.landing_note
+                    flat = lambda e=engine: _vllm_flat(e, manifest)  # noqa: E731
+                step = engine.refit_receive
+            times = timed_refits(step, lambda f=flat: check_equal(manifest, f), 100 * n)
+            sec = statistics.median(times)
+            rows[kind] = {"seconds": sec, "runs": times}
+            if rank == 0:
+                rows[kind]["sender_last"] = stats[-1].extra
+            log(f"ipc into {kind}: {sec * 1e3:.2f} ms")
+        result["ipc_engines"] = rows
+        result["summary"] = {
+            "vllm_ipc_over_torch_ipc": rows["vllm"]["seconds"] / rows["torch"]["seconds"],
+            "vllm_ipc_seconds": rows["vllm"]["seconds"],
+            "torch_ipc_seconds": rows["torch"]["seconds"],
+        }
+    if rank == 1 and engine is not None and hasattr(engine, "llm"):
+        from rltrain.rollout.base import SamplingParams
+
+        out = engine.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_new_tokens=8, seed=1))
+        assert len(out.response_ids) == 4  # generates with the refitted weights
+        engine.shutdown()
+    timer.time(lambda: None)
+    if rank == 0:
+        Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
+        worker.shutdown()
+
+
+def _share_shapes(group, shapes, device: torch.device) -> list[tuple[str, tuple[int, ...]]]:
+    """Rank 0's parameter shapes to every rank, once, over the timing group (pickled bytes)."""
+    import pickle
+
+    from rltrain.refit.gloo import broadcast
+
+    data = pickle.dumps(shapes) if shapes is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    broadcast(group, size).wait()
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if shapes is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    broadcast(group, buf).wait()
+    return shapes if shapes is not None else pickle.loads(buf.cpu().numpy().tobytes())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes")
@@ -656,10 +915,27 @@ def main() -> None:
         help="comma-separated parts to run (default: all): "
         "default,chunked,grid,variants,pack_only,ipc",
     )
+    parser.add_argument(
+        "--engine",
+        default="torch",
+        choices=["torch", "vllm"],
+        help="the receiving engine: torch (every part above) or vllm (NCCL into vLLM, or IPC "
+        "into both engines with --one-gpu); vllm rows merge into the device's result file",
+    )
+    parser.add_argument(
+        "--one-gpu", action="store_true", help="--engine vllm: IPC on GPU 0 (torch, then vLLM)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "scripts/results"))
     args = parser.parse_args()
-    if not args.smoke and torch.cuda.device_count() < 2:
-        sys.exit("error: scripts/bench_refit.py needs 2 GPUs; use --smoke on a CPU machine.")
+    need = 1 if args.one_gpu else 2
+    if not args.smoke and torch.cuda.device_count() < need:
+        sys.exit(
+            f"error: this run of scripts/bench_refit.py needs {need} GPUs; use --smoke on a CPU machine."
+        )
+    if args.engine == "vllm" and args.smoke:
+        sys.exit(
+            "error: --engine vllm runs on GPUs only (vLLM lands on CPU through reload_weights)."
+        )
     from rltrain.train.distributed import free_port
 
     ports = [free_port() for _ in range(40)]
@@ -676,7 +952,10 @@ def main() -> None:
         (tmp / "result.json").read_text()
     )  # what was measured, even after a failure
     if failed:
-        result["errors"]["process"] = failed[-3000:]
+        result.setdefault("errors", {})["process"] = failed[-3000:]
+    if args.engine == "vllm":
+        _merge_vllm(args, result, tmp)
+        return
     for p in sorted(tmp.glob("trace-*.json")):  # kernel timelines, one per rank and traced part
         result.setdefault("traces", {})[p.stem.removeprefix("trace-")] = json.loads(p.read_text())
     name = "cpu-smoke" if args.smoke else result["device"].replace(" ", "-").lower()
@@ -691,6 +970,23 @@ def main() -> None:
     print(f"wrote {out}")
     if failed or result["errors"]:
         sys.exit(f"error: some parts failed: {sorted(result['errors'])}")
+
+
+def _merge_vllm(args, rows: dict, tmp: Path) -> None:
+    """Put a vLLM run's rows and summary entries into the device's result file."""
+    name = rows["device"].replace(" ", "-").lower() + ("-tiny" if args.tiny else "")
+    out = Path(args.out) / f"bench_refit-{name}.json"
+    committed = Path("scripts/results") / out.name
+    base = out if out.exists() else committed
+    result = json.loads(base.read_text()) if base.exists() else {"device": rows["device"]}
+    result.setdefault("summary", {}).update(rows.pop("summary", {}))
+    result.setdefault("vllm", {}).update({k: v for k, v in rows.items() if k != "device"})
+    out.write_text(json.dumps(result, indent=2))
+    for p in tmp.iterdir():
+        p.unlink()
+    tmp.rmdir()
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

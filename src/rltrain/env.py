@@ -27,13 +27,20 @@ VLLM_IN_PROCESS = EnvVar(
     "set in a vLLM rollout replica's process: the engine core runs in the actor's own "
     "process instead of a child process per replica",
 )
+HUB_OFFLINE = EnvVar(
+    "HF_HUB_OFFLINE",
+    "1",
+    "set in a vLLM rollout replica whose model is a local folder (the embedded model, or a "
+    "model.path on disk): vLLM then asks the Hugging Face hub nothing; on a machine without "
+    "network each of its lookups waits for a connection timeout before start-up goes on",
+)
 TRIAL_UNBUFFERED = EnvVar(
     "PYTHONUNBUFFERED",
     "1",
     "set for each sweep trial's process so its trial.log follows the run as it happens",
 )
 
-REGISTRY: tuple[EnvVar, ...] = (VLLM_IN_PROCESS, TRIAL_UNBUFFERED)
+REGISTRY: tuple[EnvVar, ...] = (VLLM_IN_PROCESS, HUB_OFFLINE, TRIAL_UNBUFFERED)
 
 
 def apply(*variables: EnvVar) -> None:

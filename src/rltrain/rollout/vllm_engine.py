@@ -98,13 +98,19 @@ class VLLMEngine:
         """Write the embedded model (weights, config, tokenizer) where vLLM can load it."""
         self._model_dir = tempfile.TemporaryDirectory(prefix="rltrain-vllm-model-")
         path = Path(self._model_dir.name)
-        model = load_model(self.cfg, "float32")
+        # In the rollout dtype: what vLLM would cast to on loading (half the bytes to write).
+        model = load_model(self.cfg, self.cfg.precision.rollout_dtype)
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         return str(path)
 
     def _build_llm(self, model_path: str) -> Any:
         env.apply(env.VLLM_IN_PROCESS)
+        if Path(model_path).is_dir():
+            env.apply(env.HUB_OFFLINE)
+            import huggingface_hub.constants as hub
+
+            hub.HF_HUB_OFFLINE = True  # read at import; transformers imported it already
         from vllm import LLM
 
         ro, v = self.cfg.rollout, self.cfg.rollout.vllm
