@@ -218,12 +218,16 @@ class RefitReceiver(Protocol):
         """
         ...
 
-    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+    def receive_buckets(
+        self, while_in_flight: Callable[[], None] | None = None
+    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
         """Yield (weight_version, bucket, flat) for every bucket of one refit, in order.
 
         ``flat[:bucket.numel]`` holds the bucket; it may be a reused buffer, so
         the consumer enqueues its copies (on the current stream) before asking
-        for the next bucket. The per-tensor :meth:`receive` is built on this.
+        for the next bucket. ``while_in_flight`` runs once on this CPU after the
+        first receives are posted (before any wait), to overlap host work with
+        the transfer. The per-tensor :meth:`receive` is built on this.
         """
         ...
 

@@ -13,7 +13,7 @@ them (one flat tensor per bucket) instead of into reused buffers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
@@ -171,12 +171,17 @@ class GlooRefitReceiver:
         """Yield (weight_version, name, tensor) for every tensor of one refit (see RefitReceiver)."""
         return tensors_of(self.receive_buckets(), self._views if self.landing is not None else None)
 
-    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+    def receive_buckets(
+        self, while_in_flight: Callable[[], None] | None = None
+    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
         """Yield (weight_version, bucket, flat) for every bucket of one refit (see RefitReceiver)."""
         replica = self.rank - 1
         who = f"rollout replica {replica} waiting for policy rank 0"
         header = torch.empty(2, dtype=torch.int64)
-        wait(broadcast(self.group, header), self.timeout_s, f"{who} (refit header)")
+        header_work = broadcast(self.group, header)
+        if while_in_flight is not None:
+            while_in_flight()
+        wait(header_work, self.timeout_s, f"{who} (refit header)")
         version, total = (int(x) for x in header.tolist())
         if total != self.manifest.total_numel:
             raise RefitError(

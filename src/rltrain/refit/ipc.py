@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
@@ -233,7 +233,9 @@ class IpcRefitReceiver:
         """
         return tensors_of(self.receive_buckets(), self._views)
 
-    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+    def receive_buckets(
+        self, while_in_flight: Callable[[], None] | None = None
+    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
         """Yield (weight_version, bucket, flat) per bucket, after the trainer wrote them all
         (``flat`` is this replica's landing slice of that bucket)."""
         replica = self.rank - 1
@@ -246,6 +248,8 @@ class IpcRefitReceiver:
         # The trainer overwrites what the engine reads: finish every kernel that reads it.
         torch.cuda.synchronize(self.device)
         self.store.set(f"{n}/ready/{replica}", "")
+        if while_in_flight is not None:  # the trainer packs meanwhile
+            while_in_flight()
         value = _get(
             self.store,
             f"{n}/done",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
@@ -357,7 +357,9 @@ class NcclRefitReceiver:
         """Yield (weight_version, name, tensor) for every tensor of one refit (see RefitReceiver)."""
         return tensors_of(self.receive_buckets(), self._views if self.landing is not None else None)
 
-    def receive_buckets(self) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+    def receive_buckets(
+        self, while_in_flight: Callable[[], None] | None = None
+    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
         """Yield (weight_version, bucket, flat) for every bucket of one refit.
 
         Bound: every bucket's broadcast is posted at once into the engine's own
@@ -383,6 +385,8 @@ class NcclRefitReceiver:
         header_work = broadcast(self.group, header)
         for k in range(1, min(ahead, len(buckets))):
             post(k)
+        if while_in_flight is not None:
+            while_in_flight()
         wait(header_work, self.timeout_s, f"{who} (refit header)")
         version, total = (int(x) for x in header.tolist())
         if total != self.manifest.total_numel:

@@ -89,6 +89,9 @@ class VLLMEngine:
         self._calls = 0
         self._asleep = False
         self._weights_discarded = False  # level-2 sleep: no generate before the next refit
+        # KV blocks of prompt prefixes may be cached since the last reset (a generate ran);
+        # vLLM's reset walks every KV block (~10 ms for 150k blocks), so it runs only then.
+        self._prefix_cache_used = False
         self.refit_receiver: RefitReceiver | None = None
         self.landing: VllmLanding | None = None
         self.landing_note = "not set up"  # why refits land directly, or why they do not
@@ -186,6 +189,7 @@ class VLLMEngine:
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        self._prefix_cache_used = True
         response_ids, response_logprobs, finished = [], [], []
         for out in outputs:
             comp = out.outputs[0]
@@ -209,8 +213,9 @@ class VLLMEngine:
         """Free the GPU memory for the trainer: drop the KV cache, and discard the weights when
         every refit overwrites all of them (level 2), else offload them to host memory (level 1)."""
         level = 2 if self.landing is not None else 1
-        self.llm.sleep(level=level)
+        self.llm.sleep(level=level)  # also drops the prefix cache with the KV cache
         self._asleep = True
+        self._prefix_cache_used = False
         self._weights_discarded = level == 2
 
     def wake_up(self) -> None:
@@ -245,7 +250,7 @@ class VLLMEngine:
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
         # KV blocks cached for a prompt prefix were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        self._drop_prefix_cache()
         self._version = weight_version
         return count
 
@@ -307,7 +312,9 @@ class VLLMEngine:
         versions: set[int] = set()
         t_wait = time.perf_counter()
         with torch.no_grad():
-            for sent_version, bucket, flat in self.refit_receiver.receive_buckets():
+            # KV of cached prefixes came from the old weights: dropped while the bytes travel.
+            buckets = self.refit_receiver.receive_buckets(self._drop_prefix_cache)
+            for sent_version, bucket, flat in buckets:
                 t_land = time.perf_counter()
                 waited += t_land - t_wait
                 versions.add(sent_version)
@@ -316,7 +323,6 @@ class VLLMEngine:
                 landed += t_wait - t_land
         t_sync = time.perf_counter()
         torch.cuda.synchronize()  # the new weights are in place before any generate
-        self.llm.reset_prefix_cache()  # KV of cached prefixes came from the old weights
         landed += time.perf_counter() - t_sync
         (version,) = versions  # one header per refit: every bucket carries the same version
         self._version = version
@@ -329,6 +335,11 @@ class VLLMEngine:
             len(m.buckets),
             {"wait_s": waited, "land_s": landed, "direct": 1.0},
         )
+
+    def _drop_prefix_cache(self) -> None:
+        if self._prefix_cache_used:
+            self.llm.reset_prefix_cache()
+            self._prefix_cache_used = False
 
     def _refit_reload(self) -> RefitStats:
         """Receive one refit and load it through vLLM's ``reload_weights`` while later buckets
