@@ -138,9 +138,19 @@ def test_gpu_tp_not_dividing_free_gpus_is_an_error():
 
 
 def test_gpu_too_many_ranks_is_an_error():
+    # dp=4 on 4 GPUs: the engine moves onto policy rank 0's GPU (rollout.colocated=null).
+    plan = make_plan(_cfg(dp=4), GPU4)
+    assert plan.colocated and plan.batch.dp == 4 and plan.refit["transport"] == "ipc"
+    cfg = _cfg(dp=4)
+    cfg.rollout.colocated = False  # set explicitly: honoured, so 3 GPUs are left
     with pytest.raises(ConfigError, match=r"dtensor\.dp=4 x dtensor\.tp=1") as exc:
-        make_plan(_cfg(dp=4), GPU4)
-    assert "the 3 left for training (4 GPUs, 1 for rollout)" in str(exc.value)
+        make_plan(cfg, GPU4)
+    msg = str(exc.value)
+    assert "needs 4 GPU(s) for the policy but 4 GPU(s) leave 3 after the engines' 1" in msg
+    for key in ("rollout.colocated=true", "lower dtensor.dp (now 4)", "cluster.num_gpus"):
+        assert key in msg
+    with pytest.raises(ConfigError, match=r"dtensor\.dp=5 .* but the cluster has 4"):
+        make_plan(_cfg(dp=5), GPU4)
 
 
 def test_gpu_dp_auto_not_dividing_batch_is_an_error():

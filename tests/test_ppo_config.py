@@ -99,8 +99,13 @@ def test_bad_ppo_config_is_one_sentence():
         _ppo("value.lrr=1e-3")
     with pytest.raises(ConfigError, match=r"value\.dtensor\.dp=3"):
         make_plan(_ppo("value.dtensor.dp=3"), CPU2)  # 256 rows do not split over 3 ranks
-    with pytest.raises(ConfigError, match=r"value\.dtensor dp x tp = 7"):
+    # 7 critic ranks + the policy fit 8 GPUs once the engine shares policy rank 0's GPU;
+    # then the batch does not split over 7.
+    with pytest.raises(ConfigError, match=r"value model \(value\.dtensor\.dp=7\)"):
         make_plan(_ppo("value.dtensor.dp=7"), GPU8)
+    with pytest.raises(ConfigError, match=r"critic's 9 rank\(s\) \(value\.dtensor\.dp=9") as exc:
+        make_plan(_ppo("value.dtensor.dp=9"), GPU8)
+    assert "set value.dtensor.dp<=8 (or null)" in str(exc.value)
     # GRPO keeps its group-size check; PPO needs no groups.
     assert _ppo("algorithm.samples_per_prompt=1").algorithm.samples_per_prompt == 1
     with pytest.raises(ConfigError, match="samples_per_prompt=1"):

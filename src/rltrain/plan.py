@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RunConfig, value_run_config
+from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -70,6 +71,7 @@ class RunPlan:
     memory: dict[str, object]
     choices: dict[str, str]
     value_batch: BatchPlan | None = None  # PPO: the critic's batch math over its own dp
+    gpu_layout: GpuLayout | None = None  # CUDA runs: who shares a GPU with whom
     # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
     inputs: dict[str, object] = field(default_factory=dict)
     # role -> node of each rank ("ip (node id)"): forecast by `rltrain plan`,
@@ -216,15 +218,11 @@ def model_head_dim(cfg: RunConfig) -> int | None:
 
 
 def _check_vllm_on_cpu(cfg: RunConfig) -> None:
-    """The vLLM engine on CPU: one process per replica, not colocated, head_dim >= 32."""
+    """The vLLM engine on CPU: one process per replica, head_dim >= 32."""
     ro = cfg.rollout
     if ro.tp > 1:
         raise ConfigError(
             f"rollout.tp={ro.tp} needs GPUs (vLLM tensor parallelism); on CPU set rollout.tp=1."
-        )
-    if ro.colocated:
-        raise ConfigError(
-            "rollout.colocated=true needs GPUs (vLLM sleep/wake frees GPU memory); on CPU set rollout.colocated=false."
         )
     head_dim = model_head_dim(cfg)
     if head_dim is not None and head_dim < 32:
@@ -244,6 +242,11 @@ def make_plan(
             "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
         )
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
+    if ro.colocated and device == "cpu":
+        raise ConfigError(
+            "rollout.colocated=true needs GPUs (the engines share the trainer's GPU and sleep "
+            "between steps); on CPU set rollout.colocated=false or null."
+        )
     if ro.engine == "vllm" and device == "cpu":
         _check_vllm_on_cpu(cfg)
     if cfg.train.liger and device == "cpu":
@@ -252,43 +255,14 @@ def make_plan(
             "trains on CPU; set train.liger=false."
         )
     model_parallel = d.tp * d.cp
-    rollout_gpus = 0 if (device == "cpu" or ro.colocated) else ro.replicas * ro.tp
     ppo = cfg.algorithm.name == "ppo"
     vd = value_run_config(cfg).dtensor if ppo else None
-    # PPO's critic takes GPUs of its own: a fixed count when its dp (or the
-    # policy's, which it inherits) is set, else a share of every policy dp rank.
-    value_fixed, value_per_dp = 0, 0
-    if vd is not None:
-        if vd.dp is not None and (cfg.value.dtensor.dp is not None or d.dp is not None):
-            value_fixed = vd.dp * vd.tp
-        else:
-            value_per_dp = vd.tp
+    layout: GpuLayout | None = None
     if device == "cuda":
-        free = resources.num_gpus - rollout_gpus
-        if value_fixed and value_fixed >= free:
-            raise ConfigError(
-                f"the value model's mesh (value.dtensor dp x tp = {value_fixed}) leaves no GPU of the "
-                f"{free} left after rollout for the policy; lower value.dtensor.dp/tp or rollout.replicas."
-            )
-        free -= value_fixed
-        model_parallel_auto = model_parallel + value_per_dp
-        dp = d.dp if d.dp is not None else free // model_parallel_auto
-        if dp < 1 or dp * model_parallel_auto > free:
-            raise ConfigError(
-                f"dtensor.dp={d.dp if d.dp is not None else 'auto'} x dtensor.tp={d.tp} x dtensor.cp={d.cp} "
-                f"needs more GPUs than the {free} left for training ({resources.num_gpus} GPUs, "
-                f"{rollout_gpus} for rollout); lower dtensor.tp/dp or rollout.replicas."
-            )
-        if d.dp is None and free % model_parallel_auto:
-            raise ConfigError(
-                f"dtensor.tp={d.tp} x dtensor.cp={d.cp}"
-                + (f" + value.dtensor.tp={value_per_dp}" if value_per_dp else "")
-                + f" does not divide the {free} training GPUs; "
-                f"use a tp x cp that divides {free}"
-                + (" or set dtensor.dp." if value_per_dp else ".")
-            )
+        layout, dp = gpu_layout(cfg, vd, resources.num_gpus)
     else:
         dp = d.dp if d.dp is not None else 1
+    colocated = layout is not None and layout.rollout_colocated
     batch = _batch_plan(cfg, dp)
     value_dp = 0
     value_batch = None
@@ -303,18 +277,22 @@ def make_plan(
     trainer_world = dp * model_parallel
     backend = "nccl" if device == "cuda" else "gloo"
     n_actors = trainer_world + ro.replicas + value_world
-    if device == "cuda":
-        trainer_bundle: dict[str, float] = {"CPU": 1.0, "GPU": 1.0}
-        rollout_bundle: dict[str, float] = {"CPU": 1.0, "GPU": float(ro.tp)}
-        if ro.colocated:
-            rollout_bundle = {"CPU": 1.0, "GPU": 0.0}
+    if layout is not None:
+        # A process on a shared GPU asks for its share of it (see GpuLayout).
+        g = layout.share
+        trainer_bundle: dict[str, float] = {
+            "CPU": 1.0,
+            "GPU": g if layout.rollout_colocated or layout.value_colocated else 1.0,
+        }
+        value_bundle = {"CPU": 1.0, "GPU": g if layout.value_colocated else 1.0}
+        rollout_bundle = {"CPU": 1.0, "GPU": g if layout.rollout_colocated else float(ro.tp)}
     else:
         # Fractional CPUs pack every process onto a small machine; the workers
         # take turns (generate, then train), so they rarely compete.
         share = min(1.0, resources.num_cpus / n_actors) if resources.num_cpus else 1.0
         share = math.floor(share * 100) / 100
         trainer_bundle = {"CPU": share}
-        rollout_bundle = {"CPU": share}
+        rollout_bundle = value_bundle = {"CPU": share}
     threads = cfg.cluster.torch_threads
     if device == "cuda":
         trainer_threads = rollout_threads = threads or 0
@@ -322,7 +300,7 @@ def make_plan(
         trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
-    transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, ro.colocated)
+    transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, colocated)
     mesh = {"dp": dp, "tp": d.tp, "cp": d.cp}
     trainer_notes = [
         f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
@@ -355,11 +333,16 @@ def make_plan(
             rollout_threads,
             [
                 f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}"
-            ],
+            ]
+            + (colocated_engine_notes(cfg, rollout_bundle["GPU"]) if colocated else []),
         ),
     ]
     if vd is not None:
-        roles.append(_value_role(cfg, vd, value_world, value_dp, trainer_bundle, device, backend))
+        roles.append(_value_role(cfg, vd, value_world, value_dp, value_bundle, device, backend))
+        if layout is not None and layout.value_colocated:
+            roles[-1].notes.append(
+                f"value rank i on policy rank i's GPU ({value_bundle['GPU']:g} of it each)"
+            )
         roles[-1].threads = (
             (threads or 0)
             if device == "cuda"
@@ -378,6 +361,14 @@ def make_plan(
         if vd is not None:
             # Same estimate for the critic's backbone (its LM head is dropped; the 1-wide head is noise).
             memory["value_bytes_per_rank"] = 16 * n_params // (value_dp * vd.tp)
+        if layout is not None and layout.shared:
+            # What policy rank 0's GPU holds when it is shared (no activations, no KV cache).
+            on_gpu0 = [16 * n_params // shard]
+            if layout.value_colocated and vd is not None:
+                on_gpu0.append(16 * n_params // (value_dp * vd.tp))
+            if colocated:
+                on_gpu0.append(ro.replicas * DTYPE_BYTES[p.rollout_dtype] * n_params)
+            memory["shared_gpu_bytes"] = sum(on_gpu0)
     return RunPlan(
         algorithm=cfg.algorithm.name,
         device=device,
@@ -406,10 +397,11 @@ def make_plan(
             "refit": p.refit_dtype,
             **({"value": _value_precision(cfg)} if vd is not None else {}),
         },
-        colocated=ro.colocated,
+        colocated=colocated,
         memory=memory,
         choices=dict(choices or {}),
         value_batch=value_batch,
+        gpu_layout=layout,
         inputs=plan_inputs(cfg),
     )
 

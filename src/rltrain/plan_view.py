@@ -32,6 +32,20 @@ def plan_tree(plan: RunPlan) -> Tree:
         node.add(f"resources per process: {r.bundle}")
         for note in r.notes:
             node.add(note)
+    lay = plan.gpu_layout
+    if lay is not None:
+        gpus = tree.add(
+            "GPU sharing: "
+            + (
+                "none, every process on GPUs of its own"
+                if not lay.shared
+                else f"{lay.share:g} GPU per process"
+            )
+        )
+        for reason in lay.reasons:
+            gpus.add(reason)
+        for procs in lay.shared:
+            gpus.add(f"one GPU: {', '.join(procs)}")
     b = plan.batch
     batch = tree.add("batch math")
     batch.add(

@@ -260,12 +260,14 @@ def run_with_restarts(cfg: RunConfig, choices: dict[str, str], console: Console)
 
 
 def _report_placement(placement: list[dict], nodes: list, console: Console) -> dict[str, list[str]]:
-    """Print which node holds which role; returns role -> "ip (node id) pid N" per rank."""
+    """Print which node (and GPU) holds which role; returns role -> "ip (node id) pid N[ GPU g]"
+    per rank."""
     labels = {n.node_id: n.label for n in nodes}
     rows: dict[str, list[str]] = {}
     for w in placement:
         node = labels.get(w["node_id"], f"{w['ip']} ({w['node_id'][:8]})")
-        rows.setdefault(w["role"], []).append(f"{node} pid {w['pid']}")
+        gpu = f" GPU {','.join(w['gpus'])}" if w.get("gpus") else ""
+        rows.setdefault(w["role"], []).append(f"{node} pid {w['pid']}{gpu}")
     for role, where in rows.items():
         console.print(f"  {role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(where)))
     return rows

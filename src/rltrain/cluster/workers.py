@@ -21,7 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltrain.cluster.placement import RoleBundles, role_bundles
+from rltrain.cluster.placement import RoleBundles, role_bundles, shared_gpu_mismatch
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitStats
@@ -59,11 +59,17 @@ class WorkerHost:
         return node_ip(), free_port()
 
     def where(self) -> dict[str, Any]:
-        """Node id, node IP and process id of this actor (for the placement report)."""
+        """Node id, node IP, process id and GPU ids of this actor (for the placement report).
+
+        ``gpus``: the ids Ray gave this actor, which it also wrote to CUDA_VISIBLE_DEVICES
+        (a fractional GPU request gets the id of the one GPU its share is on).
+        """
+        ctx = ray.get_runtime_context()
         return {
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
+            "gpus": [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])],
         }
 
     def build(self, class_path: str, *args: Any) -> bool:
@@ -73,6 +79,22 @@ class WorkerHost:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def call_between(
+        self, before: tuple[str, ...], method: str, args: tuple, after: tuple[str, ...]
+    ) -> Any:
+        """``method(*args)`` with the argument-less methods ``before`` called first and
+        ``after`` called once it returned, all in one actor call; returns its result.
+
+        Saves the controller a round trip per step where a colocated engine wakes
+        up or goes to sleep around a call; nothing after ``method`` runs if it raises.
+        """
+        for name in before:
+            getattr(self.worker, name)()
+        out = getattr(self.worker, method)(*args)
+        for name in after:
+            getattr(self.worker, name)()
+        return out
 
 
 RemoteHost = ray.remote(WorkerHost)
@@ -203,51 +225,63 @@ class Workers:
             raise
 
     def _start(self, cfg: RunConfig, plan: RunPlan) -> None:
+        # The workers see the plan's answer to rollout.colocated=null (auto): the vLLM
+        # engine enables sleep mode from it.
+        cfg = replace(cfg, rollout=replace(cfg.rollout, colocated=plan.colocated))
         self.cfg = cfg
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
         self.call_timeout = cfg.cluster.call_timeout_s
         self.failed = False  # set when a call failed: shutdown then kills without waiting
+        # Colocated engines sleep between steps; which replicas hold GPU memory now.
+        self.awake = [True] * plan.role("rollout").world_size
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
-        pgs = {rb.role: self._placement_group(rb) for rb in role_bundles(plan, cfg.cluster)}
+        groups = role_bundles(plan, cfg.cluster)
+        actors: dict[str, dict[int, Any]] = {"policy": {}, "rollout": {}, "value": {}}
+        for rb in groups:
+            pg = self._placement_group(rb)
+            for slot in rb.processes():
+                # A share of a bundle's GPU (roles that share it) or the whole bundle.
+                actors[slot.role][slot.rank] = RemoteHost.options(
+                    num_cpus=slot.resources.get("CPU", 0),
+                    num_gpus=slot.resources.get("GPU", 0),
+                    resources={k: v for k, v in slot.resources.items() if k not in ("CPU", "GPU")}
+                    or None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=slot.bundle_index
+                    ),
+                ).remote()
 
-        def spawn(pg, bundle_index: int):
-            bundle = pg.bundle_specs[bundle_index]
-            return RemoteHost.options(
-                num_cpus=bundle.get("CPU", 0),
-                num_gpus=bundle.get("GPU", 0),
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=bundle_index
-                ),
-            ).remote()
+        def gang(role: str, n: int) -> Gang:
+            return Gang(role, [actors[role][i] for i in range(n)])
 
-        self.policy = Gang("policy", [spawn(pgs["policy"], i) for i in range(policy.world_size)])
-        self.rollout = Gang(
-            "rollout", [spawn(pgs["rollout"], i) for i in range(rollout.world_size)]
-        )
+        self.policy = gang("policy", policy.world_size)
+        self.rollout = gang("rollout", rollout.world_size)
         if value_role is not None:
-            self.value = Gang(
-                "value", [spawn(pgs["value"], i) for i in range(value_role.world_size)]
-            )
+            self.value = gang("value", value_role.world_size)
         gangs = [g for g in (self.policy, self.rollout, self.value) if g is not None]
-        # Where each process landed (role, rank, node, pid): printed at start, kept in plan.json.
+        # Where each process landed (role, rank, node, pid, GPU ids): printed at start, kept in
+        # plan.json.
         where = wait(
             [a.where.remote() for g in gangs for a in g.actors],
             [n for g in gangs for n in g.names()],
             self.timeout,
             "start-up",
         )
-        ranks = [
-            (g.role, i)
-            for g in (self.policy, self.rollout, self.value)
-            if g is not None
-            for i in range(len(g.actors))
-        ]
+        ranks = [(g.role, i) for g in gangs for i in range(len(g.actors))]
         self.placement: list[dict[str, Any]] = [
             {"role": role, "rank": rank, **w} for (role, rank), w in zip(ranks, where, strict=True)
         ]
+        if plan.device == "cuda":
+            # Processes meant to share a GPU must see the same one: the IPC refit opens the
+            # engines' memory on policy rank 0's device.
+            mismatch = shared_gpu_mismatch(
+                groups,
+                {(w["role"], w["rank"]): (w["node_id"], tuple(w["gpus"])) for w in self.placement},
+            )
+            if mismatch is not None:
+                raise WorkerError(f"start-up: {mismatch}")
         host, port = wait(
             [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
         )[0]
@@ -343,11 +377,16 @@ class Workers:
         self.manifest = manifest
 
     def refit(self, weight_version: int) -> RefitStats:
-        """Push the policy's weights to every replica, stamped ``weight_version``."""
-        if self.cfg.rollout.colocated:  # weights land in GPU memory the engines gave back
-            wait(self.rollout.call_all("wake_up"), self.rollout.names(), None, "rollout wake-up")
+        """Push the policy's weights to every replica, stamped ``weight_version``.
+
+        Colocated engines wake up first, in the same actor call as their receive: the
+        weights land in GPU memory they gave back, and the sender only writes once the
+        receiver said it is ready (after its wake-up).
+        """
         send = self.policy.call_all("refit_send", weight_version)
-        recv = self.rollout.call_all("refit_receive")
+        wake = ("wake_up",) if self.plan.colocated else ()
+        recv = [a.call_between.remote(wake, "refit_receive", (), ()) for a in self.rollout.actors]
+        self.awake = [True] * len(self.rollout.actors)
         out = self._wait(
             send + recv,
             self.policy.names() + self.rollout.names(),
@@ -375,16 +414,25 @@ class Workers:
             sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
             for i in range(n)
         ]
+        # Colocated engines hold GPU memory only while they generate: each wakes up (a
+        # no-op when awake), generates and goes back to sleep for the trainer in one call.
+        colocated = self.plan.colocated
+        wake, sleep = (("wake_up",), ("sleep",)) if colocated else ((), ())
         refs = [
-            a.call.remote("generate", c, sp)
+            a.call_between.remote(wake, "generate", (c, sp), sleep)
             for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
             if c
         ]
-        parts: list[RolloutBatch] = self._wait(
-            refs, self.rollout.names(list(range(len(refs)))), self.call_timeout, "generate"
+        busy = [i for i, c in enumerate(chunks) if c]
+        # A replica left without prompts (fewer prompts than replicas) sleeps too.
+        idle = [i for i, c in enumerate(chunks) if not c and colocated and self.awake[i]]
+        refs_idle = [self.rollout.actors[i].call.remote("sleep") for i in idle]
+        out = self._wait(
+            refs + refs_idle, self.rollout.names(busy + idle), self.call_timeout, "generate"
         )
-        if self.cfg.rollout.colocated:  # free the GPU memory for the trainer until the refit
-            wait(self.rollout.call_all("sleep"), self.rollout.names(), None, "rollout sleep")
+        parts: list[RolloutBatch] = out[: len(refs)]
+        if colocated:
+            self.awake = [False] * n
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -561,8 +609,8 @@ class Workers:
             for gang in [self.policy] + ([self.value] if self.value is not None else []):
                 with contextlib.suppress(Exception):  # best effort on the way out
                     ray.get(gang.call_all("shutdown"), timeout=grace)
-            if self.rollout.actors and self.cfg.rollout.engine == "vllm":
-                with contextlib.suppress(Exception):  # frees the engine and its model folder
+            if self.rollout.actors:
+                with contextlib.suppress(Exception):  # frees the engine (and its model folder)
                     ray.get(self.rollout.call_all("shutdown"), timeout=grace)
         for a in self.policy.actors + self.rollout.actors + value_actors:
             with contextlib.suppress(Exception):

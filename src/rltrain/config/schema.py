@@ -184,7 +184,11 @@ class RolloutConfig:
     engine: str = "torch"
     replicas: int = 1
     tp: int = 1
-    colocated: bool = False
+    # Engines on the trainer's GPU (policy rank 0's), sharing it through fractional GPU
+    # requests: they sleep after generate and wake for the refit (refit over CUDA IPC).
+    # null = auto: colocated on GPUs when the cluster cannot hold rollout GPUs of their
+    # own next to the trainer (the policy, and PPO's critic); never on CPU.
+    colocated: bool | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 5

@@ -139,10 +139,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1)."
         )
-    if ro.colocated and ro.engine != "vllm":
-        raise ConfigError(
-            "rollout.colocated=true is not available for the torch engine; set rollout.colocated=false or use rollout=vllm."
-        )
     if ro.engine == "vllm":
         _validate_vllm(cfg)
     if ro.temperature <= 0:

@@ -35,8 +35,22 @@ class RolloutBatch:
 
 
 class Engine(Protocol):
-    """A rollout engine replica."""
+    """A rollout engine replica: every method the rollout pool (``cluster/workers.py``) calls.
+
+    Refit: ``init_refit`` once, then ``refit_receive`` after every optimizer step
+    (see ``refit/``). Colocated on the trainer's GPU, the pool calls ``sleep``
+    after each ``generate`` and ``wake_up`` before the next ``generate`` or
+    refit; ``wake_up`` is a no-op when awake. What sleeping frees is the
+    engine's own business (vLLM: weights to host memory and the KV cache; the
+    torch engine: its cached allocator blocks).
+    """
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
 
     def weight_version(self) -> int: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -56,10 +56,37 @@ class TorchEngine:
         self._params = dict(self.model.named_parameters())
         self.refit_receiver: RefitReceiver | None = None
         self.refit_in_place = False  # True: the weights are views into the receiver's buckets
+        self.asleep = False
 
     # -- engine interface -------------------------------------------------
     def weight_version(self) -> int:
         return self._version
+
+    # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
+    def sleep(self) -> None:
+        """Give the GPU memory this process caches back to the driver, for the trainer.
+
+        What ``generate`` left in torch's caching allocator (the KV cache, logits,
+        sampling buffers: all freed when it returned) is released with
+        ``torch.cuda.empty_cache``. The weights stay where they are: colocated,
+        they are views into the flat tensor the trainer packs each refit into
+        over CUDA IPC, so moving them would cut that link. On CPU a no-op.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Nothing to bring back (``generate`` allocates its KV cache as it goes); a no-op
+        when awake. Present so that the pool treats every engine alike."""
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        """Drop the model and the refit receiver (the actor is ended right after)."""
+        self.refit_receiver = None
+        self._params = {}
+        self.model = None  # type: ignore[assignment]
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:

@@ -31,10 +31,14 @@ class TrialSpec:
     plan: RunPlan | None = None
 
     def demand(self) -> tuple[float, float]:
-        """(CPUs, GPUs) the trial's placement group reserves: the sum of its plan's bundles."""
-        assert self.plan is not None
-        cpus = sum(r.bundle.get("CPU", 0.0) * r.world_size for r in self.plan.roles)
-        gpus = sum(r.bundle.get("GPU", 0.0) * r.world_size for r in self.plan.roles)
+        """(CPUs, GPUs) the trial's placement groups reserve: the sum of their bundles
+        (a GPU that roles share is reserved whole)."""
+        from rltrain.cluster.placement import role_bundles
+
+        assert self.plan is not None and self.cfg is not None
+        bundles = [b for rb in role_bundles(self.plan, self.cfg.cluster) for b in rb.bundles]
+        cpus = sum(b.get("CPU", 0.0) for b in bundles)
+        gpus = sum(b.get("GPU", 0.0) for b in bundles)
         return cpus, gpus
 
 
