@@ -359,7 +359,9 @@ VLLM_BAD_CASES = [
         id="vllm-memory-fraction",
     ),
     pytest.param(
-        ["rollout.colocated=true"], ["rollout.colocated=true", "rollout=vllm"], id="torch-colocated"
+        ["rollout.colocated=true"],
+        ["rollout.colocated=true", "needs GPUs", "rollout.colocated=false or null"],
+        id="torch-colocated-on-cpu",
     ),
     pytest.param(["rollout.tp=2"], ["rollout.tp>1 needs the vllm engine"], id="torch-tp"),
     pytest.param(["rollout.top_k=4"], ["rollout.top_k", "rollout=vllm"], id="torch-top-k"),

@@ -277,22 +277,22 @@ def make_plan(
     trainer_world = dp * model_parallel
     backend = "nccl" if device == "cuda" else "gloo"
     n_actors = trainer_world + ro.replicas + value_world
+    # Fractional CPUs pack every process onto a small machine; the workers
+    # take turns (generate, then train), so they rarely compete.
+    cpu = min(1.0, resources.num_cpus / n_actors) if resources.num_cpus else 1.0
+    cpu = math.floor(cpu * 100) / 100
     if layout is not None:
         # A process on a shared GPU asks for its share of it (see GpuLayout).
         g = layout.share
         trainer_bundle: dict[str, float] = {
-            "CPU": 1.0,
+            "CPU": cpu,
             "GPU": g if layout.rollout_colocated or layout.value_colocated else 1.0,
         }
-        value_bundle = {"CPU": 1.0, "GPU": g if layout.value_colocated else 1.0}
-        rollout_bundle = {"CPU": 1.0, "GPU": g if layout.rollout_colocated else float(ro.tp)}
+        value_bundle = {"CPU": cpu, "GPU": g if layout.value_colocated else 1.0}
+        rollout_bundle = {"CPU": cpu, "GPU": g if layout.rollout_colocated else float(ro.tp)}
     else:
-        # Fractional CPUs pack every process onto a small machine; the workers
-        # take turns (generate, then train), so they rarely compete.
-        share = min(1.0, resources.num_cpus / n_actors) if resources.num_cpus else 1.0
-        share = math.floor(share * 100) / 100
-        trainer_bundle = {"CPU": share}
-        rollout_bundle = value_bundle = {"CPU": share}
+        trainer_bundle = {"CPU": cpu}
+        rollout_bundle = value_bundle = {"CPU": cpu}
     threads = cfg.cluster.torch_threads
     if device == "cuda":
         trainer_threads = rollout_threads = threads or 0

@@ -122,7 +122,7 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
     reasons = [reason]
     free = num_gpus if colocated else num_gpus - rollout_gpus
     if colocated:
-        where = f"the cluster has {num_gpus} (the engines share them)"
+        where = f"the cluster has {num_gpus}, which the engines share"
     else:
         where = f"{num_gpus} GPU(s) leave {max(free, 0)} after the engines' {rollout_gpus}"
 
@@ -147,10 +147,15 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
         raise short_of((d.dp or 1) * mp)
     if d.dp is None and train_free % per_dp:
         extra = f" + value.dtensor.tp={value_per_dp}" if separate and value_per_dp else ""
+        fixes = [
+            f"use a tp x cp that divides {train_free}",
+            f"set dtensor.dp={dp} (leaves {train_free - dp * per_dp} GPU(s) idle)",
+        ]
+        if not colocated and can_colocate and num_gpus % per_dp == 0:
+            fixes.append(f"set rollout.colocated=true to train on all {num_gpus}")
         raise ConfigError(
             f"dtensor.tp={d.tp} x dtensor.cp={d.cp}{extra} does not divide the {train_free} "
-            f"training GPUs; use a tp x cp that divides {train_free}"
-            + (" or set dtensor.dp." if extra else ".")
+            f"training GPUs; {_or(fixes)}."
         )
     value_world = 0
     if vd is not None:
@@ -158,7 +163,8 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
         value_world = value_dp * vd.tp * vd.cp
         if not separate:
             if value_world > dp * mp:
-                fixes = [f"set value.dtensor.dp<={max(1, dp * mp // (vd.tp * vd.cp))} (or null)"]
+                max_dp = max(1, dp * mp // (vd.tp * vd.cp))
+                fixes = [f"set value.dtensor.dp<={max_dp} (or null)"] if value_dp > max_dp else []
                 if vd.tp > 1:
                     fixes.append(f"lower value.dtensor.tp (now {vd.tp})")
                 policy_min = (d.dp or 1) * mp
