@@ -262,3 +262,42 @@ def test_torch_engine_sleep_and_wake_keep_its_samples():
         assert torch.equal(p, weights[n]), n
     engine.shutdown()
     assert engine.model is None
+
+
+@pytest.mark.timeout(300)
+def test_workers_colocated_path_through_ray_actors(ray_session):
+    """The pool's colocated path on CPU: wake, generate and sleep in one call per replica,
+    an idle replica put to sleep, the refit waking every replica, and the same samples as
+    without any of it (the torch engine's sleep frees memory only on CUDA)."""
+    import ray
+
+    from rltrain.cluster.workers import Workers
+    from rltrain.rollout.base import SamplingParams
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(**{"rollout.replicas": 2, "algorithm.prompts_per_step": 4})
+    plan = make_plan(cfg, Resources(num_cpus=2, num_gpus=0))
+    plan.colocated = True  # what a GPU plan says (a CPU plan refuses rollout.colocated=true)
+    workers = Workers(cfg, plan)
+
+    def asleep() -> list[bool]:
+        return ray.get(
+            [a.call.remote("__getattribute__", "asleep") for a in workers.rollout.actors]
+        )
+
+    try:
+        assert workers.cfg.rollout.colocated is True  # the engines see the plan's answer
+        prompts = [[3, 4, 5], [6, 7], [5, 5, 4], [7]] * 2
+        sampling = SamplingParams(max_new_tokens=5, seed=3)
+        first = workers.generate(prompts, sampling)
+        assert asleep() == [True, True]
+        assert workers.refit(1).weight_version == 1  # the same weights, version 1
+        assert asleep() == [False, False]
+        workers.generate(prompts[:1], sampling)  # replica 1 gets no prompt: it sleeps too
+        assert asleep() == [True, True]
+        again = workers.generate(prompts, sampling)
+        assert again.response_ids == first.response_ids
+        assert again.response_logprobs == first.response_logprobs
+        assert again.weight_version == 1
+    finally:
+        workers.shutdown()

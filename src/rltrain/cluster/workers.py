@@ -295,11 +295,7 @@ class Workers:
             )
             for rank, a in enumerate(self.policy.actors)
         ]
-        builds += [
-            a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
-            for i, a in enumerate(self.rollout.actors)
-        ]
-        names = self.policy.names() + self.rollout.names()
+        names = self.policy.names()
         if self.value is not None and value_role is not None:
             # The critic's own process group: its rank 0 hosts the rendezvous.
             vhost, vport = wait(
@@ -322,6 +318,17 @@ class Workers:
                 for rank, a in enumerate(self.value.actors)
             ]
             names += self.value.names()
+        if plan.colocated:
+            # Engines on the trainer's GPU start once the trainers hold their memory: vLLM
+            # sizes its KV cache from the free memory it measures while it starts, which
+            # must not change under it.
+            wait(builds, names, self.timeout, "building workers")
+            builds, names = [], []
+        builds += [
+            a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
+            for i, a in enumerate(self.rollout.actors)
+        ]
+        names += self.rollout.names()
         wait(builds, names, self.timeout, "building workers")
         self._init_refit()
 
