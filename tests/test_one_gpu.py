@@ -301,3 +301,14 @@ def test_workers_colocated_path_through_ray_actors(ray_session):
         assert again.weight_version == 1
     finally:
         workers.shutdown()
+
+
+def test_sweep_demand_counts_a_shared_gpu_once():
+    from rltrain.sweep.trials import TrialSpec
+
+    for algorithm, cpus in (("grpo", 2.0), ("ppo", 3.0)):
+        cfg, plan = _plan(algorithm)
+        spec = TrialSpec(0, "trial_000", [], "", cfg=cfg, plan=plan)
+        assert spec.demand() == (cpus, 1.0)
+    cfg, plan = _plan("grpo", "dtensor.dp=2", resources=GPU2)  # GPU 1: policy rank 1 alone
+    assert TrialSpec(0, "trial_000", [], "", cfg=cfg, plan=plan).demand() == (3.0, 2.0)

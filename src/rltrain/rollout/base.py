@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from rltrain.refit.base import RefitManifest, RefitStats
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,6 +50,18 @@ class Engine(Protocol):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
 
     def weight_version(self) -> int: ...
+
+    def init_refit(
+        self,
+        manifest: RefitManifest,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        transport: str = "gloo",
+    ) -> None: ...
+
+    def refit_receive(self) -> RefitStats: ...
 
     def sleep(self) -> None: ...
 
