@@ -267,8 +267,9 @@ def test_torch_engine_sleep_and_wake_keep_its_samples():
 @pytest.mark.timeout(300)
 def test_workers_colocated_path_through_ray_actors(ray_session):
     """The pool's colocated path on CPU: wake, generate and sleep in one call per replica,
-    an idle replica put to sleep, the refit waking every replica, and the same samples as
-    without any of it (the torch engine's sleep frees memory only on CUDA)."""
+    an idle replica put to sleep, the refit waking every replica, evaluation keeping them
+    awake, and the same samples as without any of it (the torch engine's sleep frees
+    memory only on CUDA)."""
     import ray
 
     from rltrain.cluster.workers import Workers
@@ -293,6 +294,9 @@ def test_workers_colocated_path_through_ray_actors(ray_session):
         assert asleep() == [True, True]
         assert workers.refit(1).weight_version == 1  # the same weights, version 1
         assert asleep() == [False, False]
+        evaluated = workers.generate(prompts, sampling, then_sleep=False)  # as evaluation does
+        assert asleep() == [False, False]
+        assert evaluated.response_ids == first.response_ids
         workers.generate(prompts[:1], sampling)  # replica 1 gets no prompt: it sleeps too
         assert asleep() == [True, True]
         again = workers.generate(prompts, sampling)

@@ -92,8 +92,6 @@ def evaluate_model(cfg: RunConfig) -> dict[str, float]:
         )
     use_cuda = cfg.cluster.device != "cpu" and torch.cuda.is_available()
     device = "cuda" if use_cuda else "cpu"
-    # One engine alone on its device: nothing to share it with (rollout.colocated=null).
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, colocated=False))
     if cfg.rollout.engine == "vllm":
         from rltrain.rollout.vllm_engine import VLLMEngine
 

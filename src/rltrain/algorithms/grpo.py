@@ -5,6 +5,7 @@ prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> [ev
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -106,7 +107,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         }
         # step 9: greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
-            metrics.update(evaluate(workers.generate, ctx.task, tok, cfg))
+            # Engines stay awake: the next step generates before anything trains.
+            eval_generate = functools.partial(workers.generate, then_sleep=False)
+            metrics.update(evaluate(eval_generate, ctx.task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps

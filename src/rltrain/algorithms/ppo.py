@@ -6,6 +6,7 @@ prompts -> generate -> reward -> values -> logprobs (policy, reference) -> GAE
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -123,7 +124,9 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
         # greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
-            metrics.update(evaluate(workers.generate, ctx.task, tok, cfg))
+            # Engines stay awake: the next step generates before anything trains.
+            eval_generate = functools.partial(workers.generate, then_sleep=False)
+            metrics.update(evaluate(eval_generate, ctx.task, tok, cfg))
         on_step(step, metrics)
         if (
             cfg.checkpoint.every_n_steps

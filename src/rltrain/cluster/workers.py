@@ -410,8 +410,17 @@ class Workers:
         return refit_summary(stats, replicas)
 
     # -- rollout ------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        """Split the prompts evenly over the replicas, keep request order."""
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, then_sleep: bool = True
+    ) -> RolloutBatch:
+        """Split the prompts evenly over the replicas, keep request order.
+
+        Colocated engines wake up (a no-op when awake), generate and, with
+        ``then_sleep``, go back to sleep to leave the GPU to the trainer, all in one
+        actor call per replica. ``then_sleep=False`` keeps them awake: evaluation
+        right after a refit, when the next thing the engines do is generate again
+        (an engine may discard its weights in its sleep and then needs a refit).
+        """
         n = len(self.rollout.actors)
         chunks = [
             prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
@@ -421,10 +430,9 @@ class Workers:
             sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
             for i in range(n)
         ]
-        # Colocated engines hold GPU memory only while they generate: each wakes up (a
-        # no-op when awake), generates and goes back to sleep for the trainer in one call.
         colocated = self.plan.colocated
-        wake, sleep = (("wake_up",), ("sleep",)) if colocated else ((), ())
+        wake = ("wake_up",) if colocated else ()
+        sleep = ("sleep",) if colocated and then_sleep else ()
         refs = [
             a.call_between.remote(wake, "generate", (c, sp), sleep)
             for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
@@ -432,14 +440,17 @@ class Workers:
         ]
         busy = [i for i, c in enumerate(chunks) if c]
         # A replica left without prompts (fewer prompts than replicas) sleeps too.
-        idle = [i for i, c in enumerate(chunks) if not c and colocated and self.awake[i]]
+        idle = [i for i, c in enumerate(chunks) if not c and sleep and self.awake[i]]
         refs_idle = [self.rollout.actors[i].call.remote("sleep") for i in idle]
         out = self._wait(
             refs + refs_idle, self.rollout.names(busy + idle), self.call_timeout, "generate"
         )
         parts: list[RolloutBatch] = out[: len(refs)]
         if colocated:
-            self.awake = [False] * n
+            for i in busy:
+                self.awake[i] = not sleep
+            for i in idle:
+                self.awake[i] = False
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],

@@ -136,7 +136,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * GIB)
         else:
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = ro.colocated
+            # The run's workers get rollout.colocated resolved by the plan; null (auto) here
+            # means an engine built outside a run (eval, benchmarks): nothing to share with.
+            kwargs["enable_sleep_mode"] = bool(ro.colocated)
         return LLM(**kwargs)
 
     # -- engine interface -------------------------------------------------
