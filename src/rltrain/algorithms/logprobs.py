@@ -85,17 +85,21 @@ def _chunk_grad_logits(logits_NV, targets_N, grad_lp_N, lse_N, temperature, bloc
     return ((onehot - p) * (grad_lp_N[:, None] / temperature)).to(logits_NV.dtype)
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str, tuple] = {}
 
 
-def _head_fns(compiled: bool):
-    """(forward, grad) chunk functions: plain, or each ``torch.compile``d once per process."""
+def _head_fns(compiled: bool, backend: str = "inductor"):
+    """(forward, grad) chunk functions: plain, or each ``torch.compile``d once per process
+    and backend, with symbolic sizes (one graph for every chunk length but 1, which
+    :func:`chunked_token_logprobs` never passes)."""
     if not compiled:
         return _chunk_forward, _chunk_grad_logits
-    if not _COMPILED:
-        _COMPILED["fwd"] = torch.compile(_chunk_forward, dynamic=True)
-        _COMPILED["grad"] = torch.compile(_chunk_grad_logits, dynamic=True)
-    return _COMPILED["fwd"], _COMPILED["grad"]
+    if backend not in _COMPILED:
+        _COMPILED[backend] = (
+            torch.compile(_chunk_forward, backend=backend, dynamic=True),
+            torch.compile(_chunk_grad_logits, backend=backend, dynamic=True),
+        )
+    return _COMPILED[backend]
 
 
 class _ChunkLogprobs(torch.autograd.Function):
@@ -111,13 +115,14 @@ class _ChunkLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, blocked_V, opts):
-        with_entropy, compiled = opts
-        fwd, _ = _head_fns(compiled)
+        with_entropy, compiled, backend = opts
+        fwd, _ = _head_fns(compiled, backend)
         logits = torch.nn.functional.linear(hidden_NH, weight_VH)
         lp, ent, lse = fwd(logits, targets_N, temperature, blocked_V, with_entropy)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse, blocked_V)
         ctx.temperature = temperature
         ctx.compiled = compiled
+        ctx.backend = backend
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -125,8 +130,10 @@ class _ChunkLogprobs(torch.autograd.Function):
     def backward(ctx, grad_lp_N, _grad_ent):
         hidden, weight, targets, lse, blocked = ctx.saved_tensors
         logits = torch.nn.functional.linear(hidden, weight)
-        _, grad_fn = _head_fns(ctx.compiled)
-        grad_logits = grad_fn(logits, targets, grad_lp_N, lse, ctx.temperature, blocked)
+        _, grad_fn = _head_fns(ctx.compiled, ctx.backend)
+        grad_logits = grad_fn(
+            logits, targets, grad_lp_N.contiguous(), lse, ctx.temperature, blocked
+        )
         del logits
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
@@ -143,6 +150,7 @@ def chunked_token_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
     compiled: bool = False,
+    backend: str = "inductor",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` from final hidden states, never holding full-vocab fp32 logits.
 
@@ -150,25 +158,30 @@ def chunked_token_logprobs(
     output embedding; the logits are formed ``chunk_tokens`` positions at a
     time (fp32 log-softmax per chunk). Under autograd only each chunk's
     hidden-state slice is kept; its logits are recomputed in backward. ``compiled`` runs the
-    per-chunk softmax math through ``torch.compile`` (fused kernels). Same
-    alignment, masking and values as :func:`token_logprobs` on ``lm_head(hidden)``.
+    per-chunk softmax math through ``torch.compile`` (fused kernels; ``backend``:
+    inductor, CPU tests use aot_eager). Same alignment, masking and values as
+    :func:`token_logprobs` on ``lm_head(hidden)``.
     """
     B, T, H = hidden_BTH.shape
     hidden = hidden_BTH[:, :-1].reshape(-1, H)
-    targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device)
+    # contiguous: compiled chunk functions guard on strides (a [B, 1] slice reshapes to stride B)
+    targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device).contiguous()
     blocked = None
     if blocked_ids is not None and blocked_ids.numel():
         blocked = torch.zeros(weight_VH.shape[0], dtype=torch.bool, device=hidden.device)
         blocked[blocked_ids.to(hidden.device)] = True
-    opts = (with_entropy, compiled)
+    opts = (with_entropy, compiled, backend)
     lps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, hidden.shape[0])
-        lp, ent = _ChunkLogprobs.apply(
-            hidden[start:end], weight_VH, targets[start:end], temperature, blocked, opts
-        )
-        lps.append(lp)
-        ents.append(ent)
+        hidden_N, targets_N = hidden[start:end], targets[start:end]
+        if compiled and end - start == 1:
+            # torch.compile specialises a size of 1 (a graph of its own, compiled at
+            # whichever step first has such a chunk): run the position twice, keep one.
+            hidden_N, targets_N = torch.cat([hidden_N, hidden_N]), torch.cat([targets_N, targets_N])
+        lp, ent = _ChunkLogprobs.apply(hidden_N, weight_VH, targets_N, temperature, blocked, opts)
+        lps.append(lp[: end - start])
+        ents.append(ent[: end - start])
     lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
     logprobs_BT = torch.nn.functional.pad(lp.view(B, T - 1), (1, 0))
     if mask_BT is not None:

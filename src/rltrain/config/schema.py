@@ -64,10 +64,13 @@ class TrainConfig:
     logprob_chunk_tokens: int = 1024
     # Rows that hold a single sequence (full rows, padded rows, a long sequence
     # alone) run plain causal sdpa (flash / cuDNN kernels) instead of a block mask.
-    # Exact; false only to measure the block-mask path.
-    causal_rows: bool = True
+    # Exact. null = on, except for packed rows under compiled blocks (there it would
+    # bring a second attention layout into the blocks, compiled at whichever step
+    # first packs equal-length sequences); false only to measure the block-mask path.
+    causal_rows: bool | None = None
     # torch.compile the forward of each decoder block (before fully_shard) and the
-    # logprob head's softmax math. null = on with CUDA, off on CPU.
+    # logprob head's softmax math. null = on with CUDA for models of at least 100M
+    # parameters, off on CPU and for smaller models (the compile would not pay).
     compile: bool | None = None
     # liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA; liger-kernel installed).
     liger: bool = False

@@ -30,16 +30,17 @@ from rltrain.models.loader import (
 )
 from rltrain.train.batch import TrainBatch
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
+from rltrain.train.compile import compile_blocks, compile_counts, resolve_compile
 from rltrain.train.distributed import DistEnv, init_distributed
 from rltrain.train.kernels import (
     apply_liger,
     attention_kwargs,
     choose_attention,
-    compile_blocks,
     freeze_gc_once,
     make_adamw,
     register_attention,
     register_varlen_attention,
+    resolve_causal_rows,
     resolve_speed_knobs,
     unfreeze_gc,
 )
@@ -67,6 +68,9 @@ class OverflowStormError(RuntimeError):
 class FSDPTrainer:
     """FSDP2 model + AdamW on fp32 master weights, one process of a trainer gang."""
 
+    # torch.compile backend of the blocks and the logprob head (tests on CPU use aot_eager).
+    compile_backend = "inductor"
+
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -79,16 +83,18 @@ class FSDPTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.dp, d.tp), mesh_dim_names=("dp", "tp"))
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
-        # train.compile, dtensor.reshard_after_forward / grad_sync with null resolved
-        self.compiled, self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(
-            cfg, self.device, self.dp
-        )
+        # dtensor.reshard_after_forward / grad_sync with null resolved; train.compile and
+        # train.causal_rows once the model's size is known (the first _shard)
+        self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(cfg, self.dp)
+        self.compiled: bool | None = None
+        self._compile_counts = compile_counts()  # baseline of compile_metrics
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
         )
         torch.manual_seed(cfg.seed)
         self.model = self.load_sharded_model()  # fp32 master weights
+        self.causal_rows = resolve_causal_rows(cfg, bool(self.compiled))
         self.hf_config = cast("PretrainedConfig", self.model.config)
         o = cfg.optim
         self.optimizer = make_adamw(list(self.model.parameters()), o)
@@ -155,6 +161,9 @@ class FSDPTrainer:
         return model
 
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+        if self.compiled is None:  # the policy (or critic) decides; a reference model follows
+            num_params = sum(p.numel() for p in model.parameters())
+            self.compiled = resolve_compile(self.cfg.train.compile, self.device, num_params)
         self._set_attention(model)
         d, p = self.cfg.dtensor, self.cfg.precision
         if not any(t.is_meta for t in model.parameters()):
@@ -175,7 +184,8 @@ class FSDPTrainer:
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
         if self.compiled:
-            compile_blocks(decoder_layers(model))  # after TP and AC, before fully_shard
+            # after TP and AC, before fully_shard
+            compile_blocks(decoder_layers(model), self.compile_backend)
         mp = MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
         )
@@ -246,31 +256,44 @@ class FSDPTrainer:
 
     def make_micro_batch(self, batch: TrainBatch, rows: list[int]) -> MicroBatch:
         """``rows`` of ``batch`` laid out per ``train.packing``, on this rank's device."""
+        t = self.cfg.train
         # flex / varlen: one row per micro batch (masked pairs cost nothing), padded to a
         # multiple of its block size so few distinct shapes get compiled. sdpa
         # computes every query x key pair of a row, so there rows hold at most
         # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
-        one_row = self.attention in ("flex", "varlen")
+        one_row = t.packing and self.attention in ("flex", "varlen")
         lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
         longest = max(lengths, default=2)
-        if one_row and self.cfg.train.causal_rows and len(set(lengths)) == 1:
+        if one_row and self.causal_rows and len(set(lengths)) == 1:
             # Equal lengths (full rows, or one sequence alone): one sequence per row,
             # no padding, and causal sdpa instead of a block mask.
             one_row = False
+        min_rows, min_row_tokens = 1, 2
+        if self.compiled:
+            # torch specialises sizes of 1, so no size the blocks see may be 1 in some
+            # micro batches and larger in others: layouts of several rows get at least
+            # two (a row of padding) unless every micro batch is one padded row, and
+            # flex's one row spans at least two of its 128-token blocks.
+            if not one_row and (t.packing or t.micro_batch_size != 1):
+                min_rows = 2
+            if one_row and self.attention == "flex":
+                min_row_tokens = 256
         return pack(
             batch,
             rows,
-            self.cfg.train.packing,
+            t.packing,
             self.tokenizer.pad_token_id,
             row_multiple=128 if one_row else 1,
             row_tokens=None if one_row else longest,
+            min_rows=min_rows,
+            min_row_tokens=min_row_tokens,
         ).to(self.device)
 
     # -- forward ------------------------------------------------------------------
     def attention_kwargs(self, micro: MicroBatch) -> dict[str, object]:
         """attention_mask / position_ids for the HF forward of ``micro``
         (see :func:`rltrain.train.kernels.attention_kwargs`)."""
-        return attention_kwargs(micro, self.attention, self.cfg.train.causal_rows)
+        return attention_kwargs(micro, self.attention, self.causal_rows)
 
     def forward_hidden(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         """Final-norm hidden states [R, S, H] of ``micro`` (no logits are formed).
@@ -418,6 +441,26 @@ class FSDPTrainer:
         end_accumulation(self.model, drop_grads=self._deferred)
         self._deferred = False
         self._step = None
+
+    def compile_metrics(self, prefix: str = "") -> dict[str, float]:
+        """``<prefix>compile/compiles`` and ``<prefix>compile/recompiles``: torch.compile's
+        frame compiles in this process since the previous call (the first call: since
+        the worker was built), the largest over the gang's ranks. A recompile is a
+        compile of a function that already had graphs, all of whose guards failed; after
+        a run's first step both should stay 0 (:mod:`rltrain.train.compile`).
+        Collective: every rank of the gang calls it.
+        """
+        now = compile_counts()
+        keys = ("compiles", "recompiles")
+        counts = torch.tensor([now[k] - self._compile_counts[k] for k in keys], dtype=torch.long)
+        self._compile_counts = now
+        if self.env.world_size > 1:
+            out = counts.to(self.device)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+            counts = out.cpu()
+        return {
+            f"{prefix}compile/{k}": float(v) for k, v in zip(keys, counts.tolist(), strict=True)
+        }
 
     def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise max of a small tensor over data-parallel ranks."""

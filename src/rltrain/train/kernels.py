@@ -1,8 +1,8 @@
 """Trainer speed options applied to a model before it is sharded: the attention
 dispatch (plain causal sdpa for rows that hold one sequence; for packed rows a
 flex ``BlockMask``, a 4-D mask, or torch's flash varlen kernel over the
-sequences' boundaries), liger-kernel's Triton RMSNorm/SwiGLU/RoPE, per-block
-``torch.compile`` and fused AdamW.
+sequences' boundaries), liger-kernel's Triton RMSNorm/SwiGLU/RoPE and fused AdamW
+(``torch.compile`` of the blocks: :mod:`rltrain.train.compile`).
 
 Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every rank.
 """
@@ -287,47 +287,37 @@ def apply_liger(model: torch.nn.Module) -> None:
     )
 
 
-def compile_blocks(layers: torch.nn.ModuleList) -> None:
-    """``torch.compile`` the forward of each decoder block, after TP and activation
-    checkpointing and before ``fully_shard``.
+def resolve_speed_knobs(cfg: RunConfig, dp: int) -> tuple[bool, str]:
+    """(reshard_after_forward, grad_sync) with their ``null`` defaults resolved.
 
-    Only ``forward`` is compiled, not the module call: FSDP2's pre/post-forward
-    hooks (all-gather, reshard) stay eager and outside the compiled code, and
-    parameter names are unchanged (checkpoints and refit see the same keys).
-    The blocks share one compiled graph; the recompile limit is raised so a
-    guard that differs per block (or a new sequence length or mask type) does
-    not push later blocks back to eager. Shapes that keep changing (packed
-    rows) are made dynamic by torch's automatic dynamic shapes.
+    ``dtensor.reshard_after_forward``: off with one dp rank (resharding would
+    only free the gathered compute-dtype copy; on with CPU offload, which wants
+    it freed), on with several. ``dtensor.grad_sync``: ``step`` with one dp rank
+    (the gradient is whole there anyway), ``micro_batch`` with several (only
+    sharded gradients are held). ``train.compile`` is resolved once the model is
+    known (:func:`rltrain.train.compile.resolve_compile`).
     """
-    import torch._dynamo.config as dynamo_config
-
-    key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    limit = max(getattr(dynamo_config, key), 4 * len(layers) + 8)
-    setattr(dynamo_config, key, limit)
-    if hasattr(dynamo_config, "accumulated_recompile_limit"):
-        dynamo_config.accumulated_recompile_limit = max(
-            dynamo_config.accumulated_recompile_limit, 4 * limit
-        )
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-
-
-def resolve_speed_knobs(cfg: RunConfig, device: torch.device, dp: int) -> tuple[bool, bool, str]:
-    """(compile, reshard_after_forward, grad_sync) with their ``null`` defaults resolved.
-
-    ``train.compile``: on with CUDA, off on CPU. ``dtensor.reshard_after_forward``:
-    off with one dp rank (resharding would only free the gathered compute-dtype
-    copy; on with CPU offload, which wants it freed), on with several.
-    ``dtensor.grad_sync``: ``step`` with one dp rank (the gradient is whole there
-    anyway), ``micro_batch`` with several (only sharded gradients are held).
-    """
-    t, d = cfg.train, cfg.dtensor
-    compiled = t.compile if t.compile is not None else device.type == "cuda"
+    d = cfg.dtensor
     reshard = d.reshard_after_forward
     if reshard is None:
         reshard = dp > 1 or d.cpu_offload
     grad_sync = d.grad_sync or ("step" if dp == 1 else "micro_batch")
-    return compiled, reshard, grad_sync
+    return reshard, grad_sync
+
+
+def resolve_causal_rows(cfg: RunConfig, compiled: bool) -> bool:
+    """``train.causal_rows`` resolved: explicit true/false win; null = on, except for
+    packed rows under compiled blocks.
+
+    Packed rows qualify for the causal shortcut only when a micro batch's sequences
+    happen to be of equal length, so under compile it would bring a second layout
+    (rows without a mask beside one row with a mask or segment boundaries) into the
+    blocks at whichever step first packs such a micro batch, and recompile them
+    there. Padded rows always qualify, so they keep it.
+    """
+    if cfg.train.causal_rows is not None:
+        return cfg.train.causal_rows
+    return not (compiled and cfg.train.packing)
 
 
 def use_fused_adamw(o: OptimConfig, params: list[torch.nn.Parameter]) -> bool:

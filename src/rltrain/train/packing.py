@@ -140,14 +140,18 @@ def pack(
     pad_id: int,
     row_multiple: int = 1,
     row_tokens: int | None = None,
+    min_rows: int = 1,
+    min_row_tokens: int = 2,
 ) -> MicroBatch:
     """Lay out ``rows`` of ``batch`` as one micro batch (see :class:`MicroBatch`).
 
     packed: sequences concatenated into rows of at most ``row_tokens`` tokens
     (first-fit decreasing; None = a single row of all of them), each row
-    padded to the longest, rounded up to ``row_multiple``. padded: one row per
-    sequence, trimmed to the longest. ``rows=[]`` gives the empty micro batch
-    (two padding tokens, no valid target).
+    padded to the longest (at least ``min_row_tokens``), rounded up to
+    ``row_multiple``. padded: one row per sequence, trimmed to the longest.
+    Rows of padding are added up to ``min_rows`` (compiled blocks: see
+    :mod:`rltrain.train.compile`). ``rows=[]`` gives the empty micro batch (two
+    padding tokens, no valid target).
     """
     lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
     if packed:
@@ -161,10 +165,10 @@ def pack(
                 seq_row[i], seq_start[i] = b, offset
                 offset += lengths[i]
             fill.append(offset)
-        R = len(bins)
-        S = -(-max(*fill, 2) // row_multiple) * row_multiple
+        R = max(len(bins), min_rows)
+        S = -(-max(*fill, min_row_tokens) // row_multiple) * row_multiple
     else:
-        R, S = max(len(rows), 1), max(lengths, default=2)
+        R, S = max(len(rows), min_rows, 1), max(lengths, default=2)
         seq_row = list(range(len(rows)))
         seq_start = [0] * len(rows)
 

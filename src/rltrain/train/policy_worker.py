@@ -59,7 +59,8 @@ class PolicyWorker(FSDPTrainer):
             micro.response_mask_RS,
             with_entropy=with_entropy,
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,
-            compiled=self.compiled,
+            compiled=bool(self.compiled),
+            backend=self.compile_backend,
         )
 
     # -- inference ------------------------------------------------------------------
@@ -163,6 +164,7 @@ class PolicyWorker(FSDPTrainer):
         if self.scaler is not None:
             metrics["loss_scale"] = steps[-1]["loss_scale"]
             metrics["skipped_steps"] = float(sum(1 - s["optimizer_step_taken"] for s in steps))
+        metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
         metrics["time/train_worker"] = time.perf_counter() - t0
         return metrics, old
 

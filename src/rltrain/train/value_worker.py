@@ -188,6 +188,7 @@ class ValueWorker(FSDPTrainer):
             metrics["value/skipped_steps"] = float(
                 sum(1 - s["optimizer_step_taken"] for s in steps)
             )
+        metrics.update(self.compile_metrics("value/"))  # since the last train(): values too
         metrics["time/value_worker"] = time.perf_counter() - t0
         return metrics
 
