@@ -80,6 +80,9 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     # stay gathered from forward to backward and gradients are reduced once per step
     "default": {},
     "eager": {"train.compile": False},
+    # full rows as causal sdpa rows (cuDNN/flash) instead of one varlen row: the layout the
+    # compiled default leaves out so that no batch brings a second one (train.causal_rows)
+    "causal_rows": {"train.causal_rows": True},
     "reshard": {"dtensor.reshard_after_forward": True},
     "sync_micro_batch": {"dtensor.grad_sync": "micro_batch"},
     "liger": {"train.liger": True, "train.compile": False},
@@ -340,7 +343,7 @@ def main() -> None:
                 "policy_full",
                 "full",
                 full_rows,
-                full("default", "eager", "reshard", "sync_micro_batch"),
+                full("default", "eager", "causal_rows", "reshard", "sync_micro_batch"),
                 profile="bf16" if "default" in variants else None,
                 timeout=args.compile_timeout,
             )

@@ -162,7 +162,7 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
 
     worker = PolicyWorker(cfg, env)
     device = worker.device
-    times, times_all = [], []
+    times, times_all, compiles = [], [], []
     real = float(batch.attention_mask_BT.sum())
     gc_s = _GcTimer()
     for i in range(warmup + steps):
@@ -174,6 +174,7 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
         if i == 0:
             first = metrics  # before any update: the same in every variant up to bf16 noise
         times_all.append(time.perf_counter() - t0)  # the first includes compilation
+        compiles.append(metrics["compile/compiles"])  # 0 after the first step
         if i >= warmup:
             times.append(times_all[-1])
     out = {
@@ -187,10 +188,12 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
         "first_step_s": times_all[0],
         "steps_s": times_all,
         "gc_full_collection_s": gc_s.per_step,
+        "compiles_per_step": compiles,
         "first_loss": first["loss"],
         "first_grad_norm": first["grad_norm"],
         "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
         "compiled": worker.compiled,
+        "causal_rows": worker.causal_rows,
         "reshard_after_forward": worker.reshard_after_forward,
         "grad_sync": worker.grad_sync,
         "knobs": {

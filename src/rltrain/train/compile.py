@@ -53,14 +53,21 @@ def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> No
     input size and int (row length, rows, segment count, the longest segment
     handed to the varlen kernel, a BlockMask's sizes) is symbolic from the first
     compile, so a new batch shape never fails a guard; model widths stay static
-    (parameters are static and the activations' widths are equated to theirs).
+    (parameters are static and the activations' widths are equated to theirs), and
+    duck sizing is off so a length is never tied to a width of the same value.
     The recompile limit is raised so the one-time variants (see the module
     docstring) and a guard that differs per block never push blocks back to
     eager. ``backend``: inductor; CPU tests pass ``aot_eager``.
     """
     import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as shapes_config
 
     install_compile_counter()
+    # No duck sizing (process-wide, so the logprob head's graphs too): otherwise a size
+    # that happens to equal another when first traced shares its symbol, e.g. a 128-token
+    # row with a head_dim (or hidden size) of 128, and is then fixed with the model
+    # width it was unified with; the next length fails that guard and recompiles.
+    shapes_config.use_duck_shape = False
     key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     limit = max(getattr(dynamo_config, key), 4 * len(layers) + 8)
     setattr(dynamo_config, key, limit)
