@@ -96,6 +96,8 @@ def run_steps(worker, value: bool = False) -> tuple[list[dict[str, float]], list
 def _assert_built_once(metrics: list[dict[str, float]], prefix: str = "") -> None:
     compiles, recompiles = f"{prefix}compile/compiles", f"{prefix}compile/recompiles"
     assert metrics[0][compiles] > 0  # the blocks (and the head) were compiled in step 1
+    # ... and again for the training pass: the grad-mode guard of the no-grad graphs failed
+    assert metrics[0][recompiles] >= 1
     assert [m[recompiles] for m in metrics[1:]] == [0.0] * (len(metrics) - 1)
     assert [m[compiles] for m in metrics[1:]] == [0.0] * (len(metrics) - 1)
 
@@ -191,6 +193,30 @@ def test_value_worker_never_recompiles(monkeypatch):
     worker.shutdown()
     _assert_built_once(metrics, "value/")
     assert len({s for s, _ in seen}) >= 6 and float(values[-1].abs().sum()) > 0
+
+
+def test_compile_counter_counts_guard_failures():
+    """compile_counts: a new frame is a compile; the same frame compiled again after its
+    guard failed (a static shape changed) is a compile and a recompile."""
+    from rltrain.train.compile import compile_counts, install_compile_counter
+
+    install_compile_counter()
+
+    def double(x):
+        return x * 2
+
+    fn = torch.compile(double, backend="eager", dynamic=False)
+    before = compile_counts()
+    fn(torch.ones(3))
+    fn(torch.ones(3))  # same shape: the graph is reused
+    mid = compile_counts()
+    fn(torch.ones(5))  # shape guard fails: recompiled
+    after = compile_counts()
+    assert (mid["compiles"] - before["compiles"], mid["recompiles"] - before["recompiles"]) == (
+        1,
+        0,
+    )
+    assert (after["compiles"] - mid["compiles"], after["recompiles"] - mid["recompiles"]) == (1, 1)
 
 
 def test_compile_auto_rule_and_causal_rows():

@@ -87,15 +87,21 @@ _COMPILE_ID = re.compile(r"(\d+)/(\d+)(?:_\d+)?$")
 _COUNTS = {"compiles": 0, "recompiles": 0}
 
 
-def _on_compile_start(args: Any) -> None:
+def _on_compile_start(args: Any = None) -> None:
     """Dynamo's compile-start callback: count frame compiles (lazy backward compiles,
-    autotuning and CUDA-graph recordings also report here and are left out)."""
-    from torch._dynamo.callback import CallbackTrigger
-
-    if getattr(args, "callback_trigger", CallbackTrigger.DYNAMO) != CallbackTrigger.DYNAMO:
+    autotuning and CUDA-graph recordings also report here and are left out). ``args``
+    carries the trigger and the compile id (torch 2.11, 2.13); without them the id is
+    read from the compile context."""
+    trigger = getattr(args, "callback_trigger", None)
+    if trigger is not None and getattr(trigger, "name", "DYNAMO") != "DYNAMO":
         return
+    compile_id = getattr(args, "compile_id", None)
+    if compile_id is None:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
     _COUNTS["compiles"] += 1
-    match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
+    match = _COMPILE_ID.search(str(compile_id))
     if match is not None and int(match.group(2)) > 0:
         _COUNTS["recompiles"] += 1
 
