@@ -13,7 +13,7 @@ one-time variants, all met in the first step of a run: grad mode and train/eval
 (logprob passes against the training pass), the reference model's frozen weights,
 the logprob head with and without entropy.
 
-Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every rank.
+:class:`rltrain.train.fsdp.FSDPTrainer` calls these on every rank.
 """
 
 from __future__ import annotations
@@ -40,6 +40,23 @@ def resolve_compile(choice: bool | None, device: torch.device, num_params: int) 
     if choice is not None:
         return choice
     return device.type == "cuda" and num_params >= COMPILE_MIN_PARAMS
+
+
+def compiled_layout_minimums(
+    compiled: bool, one_row: bool, attention: str, packing: bool, micro_batch_size: int | None
+) -> tuple[int, int]:
+    """(min_rows, min_row_tokens) of a micro batch's layout (see :func:`rltrain.train.packing.pack`).
+
+    Compiled blocks: torch specialises sizes of 1, so no size the blocks see may be 1
+    in some micro batches and larger in others. Layouts of several rows get at least
+    two (a row of padding) unless every micro batch is one padded row
+    (``micro_batch_size=1``); flex's one row spans at least two of its 128-token
+    blocks (a BlockMask counts blocks). Eager: (1, 2), no padding beyond the layout's.
+    """
+    if not compiled:
+        return 1, 2
+    several_rows = not one_row and (packing or micro_batch_size != 1)
+    return (2 if several_rows else 1), (256 if one_row and attention == "flex" else 2)
 
 
 def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
@@ -113,6 +130,38 @@ def install_compile_counter() -> None:
 
     if _on_compile_start not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_on_compile_start)
+
+
+class CompileCounter:
+    """One worker's view of the process-wide counts: what happened since its last look."""
+
+    KEYS = ("compiles", "recompiles")
+
+    def __init__(self) -> None:
+        self._last = compile_counts()
+
+    def since_last(self) -> dict[str, int]:
+        """Compiles and recompiles since the previous call (the first: since construction)."""
+        now = compile_counts()
+        delta = {k: now[k] - self._last[k] for k in self.KEYS}
+        self._last = now
+        return delta
+
+    def metrics(self, prefix: str, device: torch.device) -> dict[str, float]:
+        """``<prefix>compile/compiles`` and ``<prefix>compile/recompiles``: :meth:`since_last`,
+        the largest over the ranks of the default process group (a worker's gang). A
+        recompile is a function compiled again because all guards of its graphs failed;
+        after a run's first step both should stay 0. Collective when the group has
+        several ranks (``device``: where the reduction runs)."""
+        import torch.distributed as dist
+
+        counts = torch.tensor([self.since_last()[k] for k in self.KEYS])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            out = counts.to(device)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+            counts = out.cpu()
+        values = counts.tolist()
+        return {f"{prefix}compile/{k}": float(v) for k, v in zip(self.KEYS, values, strict=True)}
 
 
 def compile_counts() -> dict[str, int]:

@@ -30,7 +30,12 @@ from rltrain.models.loader import (
 )
 from rltrain.train.batch import TrainBatch
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
-from rltrain.train.compile import compile_blocks, compile_counts, resolve_compile
+from rltrain.train.compile import (
+    CompileCounter,
+    compile_blocks,
+    compiled_layout_minimums,
+    resolve_compile,
+)
 from rltrain.train.distributed import DistEnv, init_distributed
 from rltrain.train.kernels import (
     apply_liger,
@@ -87,7 +92,7 @@ class FSDPTrainer:
         # train.causal_rows once the model's size is known (the first _shard)
         self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(cfg, self.dp)
         self.compiled: bool | None = None
-        self._compile_counts = compile_counts()  # baseline of compile_metrics
+        self._compile_counter = CompileCounter()  # compile_metrics: counts since its last call
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
@@ -268,16 +273,9 @@ class FSDPTrainer:
             # Equal lengths (full rows, or one sequence alone): one sequence per row,
             # no padding, and causal sdpa instead of a block mask.
             one_row = False
-        min_rows, min_row_tokens = 1, 2
-        if self.compiled:
-            # torch specialises sizes of 1, so no size the blocks see may be 1 in some
-            # micro batches and larger in others: layouts of several rows get at least
-            # two (a row of padding) unless every micro batch is one padded row, and
-            # flex's one row spans at least two of its 128-token blocks.
-            if not one_row and (t.packing or t.micro_batch_size != 1):
-                min_rows = 2
-            if one_row and self.attention == "flex":
-                min_row_tokens = 256
+        min_rows, min_row_tokens = compiled_layout_minimums(
+            bool(self.compiled), one_row, self.attention, t.packing, t.micro_batch_size
+        )
         return pack(
             batch,
             rows,
@@ -443,24 +441,9 @@ class FSDPTrainer:
         self._step = None
 
     def compile_metrics(self, prefix: str = "") -> dict[str, float]:
-        """``<prefix>compile/compiles`` and ``<prefix>compile/recompiles``: torch.compile's
-        frame compiles in this process since the previous call (the first call: since
-        the worker was built), the largest over the gang's ranks. A recompile is a
-        compile of a function that already had graphs, all of whose guards failed; after
-        a run's first step both should stay 0 (:mod:`rltrain.train.compile`).
-        Collective: every rank of the gang calls it.
-        """
-        now = compile_counts()
-        keys = ("compiles", "recompiles")
-        counts = torch.tensor([now[k] - self._compile_counts[k] for k in keys], dtype=torch.long)
-        self._compile_counts = now
-        if self.env.world_size > 1:
-            out = counts.to(self.device)
-            dist.all_reduce(out, op=dist.ReduceOp.MAX)
-            counts = out.cpu()
-        return {
-            f"{prefix}compile/{k}": float(v) for k, v in zip(keys, counts.tolist(), strict=True)
-        }
+        """``<prefix>compile/compiles`` / ``recompiles`` since the previous call, the largest
+        over the gang's ranks (see :class:`CompileCounter`). Collective: all ranks."""
+        return self._compile_counter.metrics(prefix, self.device)
 
     def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise max of a small tensor over data-parallel ranks."""
