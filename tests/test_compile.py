@@ -111,6 +111,21 @@ def _policy(cfg, monkeypatch, backend: str):
 
 pytestmark = pytest.mark.dist
 
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch (dynamo's caches outlive a worker in this process)
+    and leaves the process's shape settings as it found them."""
+    import torch._dynamo
+    import torch.fx.experimental._config as shapes_config
+
+    duck = shapes_config.use_duck_shape
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    shapes_config.use_duck_shape = duck
+
+
 BASE = {
     "train.compile": "true",
     "train.max_tokens_per_micro_batch": 300,

@@ -155,7 +155,8 @@ class CompileCounter:
         several ranks (``device``: where the reduction runs)."""
         import torch.distributed as dist
 
-        counts = torch.tensor([self.since_last()[k] for k in self.KEYS])
+        delta = self.since_last()
+        counts = torch.tensor([delta[k] for k in self.KEYS])
         if dist.is_initialized() and dist.get_world_size() > 1:
             out = counts.to(device)
             dist.all_reduce(out, op=dist.ReduceOp.MAX)
