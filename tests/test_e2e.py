@@ -57,6 +57,7 @@ def test_cli_run_writes_every_output(tmp_path):
             "time/refit",
         ):
             assert key in r, key
+        assert r["compile/recompiles"] == 0.0  # the embedded model runs eager (train.compile=null)
         assert 0.0 <= r["reward/mean"] <= 1.0
         # Train-side and engine logprobs of the same tokens agree (fp32): exp(|diff|) ~ 1.
         assert abs(r["token_mult_prob_error"] - 1.0) < 1e-3

@@ -54,6 +54,8 @@ def test_ppo_default_learns_and_critic_explains_returns(tmp_path):
         "loss",
         "time/values",
         "time/train_value",
+        "value/compile/recompiles",
+        "compile/recompiles",
     ):
         assert key in rows[-1], key
     first, last = _mean(rows[:10], "reward/exact_match"), _mean(rows[-10:], "reward/exact_match")
