@@ -136,7 +136,9 @@ def test_chunked_logprobs_match_full_logits(compiled):
             chunk_tokens=chunk,
             compiled=compiled,
         )
-        torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            lp, ref_lp, atol=1e-6, rtol=1e-6
+        )  # logprobs near -13: fp32 spacing ~1e-6
         torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
         (lp * cotangent).sum().backward()
         # gradients: the same math as softmax's in a different order (fp32 rounding)
