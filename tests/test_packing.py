@@ -141,9 +141,10 @@ def test_chunked_logprobs_match_full_logits(compiled):
         )  # logprobs near -13: fp32 spacing ~1e-6
         torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
         (lp * cotangent).sum().backward()
-        # gradients: the same math as softmax's in a different order (fp32 rounding)
-        torch.testing.assert_close(hidden.grad, ref_grads[0], atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(weight.grad, ref_grads[1], atol=1e-6, rtol=1e-5)
+        # gradients: the same math as softmax's in a different order (fp32 rounding; sums of
+        # ~40 products whose rounding depends on the machine's kernels)
+        torch.testing.assert_close(hidden.grad, ref_grads[0], atol=5e-6, rtol=1e-5)
+        torch.testing.assert_close(weight.grad, ref_grads[1], atol=5e-6, rtol=1e-5)
 
 
 def test_metric_kinds_reduce_over_micro_batches():
