@@ -1,0 +1,155 @@
+"""The vLLM engine on CUDA (gpu tier): generate, processed logprobs against the trainer's
+scoring of the same tokens (fp32 tiny model), and sleep / wake.
+
+One spawned process builds the engine once and runs every check (vLLM joins
+torch.distributed and keeps GPU memory for the life of its process); the tests
+assert on what it measured.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.common import BLOCKED, gpu_config, needs, run_ranks
+
+pytestmark = [pytest.mark.gpu, needs("vllm"), pytest.mark.timeout(900)]
+
+# As in tests/test_vllm_engine.py: one prompt longer than a KV block, so a prefix cache
+# that outlived a sleep (or a refit) would show as changed logprobs.
+PROMPTS = ["a=", "abc=", "dd=", "bcad=", "c=", "abcd" * 35 + "="]
+GPU_FRACTION = 0.25  # rollout.vllm.gpu_memory_utilization of the engine under test
+MAX_ABS_LOGPROB = 1e-3  # engine vs trainer, fp32 (vLLM runs TRITON_ATTN there)
+
+
+def _cfg():
+    cfg = gpu_config("fp32")
+    cfg.model.tiny.max_position_embeddings = 192
+    cfg.rollout.engine = "vllm"
+    cfg.rollout.colocated = True  # vLLM's sleep mode is on only for colocated engines
+    cfg.rollout.vllm.gpu_memory_utilization = GPU_FRACTION
+    return cfg
+
+
+def _score(model, blocked, batch, temperature: float) -> dict[str, float]:
+    """Max |engine - trainer| logprob and mean exp|diff| over every response token."""
+    import torch
+
+    from rltrain.algorithms.logprobs import token_logprobs
+
+    worst, mult, n = 0.0, 0.0, 0
+    for prompt, resp, lps in zip(
+        batch.prompt_ids, batch.response_ids, batch.response_logprobs, strict=True
+    ):
+        ids = torch.tensor([prompt + resp], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        ref, _ = token_logprobs(logits, ids, temperature, blocked)
+        diff = (torch.tensor(lps, device="cuda") - ref[0, len(prompt) :]).abs()
+        worst = max(worst, float(diff.max()))
+        mult += float(diff.exp().sum())
+        n += len(resp)
+    return {"max_abs": worst, "mult": mult / n, "tokens": float(n)}
+
+
+def _engine_checks(rank: int) -> dict:
+    """Runs in a spawned process: build the engine, generate, score, sleep and wake."""
+    import torch
+
+    from rltrain.models.loader import load_model
+    from rltrain.rollout.base import SamplingParams
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    cfg = _cfg()
+    engine = VLLMEngine(cfg, device="cuda")
+    tok = engine.tokenizer
+    prompts = [tok(p)["input_ids"] for p in PROMPTS] * 8
+    blocked = torch.tensor(tok.convert_tokens_to_ids(BLOCKED), device="cuda")
+    model = load_model(cfg, "float32").cuda().eval()  # the trainer's initial weights
+    out: dict = {
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "total_bytes": torch.cuda.mem_get_info()[1],
+        "eos_id": engine.eos_id,
+        "blocked_ids": blocked.tolist(),
+    }
+
+    # generate at two temperatures; score the sampled tokens with the trainer's function
+    for temperature in (1.0, 0.7):
+        batch = engine.generate(
+            prompts, SamplingParams(temperature=temperature, max_new_tokens=8, seed=11)
+        )
+        out[f"batch_{temperature}"] = batch
+        out[f"score_{temperature}"] = _score(model, blocked, batch, temperature)
+        if temperature != 1.0:  # scored at 1 instead: must differ (the check is not vacuous)
+            out["score_0.7_at_1"] = _score(model, blocked, batch, 1.0)
+
+    # sleep frees the engine's GPU memory; after wake-up it samples exactly as before
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    before = engine.generate(prompts, sampling)
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    torch.cuda.synchronize()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    try:
+        engine.generate(prompts, sampling)
+        out["generate_while_asleep"] = "returned"
+    except RuntimeError as exc:
+        out["generate_while_asleep"] = str(exc)
+    engine.wake_up()
+    torch.cuda.synchronize()
+    free_woken = torch.cuda.mem_get_info()[0]
+    after = engine.generate(prompts, sampling)
+    out.update(
+        freed_bytes=free_asleep - free_awake,
+        retaken_bytes=free_asleep - free_woken,
+        before_sleep=before,
+        after_wake=after,
+    )
+    engine.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    (result,) = run_ranks(_engine_checks, 1, (), tmp_path_factory.mktemp("vllm_cuda"), 800)
+    return result
+
+
+def test_generate_on_cuda(measured):
+    batch, eos = measured["batch_1.0"], measured["eos_id"]
+    assert len(batch.response_ids) == len(PROMPTS) * 8 and batch.weight_version == 0
+    blocked = set(measured["blocked_ids"])
+    for resp, lps, fin in zip(
+        batch.response_ids, batch.response_logprobs, batch.finished, strict=True
+    ):
+        assert 1 <= len(resp) == len(lps) <= 8
+        assert fin == (resp[-1] == eos) and (fin or len(resp) == 8)
+        assert not blocked & set(resp)
+        assert all(lp <= 0.0 for lp in lps)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_the_trainer(measured, temperature):
+    score = measured[f"score_{temperature}"]
+    assert score["tokens"] > 100
+    assert score["max_abs"] < MAX_ABS_LOGPROB, (score, "tf32", measured["tf32"])
+    assert score["mult"] < 1.0001, score
+    if temperature != 1.0:  # processed logprobs: scored at this temperature, not at 1
+        assert measured["score_0.7_at_1"]["max_abs"] > 1e-2
+
+
+def test_sleep_frees_memory_and_wake_samples_as_before(measured):
+    # Sleep gives back most of what vLLM took (weights and KV cache: GPU_FRACTION of the GPU,
+    # less activations and the CUDA context); wake-up takes it again.
+    taken = GPU_FRACTION * measured["total_bytes"]
+    assert measured["freed_bytes"] > 0.5 * taken, (measured["freed_bytes"], taken)
+    assert measured["retaken_bytes"] > 0.5 * taken
+    assert "asleep" in measured["generate_while_asleep"]
+    before, after = measured["before_sleep"], measured["after_wake"]
+    assert after.response_ids == before.response_ids
+    worst = max(
+        abs(a - b)
+        for ra, rb in zip(after.response_logprobs, before.response_logprobs, strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    )
+    assert worst < 1e-5, worst
