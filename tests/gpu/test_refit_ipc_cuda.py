@@ -136,6 +136,7 @@ def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str)
     manifest = pickle.loads(store.get("manifest"))
     engine.init_refit(manifest, HOST, ports[1], 1, 2, "ipc")
     out["in_place"] = getattr(engine, "refit_in_place", False)
+    out["direct"] = getattr(engine, "landing", None) is not None  # vLLM: buckets land directly
     if kind == "vllm":  # the loop's colocated order: generate, sleep (train), refit wakes it
         engine.generate(prompts, sampling)
         engine.sleep()
@@ -191,7 +192,8 @@ def test_ipc_refit_into_torch_engine_is_bit_exact(tmp_path, precision):
 
 @needs("vllm")
 def test_ipc_refit_into_vllm_is_bit_exact_and_scores_like_the_trainer(tmp_path):
-    trainer, _ = _run(tmp_path, "fp32", "vllm")
+    trainer, engine = _run(tmp_path, "fp32", "vllm")
+    assert engine["direct"]  # one fused copy per bucket into vLLM's parameters, no reload_weights
     initial = _load(tmp_path, "engine", 0)
     for version in VERSIONS:
         hf, got = _load(tmp_path, "trainer", version), _load(tmp_path, "engine", version)

