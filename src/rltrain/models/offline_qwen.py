@@ -123,7 +123,7 @@ def qwen2_config(tokenizer: PreTrainedTokenizerFast, **shape: Any) -> Qwen2Confi
         raise ValueError(f"vocab_size {kwargs['vocab_size']} < the tokenizer's {len(tokenizer)}")
     return Qwen2Config(
         **kwargs,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=int(tokenizer.convert_tokens_to_ids("<|endoftext|>")),  # type: ignore[arg-type]
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -149,7 +149,7 @@ def save_random_qwen2(
         torch.manual_seed(seed)
         if device.startswith("cuda"):
             torch.cuda.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(dtype)
+        model = Qwen2ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
