@@ -106,8 +106,11 @@ def _train_checks(rank: int) -> dict:
         "bf16_sdpa": _step(_cfg("bf16"), batch),
         "bf16_varlen": _step(_cfg("bf16", "varlen"), batch),
         "fp16_poisoned": _step(_cfg("fp16"), batch, poison=True),
-        "fp16": _step(_cfg("fp16"), batch),
     }
+    # Its second step (after the skipped one) is the plain fp16 step: a second fp16 worker in
+    # this process would build its ShardedGradScaler on the first one's destroyed process
+    # group (the scaler's default group argument is bound once per process).
+    results["fp16"] = results["fp16_poisoned"]
     varlen_mod.varlen_attn = real
     results["varlen_segments"] = segments
     results["mask"] = batch.response_mask_BT.bool()

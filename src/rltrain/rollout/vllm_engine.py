@@ -109,6 +109,8 @@ class VLLMEngine:
 
     def _build_llm(self, model_path: str) -> Any:
         env.apply(env.VLLM_IN_PROCESS)
+        if self.cfg.precision.rollout_dtype == "float32":
+            env.apply(env.TRITON_FP32_IEEE)  # fp32 attention in fp32, not TF32
         if Path(model_path).is_dir():
             env.apply(env.HUB_OFFLINE)
             import huggingface_hub.constants as hub
