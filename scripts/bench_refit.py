@@ -974,7 +974,8 @@ def main() -> None:
 
 def _merge_vllm(args, rows: dict, tmp: Path) -> None:
     """Put a vLLM run's rows and summary entries into the device's result file."""
-    name = rows["device"].replace(" ", "-").lower() + ("-tiny" if args.tiny else "")
+    # "NVIDIA H100 80GB HBM3" -> nvidia-h100, as the other result files are named
+    name = "-".join(rows["device"].lower().split()[:2]) + ("-tiny" if args.tiny else "")
     out = Path(args.out) / f"bench_refit-{name}.json"
     committed = Path("scripts/results") / out.name
     base = out if out.exists() else committed
