@@ -320,6 +320,9 @@ class ClusterConfig:
     # Restart a run whose worker died or stopped answering, from its last
     # checkpoint (resume=auto), at most this many times; 0 = fail at once.
     restarts: int = 0
+    # Show Ray's own output: its start-up notices (token authentication, ...) and
+    # every worker's stdout/stderr (log_to_driver). false = only rltrain's lines and errors.
+    ray_logs: bool = False
 
 
 @dataclass
