@@ -525,11 +525,15 @@ def model_shape(path: str, key: str) -> ModelShape | None:
     None when no config.json is on this machine or it lacks the sizes (the
     worker then checks when it builds the model).
     """
-    from rltrain.plan import _cached_hf_config
+    from rltrain.models.source import _cached, looks_local
 
-    local = Path(path).expanduser() / "config.json"
-    config_json = local if local.is_file() else _cached_hf_config(path)
-    if config_json is None:
+    config_json = Path(path).expanduser() / "config.json"
+    if not looks_local(path):
+        try:
+            config_json = _cached(key, path, "config.json")
+        except ConfigError:  # not downloaded: the worker checks when it builds the model
+            return None
+    if not config_json.is_file():
         return None
     try:
         c = json.loads(config_json.read_text())

@@ -28,7 +28,9 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
         from rltrain.models.tiny import build_tokenizer
         from rltrain.models.vocab import tiny_alphabet
 
-        tokenizer = build_tokenizer(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
+        tokenizer: PreTrainedTokenizerBase = build_tokenizer(
+            tiny_alphabet(cfg.data.task, cfg.data.alphabet)
+        )
     else:
         name = cfg.model.tokenizer or cfg.model.path
         try:
