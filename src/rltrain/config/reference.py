@@ -170,7 +170,14 @@ def collect(
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|") if "\\|" not in text else text
+    """``text`` safe in a table cell: pipes escaped, and ``<name>`` outside code spans
+    escaped so that it is not taken for an HTML tag."""
+    if "\\|" not in text:
+        text = text.replace("|", "\\|")
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # even parts lie outside code spans
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
 
 
 def render() -> str:

@@ -312,7 +312,7 @@ class ClusterConfig:
     # Extra Ray resources each process of a role asks for, to pin roles to
     # nodes started with `ray start --resources='{"trainer_node": 1}'`.
     policy_resources: dict[str, float] = field(default_factory=dict)
-    rollout_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)  # same, rollout replicas
     # Bound on one worker call of the loop (generate, logprobs, train, checkpoint).
     call_timeout_s: float = 1800.0
     # Once a worker died or failed mid-call: how long its peers (possibly blocked
