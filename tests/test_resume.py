@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.gate import write_gate_reward
 from tests.test_e2e import RLTRAIN, _metrics, _run_cli
 
 # Wall-clock values differ between runs; everything else of a row must match.
@@ -74,21 +75,32 @@ def test_resume_rejects_a_path_that_is_no_checkpoint(tmp_path):
 
 
 def _kill_after_step(args: list[str], out: Path, step: int, timeout_s: float) -> None:
-    """Run the CLI, SIGKILL the driver once ``step`` is in metrics.jsonl, then reap its Ray."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [*RLTRAIN, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,  # its Ray processes share the group we clean up below
-    )
+    """Run the CLI, SIGKILL the driver once ``step`` is in metrics.jsonl, then reap its Ray.
+
+    The run's reward holds it inside step ``step + 1`` once ``step`` is logged (see
+    :mod:`tests.fixtures.gate`; its rewards are the copy task's own), so the kill
+    lands there however fast the run or slow the test: no later step or checkpoint
+    can slip in first.
+    """
+    folder = out.parent
+    gate = write_gate_reward(folder, out / "metrics.jsonl", folder / "never", min_step=step)
+    path = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    log = folder / f"{out.name}.log"
+    with log.open("w") as sink:  # a file, not a pipe: nothing blocks on a full buffer
+        proc = subprocess.Popen(
+            [*RLTRAIN, *args, *gate],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its Ray processes share the group we clean up below
+        )
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s  # a bound on a hung run, not a pass condition
     try:
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"the run ended before step {step}: {proc.stdout.read()}")
+                raise AssertionError(f"the run ended before step {step}: {log.read_text()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"no step {step} within {timeout_s}s")
             if metrics.is_file() and any(

@@ -13,6 +13,7 @@ import pytest
 
 from rltrain.config.errors import ConfigError
 from rltrain.sweep.expand import parse_sweep
+from tests.fixtures.gate import write_gate_reward
 
 RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
 # Tiny trials: two steps, no TensorBoard or checkpoint export (not what a sweep test checks).
@@ -287,13 +288,31 @@ def test_optuna_search_of_three_trials(tmp_path):
     assert len(_csv(out)) == 3 and (out / "reward_curves.png").is_file()
 
 
+def _wait_for(cond, proc: subprocess.Popen, what: str, log: Path) -> None:
+    """Poll ``cond`` until it holds; fail with the process's output if it ends first."""
+    import time
+
+    while not cond():
+        if proc.poll() is not None:
+            pytest.fail(
+                f"the sweep ended (exit {proc.returncode}) before {what}:\n{log.read_text()}"
+            )
+        time.sleep(0.1)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
 def test_ctrl_c_stops_trials_and_resume_continues_from_checkpoint(tmp_path):
+    """Ctrl-C while the trial is held at a known step: the trial cannot finish first.
+
+    The trial's reward waits once step 5's checkpoint is complete (a gate, see
+    :mod:`tests.fixtures.gate`), so the SIGINT arrives while step 6 is in progress
+    however slow or busy the machine is; the test waits on files, not on time."""
     import signal
-    import time
 
     out = tmp_path / "sweep"
+    release = tmp_path / "release"
+    gate = write_gate_reward(tmp_path, out / "trial_000" / "checkpoints" / "step_000005", release)
     args = [
         "sweep",
         "grpo",
@@ -301,20 +320,25 @@ def test_ctrl_c_stops_trials_and_resume_continues_from_checkpoint(tmp_path):
         "max_steps=60",
         "checkpoint.every_n_steps=5",
         "logger.tensorboard=false",
+        *gate,  # the reward holds the trial at step 6 until `release` exists
         f"output_dir={out}",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
-    proc = subprocess.Popen(
-        [*RLTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "160",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    log = tmp_path / "sweep.log"
+    with log.open("w") as sink:  # a file, not a pipe: nothing blocks on a full buffer
+        proc = subprocess.Popen([*RLTRAIN, *args], stdout=sink, stderr=sink, text=True, env=env)
     first_ckpt = out / "trial_000" / "checkpoints" / "step_000005" / "run_state.json"
-    deadline = time.monotonic() + 400
-    while not first_ckpt.is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait_for(first_ckpt.is_file, proc, "step 5's checkpoint", log)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends the sweep
-    stdout, stderr = proc.communicate(timeout=150)
-    assert proc.returncode == 130, stdout + stderr
-    assert "interrupted" in stderr and "Traceback" not in stderr
+    proc.wait(timeout=150)
+    said = log.read_text()
+    assert proc.returncode == 130, said
+    assert "interrupted" in said and "Traceback" not in said
     record = json.loads((out / "sweep.json").read_text())
     (trial,) = record["trials"]
     assert record["status"] == "interrupted" and trial["status"] == "interrupted"
@@ -322,7 +346,8 @@ def test_ctrl_c_stops_trials_and_resume_continues_from_checkpoint(tmp_path):
     assert (out / "sweep.csv").is_file()
 
     # --resume continues the interrupted trial from its newest checkpoint, not from step 1.
-    proc = _run_cli(*args, "--resume")
+    release.touch()
+    proc = _run_cli(*args, "--resume", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (trial,) = _trials(out).values()
     assert trial["status"] == "completed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -67,6 +68,23 @@ def read_cluster_nodes(cfg: ClusterConfig) -> list[NodeInfo]:
         return cluster_nodes()
 
 
+# Ray's notices printed at ray.init through Python logging at WARNING level: "Token
+# authentication is enabled for this Ray cluster ..." on every local start. They say
+# nothing about the run; Ray's errors are raised as exceptions and stay visible.
+RAY_NOTICE_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+
+
+def quiet_ray_notices(cfg: ClusterConfig) -> None:
+    """Silence Ray's start-up notices unless ``cluster.ray_logs`` asks for Ray's output.
+
+    Only records below ERROR of the loggers in :data:`RAY_NOTICE_LOGGERS` are
+    dropped; call before ``ray.init``.
+    """
+    level = logging.NOTSET if cfg.ray_logs else logging.ERROR
+    for name in RAY_NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
 @contextmanager
 def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Iterator[Resources]:
     """Start (mode=local) or attach to (mode=ray) Ray; always shut down on exit.
@@ -80,6 +98,7 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
         # Already connected (tests share one Ray per session): use it as is.
         yield cluster_resources()
         return
+    quiet_ray_notices(cfg)
     try:
         if cfg.mode == "local":
             res = resources or local_resources(cfg)
@@ -91,14 +110,14 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
                 num_gpus=res.num_gpus,
                 include_dashboard=False,
                 object_store_memory=cfg.object_store_bytes,
-                log_to_driver=False,
+                log_to_driver=cfg.ray_logs,
                 configure_logging=False,
             )
         else:
             address = cfg.address or "auto"
             check_reachable(cfg)
             try:
-                ray.init(address=address, log_to_driver=False, configure_logging=False)
+                ray.init(address=address, log_to_driver=cfg.ray_logs, configure_logging=False)
             except (ConnectionError, RuntimeError) as exc:
                 raise ConfigError(
                     f"cluster.mode=ray could not attach to a Ray cluster at cluster.address={address} ({exc}); "

@@ -80,12 +80,12 @@ class TrainConfig:
 class OptimConfig:
     """AdamW on fp32 master weights."""
 
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    lr: float = 3e-4  # peak learning rate of the policy (the critic's is value.lr)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay, in [0, 1)
+    beta2: float = 0.999  # AdamW's second-moment decay, in [0, 1)
+    eps: float = 1e-8  # AdamW's denominator epsilon
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this before every step
     # Learning-rate schedule over the run's optimizer steps (max_steps x optimizer
     # steps per rollout): constant | linear_warmup | cosine (after the warm-up).
     lr_schedule: str = "constant"
@@ -99,11 +99,11 @@ class OptimConfig:
 class GradScalerConfig:
     """Sharded grad scaler (fp16 only): dynamic loss scale."""
 
-    enabled: bool = False
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    enabled: bool = False  # on with precision=fp16 (required there), off otherwise
+    init_scale: float = 65536.0  # loss scale of the first step
+    growth_factor: float = 2.0  # the scale grows by this after growth_interval clean steps (> 1)
+    backoff_factor: float = 0.5  # and by this after a step with inf/nan gradients (in (0, 1))
+    growth_interval: int = 2000  # optimizer steps without overflow before the scale grows
     # Stop the run after this many optimizer steps in a row were skipped for
     # inf/nan gradients (an overflow storm that will not recover); 0 = never.
     max_consecutive_skips: int = 20
@@ -113,26 +113,27 @@ class GradScalerConfig:
 class PrecisionConfig:
     """One switch for the whole run: trainer, rollout and refit dtypes."""
 
-    name: str = "fp32"
+    name: str = "fp32"  # the precision group's option: fp32 | bf16 | fp16
     # FSDP2 MixedPrecisionPolicy: compute dtype of gathered params / grad reduce.
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
-    rollout_dtype: str = "float32"
-    refit_dtype: str = "float32"
+    rollout_dtype: str = "float32"  # dtype of the rollout engines' weights
+    refit_dtype: str = "float32"  # dtype the weights are cast to on the wire
 
 
 @dataclass
 class DTensorConfig:
     """Trainer mesh: dp x tp x cp ranks (written by the ``parallelism`` group)."""
 
-    strategy: str = "fsdp2"
+    strategy: str = "fsdp2"  # the parallelism group's option (FSDP2 + DTensor)
     dp: int | None = None  # null = auto: the trainer devices left after tp x cp
-    tp: int = 1
-    cp: int = 1
+    tp: int = 1  # tensor-parallel degree; must divide the model's heads, kv heads and MLP width
+    cp: int = 1  # context parallelism: not available yet, keep 1
+    # Norms and residual stream on sequence shards between the TP matmuls (needs tp > 1).
     sequence_parallel: bool = False
-    activation_checkpointing: bool = False
-    cpu_offload: bool = False
+    activation_checkpointing: bool = False  # recompute each decoder block in backward
+    cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state on CPU
     # Free each decoder block's gathered parameters after its forward (re-gathered in
     # backward). false keeps them until backward: one all-gather less per micro batch
     # and block, at the memory of the unsharded compute-dtype weights.
@@ -155,8 +156,9 @@ class RefitConfig:
     )
     # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 512 MiB x 2 was the
     # best of the num_buffers x bucket grid (see scripts/results/bench_refit-*.json).
-    bucket_bytes: int = 512 * 2**20
-    num_buffers: int = 2
+    bucket_bytes: int = 512 * 2**20  # bytes per packed bucket (at least 1 MiB)
+    num_buffers: int = 2  # buckets in flight: pack bucket k+1 while bucket k is sent
+    # Bound on every wait of a refit; the error names the side that stopped.
     timeout_s: float = 120.0
     # Compare a checksum of every bucket on both sides after each refit.
     verify: bool = False
@@ -204,21 +206,21 @@ class TinyModelConfig:
     """Shape of the embedded randomly initialised Qwen2 model."""
 
     hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 64
+    num_layers: int = 2  # decoder blocks
+    num_heads: int = 4  # attention heads (head_dim = hidden_size / num_heads, at least 32)
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention); divides num_heads
+    intermediate_size: int = 256  # MLP width
+    max_position_embeddings: int = 64  # context length (widened to fit a dataset's prompts)
     # null = the tokenizer's size; larger pads the embedding (real-model shapes, benchmarks).
     vocab_size: int | None = None
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # share the input embedding with the LM head
 
 
 @dataclass
 class ModelConfig:
     """Policy model: the embedded tiny model or an HF id / local path."""
 
-    name: str = "tiny"
+    name: str = "tiny"  # the model group's option (a label; path says what is loaded)
     path: str | None = None  # null = build the embedded tiny model in code
     tokenizer: str | None = None  # null = same as path (or the embedded tokenizer)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -231,11 +233,11 @@ class ModelConfig:
 class DataConfig:
     """Prompt source and reward."""
 
-    name: str = "toy"
-    task: str = "copy"  # the embedded toy task
-    alphabet: str = "abcd"
-    min_len: int = 1
-    max_len: int = 3
+    name: str = "toy"  # the data group's option (a label)
+    task: str = "copy"  # copy (the embedded toy task) | dataset (a file or an HF dataset)
+    alphabet: str = "abcd"  # copy task: the characters prompts are drawn from
+    min_len: int = 1  # copy task: shortest string to copy
+    max_len: int = 3  # copy task: longest string to copy
     # Reward of a wrong answer = partial_credit x fraction of matching positions.
     partial_credit: float = 0.5
     # --- data.task=dataset: prompts and references from a file or a HF dataset ---
@@ -243,9 +245,9 @@ class DataConfig:
     path: str | None = None
     hf_name: str | None = None  # Hugging Face `datasets` name (read from the local cache)
     hf_config: str | None = None  # its config / subset name (e.g. "main" for gsm8k)
-    split: str = "train"
-    prompt_field: str = "question"
-    answer_field: str = "answer"
+    split: str = "train"  # with hf_name: the split to train on
+    prompt_field: str = "question"  # the row's field that holds the prompt
+    answer_field: str = "answer"  # the row's field that holds the reference answer
     # Python format string; {prompt} is the row's prompt field.
     prompt_template: str = "{prompt}"
     # Wrap the templated prompt in the tokenizer's chat template when it has one.
@@ -296,11 +298,12 @@ class ClusterConfig:
     num_cpus: int | None = None  # local mode: null = all cores of this machine
     num_gpus: int | None = None  # local mode: null = all GPUs found
     device: str = "auto"  # auto | cpu | cuda
+    # Local mode: Ray's object store size (Ray's own default takes gigabytes).
     object_store_bytes: int = 200 * 2**20
     # Intra-op threads per worker process on CPU; null = the machine's cores
     # divided among the trainer ranks (roles take turns, so they do not compete).
     torch_threads: int | None = None
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float = 120.0  # placement-group reservation and worker start-up
     # mode=ray: how long to try reaching cluster.address before giving up.
     connect_timeout_s: float = 15.0
     # Placement groups: pack = each role on as few nodes as possible (a trainer
@@ -309,7 +312,7 @@ class ClusterConfig:
     # Extra Ray resources each process of a role asks for, to pin roles to
     # nodes started with `ray start --resources='{"trainer_node": 1}'`.
     policy_resources: dict[str, float] = field(default_factory=dict)
-    rollout_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)  # same, rollout replicas
     # Bound on one worker call of the loop (generate, logprobs, train, checkpoint).
     call_timeout_s: float = 1800.0
     # Once a worker died or failed mid-call: how long its peers (possibly blocked
@@ -320,18 +323,21 @@ class ClusterConfig:
     # Restart a run whose worker died or stopped answering, from its last
     # checkpoint (resume=auto), at most this many times; 0 = fail at once.
     restarts: int = 0
+    # Show Ray's own output: its start-up notices (token authentication, ...) and
+    # every worker's stdout/stderr (log_to_driver). false = only rltrain's lines and errors.
+    ray_logs: bool = False
 
 
 @dataclass
 class LoggerConfig:
     """Metric sinks; jsonl always carries every metric."""
 
-    jsonl: bool = True
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_mode: str = "offline"
+    jsonl: bool = True  # metrics.jsonl in the output folder, one JSON object per step
+    tensorboard: bool = True  # tensorboard/ event files in the output folder
+    wandb: bool = False  # log to Weights & Biases too
+    wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "rltrain"
-    progress: bool = True
+    progress: bool = True  # the live progress bar (step, reward, loss, throughput)
 
 
 @dataclass
@@ -347,8 +353,8 @@ class CheckpointConfig:
 class ValueDTensorConfig:
     """The value model's mesh; every null field takes the policy's (``dtensor``) value."""
 
-    dp: int | None = None
-    tp: int | None = None
+    dp: int | None = None  # the critic's data-parallel ranks
+    tp: int | None = None  # the critic's tensor-parallel degree
     activation_checkpointing: bool | None = None
     cpu_offload: bool | None = None
 
@@ -358,7 +364,7 @@ class ValueConfig:
     """PPO's critic: the policy's backbone (or another model) with a fresh fp32 scalar head."""
 
     model_path: str | None = None  # null = the policy's model (model.path / the tiny model)
-    lr: float = 1e-4
+    lr: float = 1e-4  # the critic's learning rate (other AdamW settings from optim)
     # Clip range of the value update around the old values; null = unclipped.
     clip: float | None = 0.2
     # fp32 | bf16 | fp16 for the backbone; null = the run's precision. The head
@@ -374,8 +380,8 @@ class ValueConfig:
 class RunConfig:
     """The whole run. Top-level keys seed, max_steps and output_dir are stable."""
 
-    seed: int = 0
-    max_steps: int = 300
+    seed: int = 0  # seeds model init, data order and sampling
+    max_steps: int = 300  # training steps (one rollout batch each)
     output_dir: str | None = None  # null = outputs/<run_name>
     run_name: str | None = None  # null = <algorithm>-<timestamp>
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -6,6 +6,11 @@ Checks that need the cluster's size (dp auto, batch divisibility) live in
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTYPES, PRECISION_PRESETS, RunConfig
 
@@ -29,6 +34,7 @@ def _positive(key: str, value: float, minimum: float = 1) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError for the first inconsistency found in ``cfg``."""
+    _check_finite(cfg)
     _positive("max_steps", cfg.max_steps)
     a = cfg.algorithm
     _choice("algorithm.name", a.name, ALGORITHMS)
@@ -71,6 +77,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
     if o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0.")
+    # AdamW's own argument checks, here so that they fail before any worker starts.
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(
+                f"optim.{key}={getattr(o, key)} must be in [0, 1) (AdamW's moment decay)."
+            )
+    if o.eps < 0:
+        raise ConfigError(f"optim.eps={o.eps} must be >= 0.")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0.")
     _choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
@@ -96,6 +112,18 @@ def validate(cfg: RunConfig) -> None:
             "set precision.grad_scaler.enabled=true (precision=fp16 does)."
         )
     _positive("precision.grad_scaler.growth_interval", p.grad_scaler.growth_interval)
+    gs = p.grad_scaler
+    if gs.init_scale <= 0:
+        raise ConfigError(f"precision.grad_scaler.init_scale={gs.init_scale} must be > 0.")
+    if gs.growth_factor <= 1:
+        raise ConfigError(
+            f"precision.grad_scaler.growth_factor={gs.growth_factor} must be > 1 (the scale grows by it)."
+        )
+    if not 0 < gs.backoff_factor < 1:
+        raise ConfigError(
+            f"precision.grad_scaler.backoff_factor={gs.backoff_factor} must be in (0, 1) "
+            "(the scale shrinks by it after an overflow)."
+        )
 
     d = cfg.dtensor
     _choice("dtensor.strategy", d.strategy, ("fsdp2",))
@@ -176,6 +204,10 @@ def validate(cfg: RunConfig) -> None:
             f"model.tiny: head_dim={ti.hidden_size // ti.num_heads} is below 32, which vLLM cannot serve; "
             "raise model.tiny.hidden_size or lower model.tiny.num_heads."
         )
+    if m.path is None:
+        check_mesh_fits_model(cfg, tiny_model_shape(cfg), "policy")
+    if a.name == "ppo" and cfg.value.model_path is None and m.path is None:
+        check_mesh_fits_model(cfg, tiny_model_shape(cfg), "value")
 
     da = cfg.data
     _choice("data.task", da.task, TASKS)
@@ -423,3 +455,133 @@ def check_inputs(cfg: RunConfig, hub_ids: bool = True) -> None:
         check_model_source(path, "model.path")
     if cfg.model.tokenizer is not None:
         check_tokenizer_source(cfg.model.tokenizer, "model.tokenizer")
+    # The meshes against the model's sizes, where its config.json is on this machine.
+    if path is not None and (shape := model_shape(path, "model.path")) is not None:
+        check_mesh_fits_model(cfg, shape, "policy")
+    if cfg.algorithm.name == "ppo":
+        critic = cfg.value.model_path or path
+        key = "value.model_path" if cfg.value.model_path else "model.path"
+        if critic is not None and (shape := model_shape(critic, key)) is not None:
+            check_mesh_fits_model(cfg, shape, "value")
+
+
+# -- non-finite numbers -------------------------------------------------------------------
+
+
+def _check_finite(cfg: RunConfig) -> None:
+    """Every float in ``cfg`` is finite: a nan or inf learning rate, clip range, coefficient
+    or timeout passes every comparison check (nan compares false) and fails only in a worker."""
+    defaults = RunConfig()
+    for key, value in _numbers(cfg, ""):
+        if not math.isfinite(value):
+            default = _lookup(defaults, key)
+            hint = f" (the default is {default})" if isinstance(default, (int, float)) else ""
+            raise ConfigError(
+                f"{key}={value} is not a finite number; set {key} to a finite value{hint}."
+            )
+
+
+def _numbers(node: object, prefix: str):
+    """(dotted key, value) of every float under the dataclass ``node``, maps included."""
+    for f in fields(node):  # type: ignore[arg-type]
+        value = getattr(node, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            yield from _numbers(value, key + ".")
+        elif isinstance(value, float):
+            yield key, value
+        elif isinstance(value, dict):
+            yield from ((f"{key}.{k}", v) for k, v in value.items() if isinstance(v, float))
+
+
+def _lookup(node: object, key: str) -> object:
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    return node
+
+
+# -- tensor-parallel meshes against the model's sizes ----------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model that a tensor-parallel degree must divide, and where they come from."""
+
+    source: str  # "model.tiny" or the config.json they were read from
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+def tiny_model_shape(cfg: RunConfig) -> ModelShape:
+    """The embedded model's sizes, straight from ``model.tiny``."""
+    ti = cfg.model.tiny
+    return ModelShape("model.tiny", ti.num_heads, ti.num_kv_heads, ti.intermediate_size)
+
+
+def model_shape(path: str, key: str) -> ModelShape | None:
+    """Sizes from the config.json of a local folder or of an HF id in the local cache.
+
+    None when no config.json is on this machine or it lacks the sizes (the
+    worker then checks when it builds the model).
+    """
+    from rltrain.models.source import _cached, looks_local
+
+    config_json = Path(path).expanduser() / "config.json"
+    if not looks_local(path):
+        try:
+            config_json = _cached(key, path, "config.json")
+        except ConfigError:  # not downloaded: the worker checks when it builds the model
+            return None
+    if not config_json.is_file():
+        return None
+    try:
+        c = json.loads(config_json.read_text())
+        c = c.get("text_config", c)  # multimodal wrappers keep the LM's sizes there
+        heads = int(c["num_attention_heads"])
+        return ModelShape(
+            f"{key}={path}",
+            heads,
+            int(c.get("num_key_value_heads") or heads),
+            int(c["intermediate_size"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def check_mesh_fits_model(cfg: RunConfig, shape: ModelShape, role: str) -> None:
+    """``dtensor.tp`` (``value.dtensor.tp`` for the critic) must divide the attention heads,
+    key/value heads and MLP width that tensor parallelism splits; vLLM's ``rollout.tp``
+    must divide the attention heads. Raises ConfigError naming the key and the degrees that fit."""
+    sizes = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
+    if role == "policy":
+        tps = [("dtensor.tp", cfg.dtensor.tp)]
+        if cfg.rollout.engine == "vllm":
+            tps.append(("rollout.tp", cfg.rollout.tp))
+    else:
+        tp = cfg.value.dtensor.tp if cfg.value.dtensor.tp is not None else cfg.dtensor.tp
+        key = "value.dtensor.tp" if cfg.value.dtensor.tp is not None else "dtensor.tp"
+        tps = [(key, tp)]
+    for key, tp in tps:
+        if key == "rollout.tp":
+            if tp > 0 and shape.num_attention_heads % tp:
+                fits = [
+                    t
+                    for t in range(1, shape.num_attention_heads + 1)
+                    if shape.num_attention_heads % t == 0
+                ]
+                raise ConfigError(
+                    f"rollout.tp={tp} does not divide the model's {shape.num_attention_heads} attention "
+                    f"heads ({shape.source}), which vLLM splits over its tensor-parallel ranks; "
+                    f"use rollout.tp in {{{', '.join(map(str, fits))}}}."
+                )
+            continue
+        if tp > 0 and any(n % tp for n in sizes):
+            fits = [t for t in range(1, min(sizes) + 1) if all(n % t == 0 for n in sizes)]
+            critic = " of the value model" if role == "value" else ""
+            raise ConfigError(
+                f"{key}={tp} does not divide the {shape.num_attention_heads} attention heads, "
+                f"{shape.num_key_value_heads} key/value heads and MLP width {shape.intermediate_size}"
+                f"{critic} ({shape.source}) that tensor parallelism splits; "
+                f"use {key} in {{{', '.join(map(str, fits))}}}."
+            )

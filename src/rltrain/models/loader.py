@@ -19,19 +19,28 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
-    """The run's tokenizer: the embedded character tokenizer or the model's own."""
+    """The run's tokenizer: the embedded character tokenizer or the model's own.
+
+    ``model.blocked_tokens`` is checked against it here, so an unknown token
+    fails where the driver loads the tokenizer (before any worker starts).
+    """
     if cfg.model.path is None:
         from rltrain.models.tiny import build_tokenizer
         from rltrain.models.vocab import tiny_alphabet
 
-        return build_tokenizer(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
-    name = cfg.model.tokenizer or cfg.model.path
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except OSError as exc:
-        raise ConfigError(
-            f"model.tokenizer '{name}' could not be loaded ({exc}); give a local folder or HF id."
-        ) from exc
+        tokenizer: PreTrainedTokenizerBase = build_tokenizer(
+            tiny_alphabet(cfg.data.task, cfg.data.alphabet)
+        )
+    else:
+        name = cfg.model.tokenizer or cfg.model.path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except OSError as exc:
+            raise ConfigError(
+                f"model.tokenizer '{name}' could not be loaded ({exc}); give a local folder or HF id."
+            ) from exc
+    blocked_token_ids(cfg, tokenizer)
+    return tokenizer
 
 
 def tiny_shape(cfg: RunConfig) -> TinyModelConfig:
