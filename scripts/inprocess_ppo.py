@@ -1,4 +1,5 @@
-"""The PPO loop (``rltrain.algorithms.ppo.train_ppo``) with its workers in one process.
+"""The PPO loop (``rltrain.algorithms.ppo.train_ppo``) with its workers in one process
+(and the GRPO loop, for ``algorithm.name=grpo``).
 
 No Ray: a policy, a value worker and a torch engine (each a gang of one,
 gloo) stand behind the same interface as ``cluster.workers.Workers``, and the
@@ -28,22 +29,24 @@ from rltrain.train.value_worker import ValueWorker
 
 
 class LocalWorkers:
-    """Policy, critic and engine in this process; the methods ``train_ppo`` calls."""
+    """Policy, critic (PPO only) and engine in this process; the methods the loops call."""
 
     def __init__(self, cfg: RunConfig, num_threads: int = 1):
         env = DistEnv(0, 1, "127.0.0.1", free_port(), "gloo")
         # Both trainers share this process's (world size 1) default process group.
         self.policy = PolicyWorker(cfg, env, num_threads)
-        self.value = ValueWorker(cfg, env, num_threads)
+        self.value = ValueWorker(cfg, env, num_threads) if cfg.algorithm.name == "ppo" else None
         self.engine = TorchEngine(cfg, "cpu", 0, num_threads)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompt_ids, sampling)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
+        assert self.value is not None
         return self.value.values(batch)
 
     def train_value(self, batch: TrainBatch) -> dict[str, float]:
+        assert self.value is not None
         return self.value.train(batch)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
@@ -83,9 +86,13 @@ class LocalContext:
 def run_ppo_in_process(
     cfg: RunConfig, num_threads: int = 1, on_step=None
 ) -> list[dict[str, float]]:
-    """``cfg.max_steps`` PPO steps; returns one metrics dict per step (``on_step(step, m)`` too)."""
+    """``cfg.max_steps`` steps of the config's loop (PPO, or GRPO for ``algorithm.name=grpo``);
+    returns one metrics dict per step (``on_step(step, m)`` too)."""
+    from rltrain.algorithms.grpo import train_grpo
     from rltrain.algorithms.ppo import train_ppo
     from rltrain.data import build_task
+
+    loop = train_ppo if cfg.algorithm.name == "ppo" else train_grpo
 
     plan = make_plan(cfg, Resources(num_cpus=num_threads, num_gpus=0))
     workers = LocalWorkers(cfg, num_threads)
@@ -98,7 +105,7 @@ def run_ppo_in_process(
             if on_step is not None:
                 on_step(step, metrics)
 
-        train_ppo(ctx, log)
+        loop(ctx, log)
     finally:
         workers.shutdown()
     return history

@@ -77,6 +77,8 @@ class RunPlan:
     # role -> node of each rank ("ip (node id)"): forecast by `rltrain plan`,
     # then what Ray actually chose once a run has started.
     placement: dict[str, list[str]] = field(default_factory=dict)
+    # The objective in words, one entry per part (see objective_summary).
+    objective: dict[str, str] = field(default_factory=dict)
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -403,7 +405,74 @@ def make_plan(
         value_batch=value_batch,
         gpu_layout=layout,
         inputs=plan_inputs(cfg),
+        objective=objective_summary(cfg),
     )
+
+
+ADVANTAGE_FORMULAS = {
+    "grpo": "(r - group mean) / (group std + eps)",
+    "dr_grpo": "r - group mean",
+    "rloo": "r - mean of the other samples of the group",
+    "reinforce_pp": "reward-to-go, whitened over the step's tokens",
+    "reinforce_pp_baseline": "r - group mean, whitened over the step's tokens",
+    "gae": "GAE(gamma, lam) over the critic's values",
+}
+AGGREGATION_FORMULAS = {
+    "token_mean": "token sum / the step's loss tokens (all dp ranks)",
+    "seq_mean_token_mean": "per-sequence token mean, / the step's sequences",
+    "seq_mean_token_sum_norm": "per-sequence token sum / {L}, / the step's sequences",
+}
+
+
+def objective_summary(cfg: RunConfig) -> dict[str, str]:
+    """The objective a run optimises, in words (``rltrain plan``; docs/objectives.md)."""
+    a = cfg.algorithm
+    est = a.adv_estimator
+    if est == "grpo" and not a.normalize_adv_by_std:
+        adv = "grpo without the std division (algorithm.normalize_adv_by_std=false): r - group mean"
+    else:
+        adv = f"{est}: {ADVANTAGE_FORMULAS[est]}"
+    out = {"advantages": adv}
+    if a.ratio_level == "sequence":
+        lo, hi = a.seq_clip_ratio_low, a.seq_clip_ratio_high
+        out["ratio"] = f"sequence (GSPO: exp of the mean token log-ratio), clip [1-{lo}, 1+{hi}]"
+    else:
+        lo, hi = a.clip_ratio_low, a.clip_ratio_high
+        out["ratio"] = f"token, clip [1-{lo}, 1+{hi}]"
+    agg = AGGREGATION_FORMULAS[a.loss_aggregation].format(L=cfg.rollout.max_new_tokens)
+    out["loss"] = f"{a.loss_aggregation}: {agg}"
+    if a.kl_coef > 0:
+        where = "in the reward" if a.kl_in_reward else "in the loss"
+        out["kl"] = f"{a.kl_coef} x {a.kl_estimator} {where}"
+    else:
+        out["kl"] = "off (algorithm.kl_coef=0)"
+    ds = a.dynamic_sampling
+    if ds.enabled:
+        out["dynamic sampling"] = (
+            f"groups with all-equal rewards dropped; up to {ds.max_rounds} rounds of "
+            f"{a.prompts_per_step} prompts to fill the step"
+        )
+    ol = a.overlong
+    parts = []
+    if ol.filter:
+        parts.append("truncated responses masked out of the loss")
+    if ol.buffer:
+        start = cfg.rollout.max_new_tokens - ol.buffer
+        parts.append(
+            f"reward penalty rising to -{ol.penalty} from {start} to "
+            f"{cfg.rollout.max_new_tokens} tokens"
+        )
+    if parts:
+        out["overlong"] = "; ".join(parts)
+    rc = a.rollout_correction
+    parts = []
+    if rc.weights is not None:
+        parts.append(f"{rc.weights}-level importance weights min(pi_train/pi_engine, {rc.cap})")
+    if rc.mask_bound is not None:
+        parts.append(f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked")
+    if parts:
+        out["rollout correction"] = "; ".join(parts)
+    return out
 
 
 def _value_precision(cfg: RunConfig) -> dict[str, object]:

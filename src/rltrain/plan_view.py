@@ -63,6 +63,10 @@ def plan_tree(plan: RunPlan) -> Tree:
             f"value: micro batch {vb.micro_batch} per rank x dp {vb.dp} -> {vb.grad_accum_steps} "
             f"accumulation step(s), {vb.optimizer_steps_per_rollout} optimizer step(s) per rollout"
         )
+    if plan.objective:
+        objective = tree.add("objective")
+        for part, text in plan.objective.items():
+            objective.add(f"{part}: {text}")
     p = plan.precision
     prec = tree.add(f"precision {p['name']}")
     prec.add(f"policy: {p['policy']}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rltrain.algorithms.shaping import fill_groups, informative_groups
 from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import RolloutBatch, SamplingParams
@@ -18,11 +19,29 @@ from rltrain.rollout.base import RolloutBatch, SamplingParams
 @dataclass
 class Collected:
     """One step's scored rollout: ``rewards``/``exact`` are [B] in rollout order
-    (samples_per_prompt consecutive rows per prompt)."""
+    (samples_per_prompt consecutive rows per prompt).
+
+    With dynamic sampling, ``rollout``/``rewards``/``exact`` are the groups kept for
+    training and ``generated_rewards``/``generated_exact`` every sample of every round
+    (what the policy scores: the reward metrics read these). ``rounds`` generation
+    rounds ran; ``dropped_groups`` had all-equal rewards and were left out;
+    ``filled_groups`` of those still went in because the rounds ran out.
+    """
 
     rollout: RolloutBatch
     rewards: torch.Tensor
     exact: torch.Tensor
+    generated_rewards: torch.Tensor | None = None
+    generated_exact: torch.Tensor | None = None
+    rounds: int = 1
+    dropped_groups: int = 0
+    filled_groups: int = 0
+
+    def __post_init__(self) -> None:
+        if self.generated_rewards is None:
+            self.generated_rewards = self.rewards
+        if self.generated_exact is None:
+            self.generated_exact = self.exact
 
 
 def sampling_params(cfg) -> SamplingParams:
@@ -33,24 +52,31 @@ def sampling_params(cfg) -> SamplingParams:
     )
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The sampling seed of one step (distinct per run seed and step)."""
-    return seed * 1_000_003 + step
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The sampling seed of one step (distinct per run seed and step) and generation round."""
+    base = seed * 1_000_003 + step
+    return base if round_ == 0 else (base * 1_000_033 + round_) % 2**31
 
 
 def collect(
-    ctx, step: int, sampling: SamplingParams, weight_version: int, timer: StageTimer
+    ctx,
+    step: int,
+    sampling: SamplingParams,
+    weight_version: int,
+    timer: StageTimer,
+    round_: int = 0,
 ) -> Collected:
     """Sample ``prompts_per_step`` prompts (each repeated ``samples_per_prompt`` times),
     generate with the engines' current weights (which must be ``weight_version``),
     and score each whole response (decoded without special tokens; 'finished' =
-    stopped at EOS). Times the "generate" and "reward" stages on ``timer``."""
+    stopped at EOS). Times the "generate" and "reward" stages on ``timer``.
+    ``round_`` > 0 (dynamic sampling's later rounds) samples with a seed of its own."""
     a = ctx.cfg.algorithm
     items = ctx.task.sample(a.prompts_per_step)
     prompt_ids = encode_groups(ctx.tokenizer, items, a.samples_per_prompt)
     with timer("generate"):
         rollout = ctx.workers.generate(
-            prompt_ids, replace(sampling, seed=step_seed(ctx.cfg.seed, step))
+            prompt_ids, replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_))
         )
     assert rollout.weight_version == weight_version, "rollout used stale weights"
     with timer("reward"):
@@ -65,3 +91,60 @@ def collect(
         rewards = torch.tensor([s.reward for s in scored])
         exact = torch.tensor([s.exact_match for s in scored])
     return Collected(rollout, rewards, exact)
+
+
+def select_rows(rollout: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """The given rows of a rollout, in that order."""
+    return replace(
+        rollout,
+        prompt_ids=[rollout.prompt_ids[i] for i in rows],
+        response_ids=[rollout.response_ids[i] for i in rows],
+        response_logprobs=[rollout.response_logprobs[i] for i in rows],
+        finished=[rollout.finished[i] for i in rows],
+    )
+
+
+def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Rows of several rollouts of the same weights, one after another."""
+    first = parts[0]
+    return replace(
+        first,
+        prompt_ids=[x for p in parts for x in p.prompt_ids],
+        response_ids=[x for p in parts for x in p.response_ids],
+        response_logprobs=[x for p in parts for x in p.response_logprobs],
+        finished=[x for p in parts for x in p.finished],
+        engine_seconds=sum(p.engine_seconds for p in parts),
+    )
+
+
+def collect_dynamic(
+    ctx, step: int, sampling: SamplingParams, weight_version: int, timer: StageTimer
+) -> Collected:
+    """DAPO's dynamic sampling: generate rounds of ``prompts_per_step`` groups until
+    ``prompts_per_step`` groups with unequal rewards are in hand, or
+    ``algorithm.dynamic_sampling.max_rounds`` rounds ran; then train on the first of
+    them (topped up with all-equal groups if the rounds ran out: see
+    :func:`rltrain.algorithms.shaping.fill_groups`)."""
+    a = ctx.cfg.algorithm
+    g, wanted = a.samples_per_prompt, a.prompts_per_step
+    rounds: list[Collected] = []
+    informative: list[bool] = []
+    while len(rounds) < a.dynamic_sampling.max_rounds and sum(informative) < wanted:
+        got = collect(ctx, step, sampling, weight_version, timer, round_=len(rounds))
+        rounds.append(got)
+        informative += informative_groups(got.rewards, g).tolist()
+    groups, filled = fill_groups(informative, wanted)
+    rows = [gi * g + j for gi in groups for j in range(g)]
+    rollout = select_rows(concat_rollouts([r.rollout for r in rounds]), rows)
+    rewards = torch.cat([r.rewards for r in rounds])
+    exact = torch.cat([r.exact for r in rounds])
+    return Collected(
+        rollout,
+        rewards[rows],
+        exact[rows],
+        generated_rewards=rewards,
+        generated_exact=exact,
+        rounds=len(rounds),
+        dropped_groups=len(informative) - sum(informative) - filled,
+        filled_groups=filled,
+    )

@@ -8,12 +8,16 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
-from rltrain.algorithms.advantages import grpo_advantages
-from rltrain.algorithms.collect import collect, sampling_params
+from rltrain.algorithms.advantages import outcome_advantages
+from rltrain.algorithms.collect import Collected, collect, collect_dynamic, sampling_params
 from rltrain.algorithms.evaluate import evaluate
+from rltrain.algorithms.losses import kl_estimate
+from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
+from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig, KLEstimator
 from rltrain.logging.metrics import StageTimer
 from rltrain.train.batch import build_train_batch
 
@@ -26,17 +30,46 @@ def token_mult_prob_error(
     return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
 
 
+def objective_metrics(
+    a: AlgorithmConfig,
+    got: Collected,
+    penalty_B: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    kl_BT: torch.Tensor | None,
+) -> dict[str, float]:
+    """The step's metrics of the objective's optional parts (only those switched on)."""
+    out: dict[str, float] = {}
+    if a.dynamic_sampling.enabled:
+        out["dynamic_sampling/rounds"] = float(got.rounds)
+        out["dynamic_sampling/dropped_groups"] = float(got.dropped_groups)
+        out["dynamic_sampling/filled_groups"] = float(got.filled_groups)
+    if a.overlong.buffer:
+        out["overlong/penalty_mean"] = float(penalty_B.mean())
+        out["overlong/penalised_frac"] = float((penalty_B < 0).float().mean())
+    if a.overlong.filter:
+        out["overlong/filtered_frac"] = float((loss_mask_BT.sum(-1) == 0).float().mean())
+    if kl_BT is not None:
+        out["kl_penalty"] = float(kl_BT.sum() / loss_mask_BT.sum().clamp(min=1))
+    return out
+
+
 def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` GRPO steps on ``ctx.workers``; ``on_step`` logs each one.
 
     ``ctx`` is a :class:`rltrain.runner.RunContext`: config, plan, workers,
     task, tokenizer, ``checkpoint(step, weight_version)``, and the step and weight
     version to continue from (``start_step``, ``weight_version``; 0 for a fresh run).
+    The objective (advantage estimator, shaping, loss) is the ``algorithm`` node's;
+    docs/objectives.md lists the choices.
     """
     cfg, workers, tok = ctx.cfg, ctx.workers, ctx.tokenizer
     a = cfg.algorithm
     sampling = sampling_params(cfg)
-    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1
+    kl_in_reward = a.kl_coef > 0 and a.kl_in_reward
+    # On-policy with one optimizer step, the training forward yields the old logprobs,
+    # unless the KL penalty needs them before the advantages.
+    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and not kl_in_reward
+    gather = collect_dynamic if a.dynamic_sampling.enabled else collect
     # A resumed run starts after its checkpoint's step, with the restored weights.
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
@@ -45,46 +78,81 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # steps 1-3: prompts (each repeated samples_per_prompt times: one GRPO group),
         # generate with the engines' current weights, reward of each whole response
-        got = collect(ctx, step, sampling, weight_version, timer)
-        rollout, rewards, exact = got.rollout, got.rewards, got.exact
+        # (dynamic sampling: more rounds until the step is full of groups with a signal)
+        got = gather(ctx, step, sampling, weight_version, timer)
+        rollout, rewards = got.rollout, got.rewards
+        batch = build_train_batch(rollout, torch.zeros(len(rewards)), tok.pad_token_id)
+        loss_mask = batch.response_mask_BT
 
-        # step 4: GRPO advantages (group-normalised over the samples of one prompt)
-        advantages = grpo_advantages(
-            rewards, a.samples_per_prompt, a.normalize_adv_by_std, a.adv_eps
+        # step 4: shaping: soft overlong punishment on the reward, truncated responses
+        # out of the loss
+        lengths = torch.tensor([len(r) for r in rollout.response_ids])
+        penalty = overlong_penalty(
+            lengths, cfg.rollout.max_new_tokens, a.overlong.buffer, a.overlong.penalty
         )
-        batch = build_train_batch(rollout, advantages, tok.pad_token_id)
+        shaped = rewards + penalty if a.overlong.buffer else rewards
+        if a.overlong.filter:
+            finished = torch.tensor(rollout.finished)
+            batch.loss_mask_BT = loss_mask = truncated_keep_mask(finished, loss_mask)
 
         # step 5: train-side logprobs before the update (and reference logprobs for KL).
         # On-policy with one optimizer step, the training forward computes them.
+        kl_BT = None
         with timer("logprobs"):
             if not fuse_old_logprobs:
                 batch.old_logprobs_BT = workers.logprobs(batch)
             if a.kl_coef > 0:
-                batch.ref_logprobs_BT = workers.logprobs(batch, reference=True)
+                ref_logprobs = workers.logprobs(batch, reference=True)
+                if kl_in_reward:
+                    assert batch.old_logprobs_BT is not None
+                    kl_BT = kl_estimate(
+                        batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
+                    ) * loss_mask
+                else:
+                    batch.ref_logprobs_BT = ref_logprobs
 
-        # step 6: policy update
+        # step 6: advantages (group-normalised for GRPO; docs/objectives.md for the others)
+        advantages = outcome_advantages(
+            cast(AdvantageEstimator, a.adv_estimator),
+            shaped,
+            a.samples_per_prompt,
+            loss_mask,
+            None if kl_BT is None else a.kl_coef * kl_BT,
+            a.normalize_adv_by_std,
+            a.adv_eps,
+        )
+        if advantages.dim() == 2:
+            batch.advantages_BT = advantages
+            adv_abs_mean = float((advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1))
+        else:
+            batch.advantages_B = advantages
+            adv_abs_mean = float(advantages.abs().mean())
+
+        # step 7: policy update
         with timer("train"):
             train_metrics, fused_old = workers.train(batch)
             if fused_old is not None:
                 batch.old_logprobs_BT = fused_old
 
-        # step 7: refit the rollout engines with the new weights
+        # step 8: refit the rollout engines with the new weights
         with timer("refit"):
             weight_version += 1
             refit = workers.refit(weight_version)
 
-        # step 8: metrics and checkpoint
+        # step 9: metrics and checkpoint
         step_s = time.perf_counter() - t_step
         assert batch.old_logprobs_BT is not None
-        groups = rewards.view(-1, a.samples_per_prompt)
+        # reward metrics over every sample generated (dynamic sampling trains on a subset)
+        generated = cast(torch.Tensor, got.generated_rewards)
+        groups = generated.view(-1, a.samples_per_prompt)
         n_tokens = float(batch.response_mask_BT.sum())
         metrics = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/exact_match": float(exact.mean()),
+            "reward/mean": float(generated.mean()),
+            "reward/std": float(generated.std()),
+            "reward/exact_match": float(cast(torch.Tensor, got.generated_exact).mean()),
             "reward/group_std_mean": float(groups.std(dim=1).mean()),
             "reward/zero_spread_groups": float((groups.std(dim=1) == 0).float().mean()),
-            "advantages/abs_mean": float(advantages.abs().mean()),
+            "advantages/abs_mean": adv_abs_mean,
             "response/length_mean": n_tokens / batch.size,
             "response/finished_frac": sum(rollout.finished) / len(rollout.finished),
             "token_mult_prob_error": token_mult_prob_error(
@@ -104,8 +172,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
             "time/step": step_s,
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,
+            **objective_metrics(a, got, penalty, loss_mask, kl_BT),
         }
-        # step 9: greedy evaluation on the validation split (val/accuracy), with the new weights
+        # step 10: greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
             # Engines stay awake: the next step generates before anything trains.
             eval_generate = functools.partial(workers.generate, then_sleep=False)

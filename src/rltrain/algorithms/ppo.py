@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -16,6 +17,9 @@ from rltrain.algorithms.collect import collect, sampling_params
 from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.gae import gae, token_rewards
 from rltrain.algorithms.grpo import token_mult_prob_error
+from rltrain.algorithms.losses import kl_estimate
+from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
+from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
 from rltrain.train.batch import build_train_batch
 
@@ -31,9 +35,10 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
     cfg, workers, tok = ctx.cfg, ctx.workers, ctx.tokenizer
     a = cfg.algorithm
     sampling = sampling_params(cfg)
-    # The KL penalty needs the old logprobs before GAE, so it cannot take them from
-    # the training forward; without it, on-policy with one optimizer step, it can.
-    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and a.kl_coef == 0
+    # The KL penalty in the reward needs the old logprobs before GAE, so it cannot take
+    # them from the training forward; without it, on-policy with one optimizer step, it can.
+    kl_in_reward = a.kl_coef > 0 and a.kl_in_reward
+    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and not kl_in_reward
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
@@ -46,6 +51,15 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         rollout, scores, exact = got.rollout, got.rewards, got.exact
         batch = build_train_batch(rollout, torch.zeros(len(scores)), tok.pad_token_id)
         mask = batch.response_mask_BT
+        # reward shaping: soft overlong punishment, truncated responses out of the actor's loss
+        shaped = scores
+        if a.overlong.buffer:
+            lengths = torch.tensor([len(r) for r in rollout.response_ids])
+            shaped = scores + overlong_penalty(
+                lengths, cfg.rollout.max_new_tokens, a.overlong.buffer, a.overlong.penalty
+            )
+        if a.overlong.filter:
+            batch.loss_mask_BT = truncated_keep_mask(torch.tensor(rollout.finished), mask)
 
         # step 4: values of the state before every token (critic, right-shifted)
         with timer("values"):
@@ -58,10 +72,16 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
                 batch.old_logprobs_BT = workers.logprobs(batch)
             if a.kl_coef > 0:
                 ref_logprobs = workers.logprobs(batch, reference=True)
-                kl_BT = (batch.old_logprobs_BT - ref_logprobs) * mask  # k1, per sampled token
+                if kl_in_reward:  # per sampled token (k1 by default)
+                    assert batch.old_logprobs_BT is not None
+                    kl_BT = kl_estimate(
+                        batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
+                    ) * mask
+                else:
+                    batch.ref_logprobs_BT = ref_logprobs
 
         # step 6: GAE: the score on the last response token (minus the KL penalty per token)
-        rewards_BT = token_rewards(scores, mask, kl_BT, a.kl_coef)
+        rewards_BT = token_rewards(shaped, mask, kl_BT, a.kl_coef)
         batch.advantages_BT, batch.returns_BT = gae(
             rewards_BT,
             batch.old_values_BT,

@@ -253,6 +253,12 @@ def compose(
     choices = {
         g: str(v) for g, v in cfg.hydra.runtime.choices.items() if g in GROUPS and v is not None
     }
+    # Several recipes at once (recipe=[a,b], applied in that order) leave Hydra's
+    # choices empty for the group: record them as written.
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+") == "recipe" and value.startswith("[") and "recipe" not in choices:
+            choices["recipe"] = value.strip("[]")
     with open_dict(cfg):
         del cfg["hydra"]
     run_cfg: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]

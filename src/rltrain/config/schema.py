@@ -8,6 +8,52 @@ Hydra, Ray or vLLM so GPU scripts and workers can use it anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# The choices of the objective's config keys: each defined once, here; validation
+# reads its allowed values from these (typing.get_args), and the math functions take them
+# as parameter types. (OmegaConf cannot type a field as a Literal, so the fields are str.)
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+RatioLevel = Literal["token", "sequence"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+ISLevel = Literal["token", "sequence"]
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal) and
+    generate again until the step holds ``algorithm.prompts_per_step`` groups."""
+
+    enabled: bool = False
+    # Generation rounds per step at most (the first included). When they run out, the
+    # step is topped up with dropped groups (zero advantage) and the shortfall reported.
+    max_rounds: int = 4
+
+
+@dataclass
+class OverlongConfig:
+    """Responses that reach the length budget (``rollout.max_new_tokens``)."""
+
+    # Mask truncated responses (no EOS within the budget) out of the loss and its normaliser.
+    filter: bool = False
+    # DAPO's soft overlong punishment: responses longer than max_new_tokens - buffer get
+    # a reward penalty rising linearly to ``penalty`` at max_new_tokens. 0 = off.
+    buffer: int = 0
+    penalty: float = 1.0
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correction for the trainer/engine mismatch (``token_mult_prob_error``): the ratio
+    rho = pi_train_old / pi_engine of the sampled tokens (1 when both sides agree)."""
+
+    # Truncated importance weights min(rho, cap) on the policy-gradient term: per token,
+    # or per sequence (the product of the sequence's token ratios). null = off.
+    weights: str | None = None  # ISLevel
+    cap: float = 2.0
+    # Mask tokens whose rho lies outside [1 / mask_bound, mask_bound] out of the loss. null = off.
+    mask_bound: float | None = None
 
 
 @dataclass
@@ -19,11 +65,29 @@ class AlgorithmConfig:
     samples_per_prompt: int = 8
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    # KL to the initial policy (k3 estimator); 0 disables the reference model.
+    # KL to the initial policy; 0 disables the reference model.
     kl_coef: float = 0.0
-    # Divide group-centred rewards by the group std (Dr.GRPO sets this false).
+    # KL estimator (KLEstimator): k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2,
+    # k3 = ref/pi - log(ref/pi) - 1, low_var_kl = k3 clamped to [-10, 10].
+    kl_estimator: str = "k3"
+    # false: kl_coef x KL is a term of the loss; true: it is subtracted from the reward
+    # (per token for reinforce_pp and PPO, summed over the response otherwise).
+    kl_in_reward: bool = False
+    # Advantage estimator (AdvantageEstimator): grpo (group mean and std), dr_grpo (group
+    # mean only), rloo (leave-one-out mean), reinforce_pp (batch-normalised reward-to-go),
+    # reinforce_pp_baseline (group mean, then batch std); gae is PPO's (critic).
+    adv_estimator: str = "grpo"
+    # grpo: divide group-centred rewards by the group std (false = dr_grpo's advantages).
     normalize_adv_by_std: bool = True
     adv_eps: float = 1e-6
+    # Importance ratio of the clipped surrogate (RatioLevel): token (PPO/GRPO) or sequence
+    # (GSPO: exp of the mean token log-ratio of the response, clipped by seq_clip_ratio_*).
+    ratio_level: str = "token"
+    seq_clip_ratio_low: float = 3e-4
+    seq_clip_ratio_high: float = 4e-4
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # PPO (GAE): discount and trace decay of the actor's advantages; the critic's
     # returns use value_gamma/value_lam (null = gamma/lam).
     gamma: float = 1.0
@@ -33,9 +97,10 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     # PPO: steps before this one train only the critic (critic warm-up); 1 = from the start.
     policy_training_start_step: int = 1
-    # How per-token losses become the step's loss: token_mean (over every valid
-    # token of the step) or seq_mean_token_mean (token mean per sequence, then
-    # the mean over sequences).
+    # How per-token losses become the step's loss (LossAggregation): token_mean (over
+    # every valid token of the step, DAPO), seq_mean_token_mean (token mean per sequence,
+    # then the mean over sequences, GRPO) or seq_mean_token_sum_norm (token sum per
+    # sequence over rollout.max_new_tokens, then the mean over sequences, Dr. GRPO).
     loss_aggregation: str = "token_mean"
 
 

@@ -10,15 +10,31 @@ import json
 import math
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
+from typing import get_args
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import DTYPES, PRECISION_PRESETS, RunConfig
+from rltrain.config.schema import (
+    DTYPES,
+    PRECISION_PRESETS,
+    AdvantageEstimator,
+    ISLevel,
+    KLEstimator,
+    LossAggregation,
+    RatioLevel,
+    RunConfig,
+)
 
 ENGINES = ("torch", "vllm")
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 ALGORITHMS = ("grpo", "ppo")
 TASKS = ("copy", "dataset")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+# The estimators of `rltrain grpo` (outcome rewards, no critic); PPO's is gae.
+OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
@@ -39,15 +55,12 @@ def validate(cfg: RunConfig) -> None:
     a = cfg.algorithm
     _choice("algorithm.name", a.name, ALGORITHMS)
     _positive("algorithm.prompts_per_step", a.prompts_per_step)
+    validate_objective(cfg)
     if a.name == "grpo" and a.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.samples_per_prompt={a.samples_per_prompt}: GRPO normalises rewards within a group, "
             "so it needs at least 2 samples per prompt."
         )
-    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
-        raise ConfigError("algorithm.clip_ratio_low/high must be >= 0.")
-    if a.kl_coef < 0:
-        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
 
     t = cfg.train
     if t.micro_batch_size is not None:
@@ -71,7 +84,6 @@ def validate(cfg: RunConfig) -> None:
             "use precision=bf16 or fp16, or train.attention=flex."
         )
     _validate_speed(cfg)
-    _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
     o = cfg.optim
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
@@ -251,6 +263,75 @@ def validate(cfg: RunConfig) -> None:
     _validate_faults(cfg)
     if a.name == "ppo":
         validate_ppo(cfg)
+
+
+def validate_objective(cfg: RunConfig) -> None:
+    """The objective's keys (docs/objectives.md): estimator, aggregation, ratio level,
+    clip ranges, KL, dynamic sampling, overlong shaping and rollout correction."""
+    a = cfg.algorithm
+    _choice("algorithm.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
+    if a.name == "ppo" and a.adv_estimator != "gae":
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator}: PPO's advantages come from its critic "
+            "(gae); use algorithm.adv_estimator=gae, or rltrain grpo for the outcome estimators."
+        )
+    if a.name == "grpo" and a.adv_estimator == "gae":
+        raise ConfigError(
+            "algorithm.adv_estimator=gae needs a critic, which rltrain grpo has none of; "
+            f"use one of {', '.join(OUTCOME_ESTIMATORS)}, or rltrain ppo."
+        )
+    _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
+    _choice("algorithm.ratio_level", a.ratio_level, RATIO_LEVELS)
+    for key in ("clip_ratio_low", "clip_ratio_high", "seq_clip_ratio_low", "seq_clip_ratio_high"):
+        value = getattr(a, key)
+        if value < 0:
+            raise ConfigError(
+                f"algorithm.{key}={value} is negative; a clip range is a distance from "
+                f"ratio 1, so set algorithm.{key}>=0."
+            )
+        if key.endswith("low") and value >= 1:
+            raise ConfigError(
+                f"algorithm.{key}={value} clips the ratio below at 1 - {value} <= 0; "
+                f"set algorithm.{key} in [0, 1)."
+            )
+    if a.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
+    _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+    ds = a.dynamic_sampling
+    if ds.enabled:
+        if a.samples_per_prompt < 2:
+            raise ConfigError(
+                f"algorithm.dynamic_sampling.enabled=true with algorithm.samples_per_prompt="
+                f"{a.samples_per_prompt}: a group of 1 always has equal rewards and would always "
+                "be dropped; set algorithm.samples_per_prompt>=2."
+            )
+        if a.name != "grpo":
+            raise ConfigError(
+                "algorithm.dynamic_sampling.enabled=true is available with rltrain grpo only; "
+                "set algorithm.dynamic_sampling.enabled=false."
+            )
+        _positive("algorithm.dynamic_sampling.max_rounds", ds.max_rounds)
+    ol = a.overlong
+    if not 0 <= ol.buffer <= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"algorithm.overlong.buffer={ol.buffer} must be in [0, rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}] (the last tokens of the budget that are penalised)."
+        )
+    if ol.penalty < 0:
+        raise ConfigError(f"algorithm.overlong.penalty={ol.penalty} must be >= 0.")
+    rc = a.rollout_correction
+    if rc.weights is not None:
+        _choice("algorithm.rollout_correction.weights", rc.weights, IS_LEVELS)
+    if rc.cap < 1:
+        raise ConfigError(
+            f"algorithm.rollout_correction.cap={rc.cap} is below 1, which would down-weight "
+            "tokens the engine and trainer agree on; set algorithm.rollout_correction.cap>=1."
+        )
+    if rc.mask_bound is not None and rc.mask_bound < 1:
+        raise ConfigError(
+            f"algorithm.rollout_correction.mask_bound={rc.mask_bound} is below 1 (tokens are "
+            "kept while 1/bound <= ratio <= bound); set it >= 1, or null to mask nothing."
+        )
 
 
 def _validate_speed(cfg: RunConfig) -> None:

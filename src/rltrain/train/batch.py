@@ -31,6 +31,9 @@ class TrainBatch:
     advantages_BT: torch.Tensor | None = None
     returns_BT: torch.Tensor | None = None
     old_values_BT: torch.Tensor | None = None
+    # The tokens the loss trains on and normalises over; None = response_mask_BT
+    # (algorithm.overlong.filter zeroes the rows of truncated responses).
+    loss_mask_BT: torch.Tensor | None = None
 
     @classmethod
     def empty(cls) -> TrainBatch:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,20 @@ if TYPE_CHECKING:
 
 class OverflowStormError(RuntimeError):
     """Too many optimizer steps in a row were skipped for inf/nan gradients (fp16 loss scaling)."""
+
+
+class MicroLoss(NamedTuple):
+    """What :meth:`FSDPTrainer.microbatch_loss` returns for one micro batch.
+
+    ``counts`` = (tokens, sequences) the step's loss is normalised over, from this
+    micro batch; None = its response tokens and sequences.
+    """
+
+    loss_sum: torch.Tensor
+    kind: MetricKind
+    metrics: dict[str, tuple[MetricKind, Any]]
+    token_out: torch.Tensor | None
+    counts: tuple[Any, Any] | None = None
 
 
 class FSDPTrainer:
@@ -285,6 +299,7 @@ class FSDPTrainer:
             row_tokens=None if one_row else longest,
             min_rows=min_rows,
             min_row_tokens=min_row_tokens,
+            with_engine_logprobs=self.needs_engine_logprobs,
         ).to(self.device)
 
     # -- forward ------------------------------------------------------------------
@@ -331,10 +346,11 @@ class FSDPTrainer:
     # Losses are summed unnormalised; the one division by the global count
     # happens on the gradients in finish_train_step, once the count is known.
 
-    def microbatch_loss(
-        self, micro: MicroBatch
-    ) -> tuple[torch.Tensor, MetricKind, dict[str, tuple[MetricKind, float]], torch.Tensor | None]:
-        """Subclass hook: (loss_sum, normaliser kind, metrics, per-token output_RS or None).
+    # Micro batches carry the engine's logprobs (the policy's rollout correction reads them).
+    needs_engine_logprobs = False
+
+    def microbatch_loss(self, micro: MicroBatch) -> MicroLoss | tuple:
+        """Subclass hook: a :class:`MicroLoss` (or the tuple of its first four fields).
 
         ``loss_sum`` is the micro batch's loss summed over its valid tokens
         (normaliser ``TOKEN_MEAN``) or sequences (``SEQUENCE_MEAN``), not
@@ -389,14 +405,16 @@ class FSDPTrainer:
             micro = self.make_micro_batch(micro, list(range(micro.size)))
         else:
             micro = micro.to(self.device)
-        loss_sum, kind, metrics, token_out = self.microbatch_loss(micro)
+        loss_sum, kind, metrics, token_out, counts = MicroLoss(*self.microbatch_loss(micro))
         if self._step_kind not in (None, kind):
             raise RuntimeError(f"micro batches of one step mix {self._step_kind} and {kind} losses")
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         self._deferred = defer  # the last micro batch's backward reduced everything
-        cast(StepMetrics, self._step).add_counts(micro.response_mask_RS.sum(), micro.num_sequences)
+        if counts is None:
+            counts = (micro.response_mask_RS.sum(), micro.num_sequences)
+        cast(StepMetrics, self._step).add_counts(*counts)
         for name, (metric_kind, value) in metrics.items():
             cast(StepMetrics, self._step).add(name, metric_kind, value)
         return token_out if micro.num_sequences else None

@@ -55,6 +55,10 @@ class MicroBatch:
     # PPO's critic: value targets and the values before the update (the clip's anchor).
     returns_RS: torch.Tensor | None = None
     old_values_RS: torch.Tensor | None = None
+    # The batch's loss mask when it has one (None = response_mask_RS), and the engine's
+    # logprobs when asked for (rollout correction).
+    loss_mask_RS: torch.Tensor | None = None
+    engine_logprobs_RS: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -142,6 +146,7 @@ def pack(
     row_tokens: int | None = None,
     min_rows: int = 1,
     min_row_tokens: int = 2,
+    with_engine_logprobs: bool = False,
 ) -> MicroBatch:
     """Lay out ``rows`` of ``batch`` as one micro batch (see :class:`MicroBatch`).
 
@@ -151,7 +156,8 @@ def pack(
     ``row_multiple``. padded: one row per sequence, trimmed to the longest.
     Rows of padding are added up to ``min_rows`` (compiled blocks: see
     :mod:`rltrain.train.compile`). ``rows=[]`` gives the empty micro batch (two
-    padding tokens, no valid target).
+    padding tokens, no valid target). ``with_engine_logprobs`` lays out the
+    engine's logprobs too.
     """
     lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
     if packed:
@@ -210,6 +216,8 @@ def pack(
         packed=packed,
         returns_RS=layout(batch.returns_BT),
         old_values_RS=layout(batch.old_values_BT),
+        loss_mask_RS=layout(batch.loss_mask_BT),
+        engine_logprobs_RS=layout(batch.engine_logprobs_BT) if with_engine_logprobs else None,
     )
 
 

@@ -14,16 +14,16 @@ from typing import cast
 import torch
 
 from rltrain.algorithms.logprobs import chunked_token_logprobs
-from rltrain.algorithms.losses import clipped_pg_terms
+from rltrain.algorithms.losses import Objective, policy_loss
 from rltrain.config.schema import RunConfig
 from rltrain.refit import RefitSender, make_refit_sender
 from rltrain.refit.base import RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
 from rltrain.train.batch import TrainBatch
 from rltrain.train.distributed import DistEnv, free_port, node_ip
-from rltrain.train.fsdp import FSDPTrainer, _hf_name
+from rltrain.train.fsdp import FSDPTrainer, MicroLoss, _hf_name
 from rltrain.train.metrics import MetricKind
-from rltrain.train.packing import MicroBatch, per_sequence_sum, unpack
+from rltrain.train.packing import MicroBatch, unpack
 
 
 class PolicyWorker(FSDPTrainer):
@@ -35,6 +35,9 @@ class PolicyWorker(FSDPTrainer):
         if cfg.algorithm.kl_coef > 0:
             self.reference = self.load_sharded_model(trainable=False).eval()
         self.temperature = cfg.rollout.temperature
+        self.objective = Objective.from_config(cfg)
+        rc = cfg.algorithm.rollout_correction
+        self.needs_engine_logprobs = rc.weights is not None or rc.mask_bound is not None
         self.manifest: RefitManifest | None = None
         self.sender: RefitSender | None = None
         self.gatherer: BucketGatherer | None = None
@@ -83,30 +86,34 @@ class PolicyWorker(FSDPTrainer):
         return out
 
     # -- training -----------------------------------------------------------------------
-    def microbatch_loss(self, micro: MicroBatch):
-        """Clipped policy-gradient loss of one micro batch, summed (see FSDPTrainer.microbatch_loss).
+    def microbatch_loss(self, micro: MicroBatch) -> MicroLoss:
+        """The policy objective of one micro batch, summed (see FSDPTrainer.microbatch_loss
+        and :func:`rltrain.algorithms.losses.policy_loss`).
 
         With no old logprobs (fused on-policy step) the old logprobs are this
         forward's, detached: the weights that sampled are the weights of this
-        forward. The per-token output is those logprobs.
+        forward. The per-token output is those logprobs. Metrics cover the tokens
+        the loss trains on (the loss mask after rollout masking).
         """
-        a = self.cfg.algorithm
         lp, ent = self.token_logprobs(self.model, micro, with_entropy=True)
         old = micro.old_logprobs_RS if micro.old_logprobs_RS is not None else lp.detach()
-        mask = micro.response_mask_RS
-        terms = clipped_pg_terms(
+        loss_mask = micro.loss_mask_RS if micro.loss_mask_RS is not None else micro.response_mask_RS
+        out = policy_loss(
             lp,
             old,
             micro.advantages_RS,
-            a.clip_ratio_low,
-            a.clip_ratio_high,
+            loss_mask,
+            micro.seq_id_RS,
+            micro.num_sequences,
+            self.objective,
             micro.ref_logprobs_RS,
-            a.kl_coef,
+            micro.engine_logprobs_RS,
         )
         # Metric values stay on the device (read back once per step, in finish).
+        mask, terms = out.mask_BT, out.terms
         valid = mask.bool()
         ratio = terms["ratio"]
-        T, Mx, Mn = MetricKind.TOKEN_MEAN, MetricKind.MAX, MetricKind.MIN
+        T, Mx, Mn, S = MetricKind.TOKEN_MEAN, MetricKind.MAX, MetricKind.MIN, MetricKind.SUM
         metrics = {
             "entropy": (T, (cast(torch.Tensor, ent) * mask).sum()),  # not None: with_entropy=True
             "pg_clipfrac": (T, (terms["clipped"] * mask).sum()),
@@ -116,15 +123,17 @@ class PolicyWorker(FSDPTrainer):
         }
         if "kl" in terms:
             metrics["kl"] = (T, (terms["kl"] * mask).sum())
-        per_token = terms["loss"] * mask
-        if a.loss_aggregation == "seq_mean_token_mean":
-            per_seq = per_sequence_sum(per_token, micro)
-            tokens = per_sequence_sum(mask, micro).clamp(min=1.0)
-            loss_sum, kind = (per_seq / tokens).sum(), MetricKind.SEQUENCE_MEAN
-        else:
-            loss_sum, kind = per_token.sum(), MetricKind.TOKEN_MEAN
-        metrics["loss"] = (kind, loss_sum.detach())
-        return loss_sum, kind, metrics, lp.detach()
+        if "is_weight" in terms:
+            w = terms["is_weight"]
+            metrics["rollout_corr/weight_mean"] = (T, (w * mask).sum())
+            metrics["rollout_corr/weight_max"] = (Mx, torch.where(valid, w, -math.inf).max())
+            metrics["rollout_corr/weight_min"] = (Mn, torch.where(valid, w, math.inf).min())
+            metrics["rollout_corr/capped_frac"] = (T, (terms["is_capped"] * mask).sum())
+        if "rollout_masked" in terms:
+            metrics["rollout_corr/masked_tokens"] = (S, terms["rollout_masked"].sum())
+        kind = MetricKind.TOKEN_MEAN if out.normaliser == "token" else MetricKind.SEQUENCE_MEAN
+        metrics["loss"] = (kind, out.loss_sum.detach())
+        return MicroLoss(out.loss_sum, kind, metrics, lp.detach(), (out.tokens, out.sequences))
 
     def train(
         self, batch: TrainBatch, mini_batch_rows: list[int] | None = None
