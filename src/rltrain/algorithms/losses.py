@@ -328,6 +328,8 @@ def policy_loss(
     ``mask_BT`` the loss mask (response tokens not filtered out).
     """
     o = objective
+    if o.ratio_level == "sequence" and o.is_level == "token":
+        raise ValueError("a sequence-level ratio takes sequence-level importance weights")
     mask = mask_BT.to(logprobs_BT.dtype)
     terms: dict[str, torch.Tensor] = {}
     weights = None

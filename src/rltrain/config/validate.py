@@ -322,6 +322,12 @@ def validate_objective(cfg: RunConfig) -> None:
     rc = a.rollout_correction
     if rc.weights is not None:
         _choice("algorithm.rollout_correction.weights", rc.weights, IS_LEVELS)
+        if rc.weights == "token" and a.ratio_level == "sequence":
+            raise ConfigError(
+                "algorithm.rollout_correction.weights=token with algorithm.ratio_level=sequence: "
+                "a sequence-level ratio takes one weight per sequence; set "
+                "algorithm.rollout_correction.weights=sequence."
+            )
     if rc.cap < 1:
         raise ConfigError(
             f"algorithm.rollout_correction.cap={rc.cap} is below 1, which would down-weight "
