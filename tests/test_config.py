@@ -73,7 +73,15 @@ def test_shipped_groups_and_options():
     assert group_options("precision") == ["bf16", "fp16", "fp32"]
     assert group_options("cluster") == ["local", "ray"]
     assert group_options("refit") == ["auto", "gloo", "ipc", "nccl"]
-    assert RECIPES == ["qwen0.5b-gsm8k", "qwen1.5b-gsm8k", "toy-dp2", "toy-long"]
+    assert RECIPES == [
+        "dapo",
+        "dr-grpo",
+        "gspo",
+        "qwen0.5b-gsm8k",
+        "qwen1.5b-gsm8k",
+        "toy-dp2",
+        "toy-long",
+    ]
     assert len(GROUP_CASES) >= 13
 
 

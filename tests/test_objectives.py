@@ -227,7 +227,9 @@ def test_advantage_estimators_match_the_papers(estimator, with_kl, seed):
     want = ref_outcome(
         estimator, rewards.tolist(), g, mask.tolist(), None if kl is None else kl.tolist()
     )
-    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        got.double(), torch.tensor(want, dtype=torch.float64), atol=TOL, rtol=0
+    )
     if estimator in ("grpo", "dr_grpo", "rloo") and not with_kl:
         assert torch.all(got[:g] == 0)  # no spread, no signal (and no NaN)
     if estimator.startswith("reinforce_pp"):
@@ -250,7 +252,9 @@ def test_advantage_estimators_known_values():
     assert adv.flatten().tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)])
     base = reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 3.0, 2.0]), 2, torch.ones(4, 1))
     # centred {0.5, -0.5, 0.5, -0.5}: unbiased var 1/3
-    assert base.flatten().tolist() == pytest.approx([0.5 / math.sqrt(1 / 3), -0.5 / math.sqrt(1 / 3)] * 2)
+    assert base.flatten().tolist() == pytest.approx(
+        [0.5 / math.sqrt(1 / 3), -0.5 / math.sqrt(1 / 3)] * 2
+    )
     with pytest.raises(ValueError, match="groups of 3"):
         rloo_advantages(torch.zeros(4), 3)
 
@@ -479,7 +483,8 @@ def test_presets_compose_alone_and_with_other_recipes(recipe):
     a = cfg.algorithm
     assert choices["recipe"] == recipe.strip("[]")
     if "dapo" in recipe:
-        assert a.dynamic_sampling.enabled and a.overlong.filter and a.clip_ratio_high == 0.28
+        assert a.dynamic_sampling.enabled and a.clip_ratio_high == 0.28
+        assert a.overlong.buffer == 1 and not a.overlong.filter
         assert a.loss_aggregation == "token_mean"
     if "dr-grpo" in recipe:
         assert a.adv_estimator == "dr_grpo" and a.loss_aggregation == "seq_mean_token_sum_norm"
@@ -510,7 +515,10 @@ def test_plan_shows_the_objective():
     assert text["kl"] == "0.01 x k3 in the reward"
     assert "up to 4 rounds" in text["dynamic sampling"]
     assert "from 4 to 5 tokens" in text["overlong"]
-    assert "sequence-level importance weights min(pi_train/pi_engine, 2.0)" in text["rollout correction"]
+    assert (
+        "sequence-level importance weights min(pi_train/pi_engine, 2.0)"
+        in text["rollout correction"]
+    )
 
 
 # -- the trainer: dp=2 x several micro batches == one big batch ----------------------------------

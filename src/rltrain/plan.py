@@ -469,7 +469,9 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
     if rc.weights is not None:
         parts.append(f"{rc.weights}-level importance weights min(pi_train/pi_engine, {rc.cap})")
     if rc.mask_bound is not None:
-        parts.append(f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked")
+        parts.append(
+            f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked"
+        )
     if parts:
         out["rollout correction"] = "; ".join(parts)
     return out

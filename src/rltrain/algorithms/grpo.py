@@ -105,9 +105,12 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
                 ref_logprobs = workers.logprobs(batch, reference=True)
                 if kl_in_reward:
                     assert batch.old_logprobs_BT is not None
-                    kl_BT = kl_estimate(
-                        batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
-                    ) * loss_mask
+                    kl_BT = (
+                        kl_estimate(
+                            batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
+                        )
+                        * loss_mask
+                    )
                 else:
                     batch.ref_logprobs_BT = ref_logprobs
 
@@ -123,7 +126,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         )
         if advantages.dim() == 2:
             batch.advantages_BT = advantages
-            adv_abs_mean = float((advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1))
+            adv_abs_mean = float(
+                (advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+            )
         else:
             batch.advantages_B = advantages
             adv_abs_mean = float(advantages.abs().mean())

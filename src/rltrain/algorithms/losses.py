@@ -65,7 +65,9 @@ def segment_sum(values_BT: torch.Tensor, seq_id_BT: torch.Tensor, num_seqs: int)
 def segment_broadcast(per_seq_N: torch.Tensor, seq_id_BT: torch.Tensor) -> torch.Tensor:
     """Each position gets its sequence's value (0 on padding): [B, T]."""
     seq = seq_id_BT.to(per_seq_N.device)
-    return torch.where(seq >= 0, per_seq_N[seq.clamp(min=0)], torch.zeros((), dtype=per_seq_N.dtype))
+    return torch.where(
+        seq >= 0, per_seq_N[seq.clamp(min=0)], torch.zeros((), dtype=per_seq_N.dtype)
+    )
 
 
 def padded_seq_id(mask_BT: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,12 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
                 ref_logprobs = workers.logprobs(batch, reference=True)
                 if kl_in_reward:  # per sampled token (k1 by default)
                     assert batch.old_logprobs_BT is not None
-                    kl_BT = kl_estimate(
-                        batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
-                    ) * mask
+                    kl_BT = (
+                        kl_estimate(
+                            batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
+                        )
+                        * mask
+                    )
                 else:
                     batch.ref_logprobs_BT = ref_logprobs
 

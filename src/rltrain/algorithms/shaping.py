@@ -38,9 +38,7 @@ def informative_groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor
     return (groups != groups[:, :1]).any(dim=1)
 
 
-def fill_groups(
-    informative: list[bool], wanted: int
-) -> tuple[list[int], int]:
+def fill_groups(informative: list[bool], wanted: int) -> tuple[list[int], int]:
     """Dynamic sampling's choice over the groups generated so far (in generation order).
 
     Returns (indices of the groups to train on, how many of them carry no signal):

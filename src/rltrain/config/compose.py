@@ -234,6 +234,12 @@ def compose(
             )
     for o in overrides:
         _reject_schema_append(o)
+        key, _, value = o.partition("=")
+        if key.lstrip("+") == "recipe" and "," in value and not value.startswith("["):
+            raise ConfigError(
+                f"'{o}' lists several recipes without brackets; write recipe=[{value}] "
+                "(applied left to right, later values win)."
+            )
     if algorithm is not None:
         if any(o.split("=")[0].lstrip("+~") == "algorithm" for o in overrides):
             raise ConfigError(

@@ -13,7 +13,9 @@ from typing import Literal
 # The choices of the objective's config keys: each defined once, here; validation
 # reads its allowed values from these (typing.get_args), and the math functions take them
 # as parameter types. (OmegaConf cannot type a field as a Literal, so the fields are str.)
-AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -25,6 +27,7 @@ class DynamicSamplingConfig:
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal) and
     generate again until the step holds ``algorithm.prompts_per_step`` groups."""
 
+    # Drop all-equal groups and generate again until the step is full.
     enabled: bool = False
     # Generation rounds per step at most (the first included). When they run out, the
     # step is topped up with dropped groups (zero advantage) and the shortfall reported.
@@ -40,6 +43,7 @@ class OverlongConfig:
     # DAPO's soft overlong punishment: responses longer than max_new_tokens - buffer get
     # a reward penalty rising linearly to ``penalty`` at max_new_tokens. 0 = off.
     buffer: int = 0
+    # The reward penalty at the end of the budget (the ramp's depth).
     penalty: float = 1.0
 
 
@@ -48,9 +52,10 @@ class RolloutCorrectionConfig:
     """Correction for the trainer/engine mismatch (``token_mult_prob_error``): the ratio
     rho = pi_train_old / pi_engine of the sampled tokens (1 when both sides agree)."""
 
-    # Truncated importance weights min(rho, cap) on the policy-gradient term: per token,
-    # or per sequence (the product of the sequence's token ratios). null = off.
-    weights: str | None = None  # ISLevel
+    # Truncated importance weights min(rho, cap) on the policy-gradient term (ISLevel):
+    # token, or sequence (the product of the sequence's token ratios). null = off.
+    weights: str | None = None
+    # Truncation of the weights (>= 1).
     cap: float = 2.0
     # Mask tokens whose rho lies outside [1 / mask_bound, mask_bound] out of the loss. null = off.
     mask_bound: float | None = None
@@ -83,6 +88,7 @@ class AlgorithmConfig:
     # Importance ratio of the clipped surrogate (RatioLevel): token (PPO/GRPO) or sequence
     # (GSPO: exp of the mean token log-ratio of the response, clipped by seq_clip_ratio_*).
     ratio_level: str = "token"
+    # GSPO's clip range of the sequence ratio (ratio_level=sequence), low and high.
     seq_clip_ratio_low: float = 3e-4
     seq_clip_ratio_high: float = 4e-4
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
