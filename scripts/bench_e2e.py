@@ -78,6 +78,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on the loop's run (s)")
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
+    p.add_argument(
+        "--explain-recompiles",
+        action="store_true",
+        help="TORCH_LOGS=recompiles in the run's workers; their guard failures go into the result",
+    )
     p.add_argument("--work-dir", default=None, help="run folder (default: a temp folder)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for the run")
     p.add_argument("--standalone-worker", default=None, help=argparse.SUPPRESS)
@@ -171,18 +176,32 @@ def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> l
     ]
 
 
-def child_env() -> dict[str, str]:
+def child_env(explain_recompiles: bool = False) -> dict[str, str]:
     src = str(ROOT / "src")
     path = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,
+        **({"TORCH_LOGS": "recompiles"} if explain_recompiles else {}),
         "PYTHONUNBUFFERED": "1",
         "COLUMNS": "120",
         "PYTHONPATH": src + (os.pathsep + path if path else ""),
     }
 
 
-def run_loop(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
+def recompile_reasons(log: str) -> list[str]:
+    """Dynamo's "Recompiling function ..." reports in a run's log, each with its guard failures."""
+    out: list[str] = []
+    for line in log.splitlines():
+        if "Recompiling function" in line:
+            out.append(line.strip())
+        elif out and ("triggered by" in line or "guard" in line.lower()) and len(out[-1]) < 4000:
+            out[-1] += " | " + line.strip()
+    return out
+
+
+def run_loop(
+    overrides: list[str], run_dir: Path, timeout_s: float, explain_recompiles: bool = False
+) -> dict:
     """`rltrain grpo <overrides>` in a subprocess; its output goes to run_dir/run.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "rltrain.cli", "grpo", *overrides]
@@ -190,7 +209,11 @@ def run_loop(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     with open(run_dir / "run.log", "w") as log:
         try:
             rc: int | None = subprocess.run(
-                command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout_s
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(explain_recompiles),
+                timeout=timeout_s,
             ).returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -324,12 +347,14 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
     alone_tps = median([s["generated_tokens"] / s["seconds"] for s in alone])
     recompiles = [r["compile/recompiles"] for r in rows[1:] if "compile/recompiles" in r]
     has_recompiles = any("compile/recompiles" in r for r in rows)
-    # The engine's own generate time: the generate call of a colocated run also wakes the
-    # engine and puts it back to sleep, which is overhead of colocation, not generation.
+    # The engine's own generate time and the trainer's own train time (its optimizer step
+    # included): the generate call of a colocated run also wakes the engine, and a train
+    # call waits for the engine's sleep; those are overhead of colocation, not generation
+    # or training.
     overhead = [
         r["time/step"]
         - r.get("time/generate_engine", r["time/generate"])
-        - r["time/train"]
+        - r.get("time/train_worker", r["time/train"])
         - r["time/reward"]
         for r in steady
     ]
@@ -343,6 +368,18 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
         "refit_s": med("time/refit"),
         "logprobs_s": med("time/logprobs"),
         "colocated_overhead_s": median(overhead),
+        # where the overhead goes (medians): the refit, the generate call beyond the engine's
+        # own generate, waiting for the engine's sleep, the train call beyond the trainer's
+        "overhead_refit_s": med("time/refit"),
+        "overhead_generate_call_s": median(
+            [r["time/generate"] - r["time/generate_engine"] for r in steady]
+        )
+        if all("time/generate_engine" in r for r in steady)
+        else None,
+        "overhead_sleep_wait_s": med("time/engine_sleep_wait"),
+        "overhead_train_call_s": median([r["time/train"] - r["time/train_worker"] for r in steady])
+        if all("time/train_worker" in r for r in steady)
+        else None,
         "loop_generate_tokens_per_s": loop_tps,
         "loop_engine_tokens_per_s": engine_tps,
         "standalone_generate_tokens_per_s": alone_tps,
@@ -408,7 +445,11 @@ def main() -> None:
     save()
 
     print("loop: rltrain grpo " + " ".join(overrides), flush=True)
-    loop = run_loop(overrides, run_dir, args.timeout)
+    if args.explain_recompiles:  # the workers' stderr, where dynamo logs, reaches run.log
+        overrides = [*overrides, "cluster.ray_logs=true"]
+    loop = run_loop(overrides, run_dir, args.timeout, args.explain_recompiles)
+    if args.explain_recompiles and (run_dir / "run.log").is_file():
+        result["recompile_reasons"] = recompile_reasons((run_dir / "run.log").read_text())
     if loop["returncode"] != 0:
         result["errors"]["loop"] = loop.get("log_tail")
     result["loop"] = {k: v for k, v in loop.items() if k not in ("rows", "log_tail")}

@@ -162,7 +162,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the report into this folder (e.g. $OUT)")
     parser.add_argument(
-        "--paths", nargs="+", default=["tests/gpu"], help="where pytest looks (default tests/gpu)"
+        "--paths",
+        nargs="+",
+        default=["tests/gpu", "tests/test_compile.py"],
+        help="where pytest looks (default: tests/gpu and the compile tests' gpu cases)",
     )
     parser.add_argument(
         "--merge",

@@ -266,8 +266,8 @@ def test_torch_engine_sleep_and_wake_keep_its_samples():
 
 @pytest.mark.timeout(300)
 def test_workers_colocated_path_through_ray_actors(ray_session):
-    """The pool's colocated path on CPU: wake, generate and sleep in one call per replica,
-    an idle replica put to sleep, the refit waking every replica, evaluation keeping them
+    """The pool's colocated path on CPU: wake and generate in one call per replica, the
+    sleep queued behind it (the rollout returns first), an idle replica put to sleep, the refit waking every replica, evaluation keeping them
     awake, and the same samples as without any of it (the torch engine's sleep frees
     memory only on CUDA)."""
     import ray

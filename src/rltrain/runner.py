@@ -170,7 +170,10 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
 
+    phases = {"before_cluster_s": time.perf_counter() - t0}
+    t_ray = time.perf_counter()
     with ray_cluster(cfg.cluster, resources) as cluster_res:
+        phases["ray_start_s"] = time.perf_counter() - t_ray
         if plan is None:
             plan = make_plan(cfg, cluster_res, choices)
         # Fail fast on a shortfall (what is missing, named) instead of pending on a reservation.
@@ -191,7 +194,10 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         logger = MetricsLogger(
             cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)), resume_step
         )
+        t_workers = time.perf_counter()
         workers = Workers(cfg, plan)
+        phases["workers_s"] = time.perf_counter() - t_workers
+        phases.update(workers.startup)
         try:
             plan.placement = _report_placement(workers.placement, cluster_nodes(), console)
             (out / "plan.json").write_text(plan.to_json())
@@ -223,6 +229,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     wall_s = time.perf_counter() - t0
     console.print(summary_table(logger.history, startup_s, wall_s, outputs))
     summary = _summary(logger.history, startup_s, wall_s, outputs)
+    summary["startup_phases"] = {k: round(v, 3) for k, v in phases.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _write_report(out, console)
     return summary

@@ -35,6 +35,9 @@ ENGINE_CLASSES = {
     "torch": "rltrain.rollout.torch_engine.TorchEngine",
     "vllm": "rltrain.rollout.vllm_engine.VLLMEngine",
 }
+# rollout.engine -> what its actors import while the trainers build (a colocated engine
+# builds only after them): vLLM's import alone takes seconds.
+ENGINE_PRELOAD = {"torch": (), "vllm": ("vllm", "rltrain.rollout.vllm_engine")}
 
 
 class WorkerError(RuntimeError):
@@ -71,6 +74,14 @@ class WorkerHost:
             "pid": os.getpid(),
             "gpus": [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])],
         }
+
+    def preload(self, modules: tuple[str, ...]) -> float:
+        """Import ``modules`` ahead of :meth:`build` (start-up overlaps them with other roles'
+        builds); returns the seconds it took."""
+        t0 = time.perf_counter()
+        for name in modules:
+            importlib.import_module(name)
+        return time.perf_counter() - t0
 
     def build(self, class_path: str, *args: Any) -> bool:
         module, _, name = class_path.rpartition(".")
@@ -235,10 +246,17 @@ class Workers:
         self.failed = False  # set when a call failed: shutdown then kills without waiting
         # Colocated engines sleep between steps; which replicas hold GPU memory now.
         self.awake = [True] * plan.role("rollout").world_size
+        # Sleep calls still running after a generate returned (see generate), and the seconds
+        # trainer calls have waited on them since the last train().
+        self._sleeping: list = []
+        self._sleep_wait_s = 0.0
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         groups = role_bundles(plan, cfg.cluster)
         actors: dict[str, dict[int, Any]] = {"policy": {}, "rollout": {}, "value": {}}
+        # Seconds of each start-up phase (the run summary's startup_phases).
+        self.startup: dict[str, float] = {}
+        t0 = time.perf_counter()
         for rb in groups:
             pg = self._placement_group(rb)
             for slot in rb.processes():
@@ -269,6 +287,7 @@ class Workers:
             self.timeout,
             "start-up",
         )
+        self.startup["placement_and_processes_s"] = time.perf_counter() - t0
         ranks = [(g.role, i) for g in gangs for i in range(len(g.actors))]
         self.placement: list[dict[str, Any]] = [
             {"role": role, "rank": rank, **w} for (role, rank), w in zip(ranks, where, strict=True)
@@ -282,6 +301,10 @@ class Workers:
             )
             if mismatch is not None:
                 raise WorkerError(f"start-up: {mismatch}")
+        preload = [
+            a.preload.remote(ENGINE_PRELOAD[cfg.rollout.engine]) for a in self.rollout.actors
+        ]
+        t0 = time.perf_counter()
         host, port = wait(
             [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
         )[0]
@@ -324,13 +347,22 @@ class Workers:
             # must not change under it.
             wait(builds, names, self.timeout, "building workers")
             builds, names = [], []
+            self.startup["trainers_build_s"] = time.perf_counter() - t0
+        imports = wait(preload, self.rollout.names(), self.timeout, "engine imports")
+        self.startup["engine_imports_s"] = max(imports, default=0.0)
+        t1 = time.perf_counter()
         builds += [
             a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(self.rollout.actors)
         ]
         names += self.rollout.names()
         wait(builds, names, self.timeout, "building workers")
+        self.startup["engines_build_s"] = time.perf_counter() - t1
+        if not plan.colocated:  # built side by side with the trainers
+            self.startup["trainers_build_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self._init_refit()
+        self.startup["refit_init_s"] = time.perf_counter() - t0
 
     def _placement_group(self, rb: RoleBundles):
         """Reserve one role's bundles; a reservation that cannot be met ends in a WorkerError."""
@@ -353,6 +385,18 @@ class Workers:
         except WorkerError:
             self.failed = True
             raise
+
+    def _settle(self) -> None:
+        """Wait for the engines' pending sleeps before a trainer call that needs their GPU
+        memory (training, logprobs, values, the refit's send, checkpoints); the seconds waited
+        go into the next :meth:`train`'s ``time/engine_sleep_wait``."""
+        if not self._sleeping:
+            return
+        t0 = time.perf_counter()
+        refs, names = zip(*self._sleeping, strict=True)
+        self._sleeping = []
+        self._wait(list(refs), list(names), self.call_timeout, "engine sleep")
+        self._sleep_wait_s += time.perf_counter() - t0
 
     # -- refit wiring -----------------------------------------------------------------------
     def _init_refit(self) -> None:
@@ -390,6 +434,7 @@ class Workers:
         weights land in GPU memory they gave back, and the sender only writes once the
         receiver said it is ready (after its wake-up).
         """
+        self._settle()
         send = self.policy.call_all("refit_send", weight_version)
         wake = ("wake_up",) if self.plan.colocated else ()
         recv = [a.call_between.remote(wake, "refit_receive", (), ()) for a in self.rollout.actors]
@@ -432,25 +477,30 @@ class Workers:
         ]
         colocated = self.plan.colocated
         wake = ("wake_up",) if colocated else ()
-        sleep = ("sleep",) if colocated and then_sleep else ()
+        sleep = colocated and then_sleep
         refs = [
-            a.call_between.remote(wake, "generate", (c, sp), sleep)
+            a.call_between.remote(wake, "generate", (c, sp), ())
             for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
             if c
         ]
         busy = [i for i, c in enumerate(chunks) if c]
-        # A replica left without prompts (fewer prompts than replicas) sleeps too.
-        idle = [i for i, c in enumerate(chunks) if not c and sleep and self.awake[i]]
-        refs_idle = [self.rollout.actors[i].call.remote("sleep") for i in idle]
-        out = self._wait(
-            refs + refs_idle, self.rollout.names(busy + idle), self.call_timeout, "generate"
-        )
-        parts: list[RolloutBatch] = out[: len(refs)]
-        if colocated:
-            for i in busy:
-                self.awake[i] = not sleep
-            for i in idle:
+        if sleep:
+            # The engines go to sleep in a call of their own, queued behind the generate: the
+            # rollout comes back without waiting for it, and the sleep runs while the
+            # controller scores the responses; the next trainer call waits for it (_settle).
+            # A replica left without prompts (fewer prompts than replicas) sleeps too.
+            asleep = [i for i, c in enumerate(chunks) if c or self.awake[i]]
+            self._sleeping += [
+                (self.rollout.actors[i].call.remote("sleep"), f"rollout rank {i}") for i in asleep
+            ]
+            for i in asleep:
                 self.awake[i] = False
+        elif colocated:
+            for i in busy:
+                self.awake[i] = True
+        parts: list[RolloutBatch] = self._wait(
+            refs, self.rollout.names(busy), self.call_timeout, "generate"
+        )
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -499,6 +549,7 @@ class Workers:
         return out
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        self._settle()
         shards, index, _ = self._shards(batch)
         refs = [
             a.call.remote("compute_logprobs", s, reference)
@@ -515,6 +566,7 @@ class Workers:
     def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
         """Train on the batch; returns rank 0's metrics (already reduced over dp) and,
         when ``batch.old_logprobs_BT`` was None, the old logprobs the training forward computed."""
+        self._settle()
         shards, index, counts = self._shards(batch)
         refs = [
             a.call.remote("train", s, c)
@@ -522,11 +574,15 @@ class Workers:
         ]
         out = self._wait(refs, self.policy.names(), self.call_timeout, "train")
         metrics, old = out[0]
+        if self.plan.colocated:
+            metrics = {**metrics, "time/engine_sleep_wait": self._sleep_wait_s}
+            self._sleep_wait_s = 0.0
         if old is None:
             return metrics, None
         return metrics, self._gather_rows([o for _, o in out], index, batch.input_ids_BT)
 
     def export_hf(self, path: str, metadata: dict) -> str:
+        self._settle()
         out = self._wait(
             self.policy.call_all("export_hf", path, metadata),
             self.policy.names(),
@@ -572,6 +628,7 @@ class Workers:
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
+        self._settle()
         assert self.value is not None
         shards, index, _, tp = self._value_shards(batch)
         refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
@@ -584,6 +641,7 @@ class Workers:
     def train_value(self, batch: TrainBatch) -> dict[str, float]:
         """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
         (already reduced over the critic's dp ranks)."""
+        self._settle()
         assert self.value is not None
         shards, _, counts, _ = self._value_shards(batch)
         refs = [
@@ -599,6 +657,7 @@ class Workers:
 
     def save_state(self, path: str) -> list[str]:
         """Sharded checkpoint of every trainer gang into ``<path>/<role>`` (all ranks of each)."""
+        self._settle()
         refs, names = [], []
         for gang in self.trainer_gangs():
             refs += gang.call_all("save_state", f"{path}/{gang.role}")

@@ -458,6 +458,13 @@ class FSDPTrainer:
         self._deferred = False
         self._step = None
 
+    def settle_device(self) -> None:
+        """Wait for this rank's queued GPU work (the optimizer step the last
+        ``finish_train_step`` launched): a train call's time then holds its whole step,
+        not a tail that the next call (a refit's send) would wait for. No-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def compile_metrics(self, prefix: str = "") -> dict[str, float]:
         """``<prefix>compile/compiles`` / ``recompiles`` since the previous call, the largest
         over the gang's ranks (see :class:`CompileCounter`). Collective: all ranks."""

@@ -174,6 +174,7 @@ class PolicyWorker(FSDPTrainer):
             metrics["loss_scale"] = steps[-1]["loss_scale"]
             metrics["skipped_steps"] = float(sum(1 - s["optimizer_step_taken"] for s in steps))
         metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
+        self.settle_device()
         metrics["time/train_worker"] = time.perf_counter() - t0
         return metrics, old
 

@@ -189,6 +189,7 @@ class ValueWorker(FSDPTrainer):
                 sum(1 - s["optimizer_step_taken"] for s in steps)
             )
         metrics.update(self.compile_metrics("value/"))  # since the last train(): values too
+        self.settle_device()
         metrics["time/value_worker"] = time.perf_counter() - t0
         return metrics
 
