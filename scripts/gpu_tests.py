@@ -94,7 +94,9 @@ def _skip_reason(report) -> str:
 
 def _failure_text(report) -> str:
     text = str(report.longrepr)
-    return text if len(text) <= 4000 else text[:1000] + "\n...\n" + text[-3000:]
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "")
+    head = f"{crash[:2000]}\n---\n" if crash else ""
+    return head + (text if len(text) <= 4000 else text[:1000] + "\n...\n" + text[-3000:])
 
 
 def pytest_configure(config) -> None:

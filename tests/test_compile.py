@@ -324,12 +324,22 @@ def test_inductor_blocks_never_recompile_on_cuda(case):
     cfg = _gpu_cfg("bf16" if value else precision, packing)
     env = DistEnv(0, 1, "127.0.0.1", free_port(), "nccl", 120.0)
     worker = (ValueWorker if value else PolicyWorker)(cfg, env)
+    segments: list[tuple[int, int]] = []  # varlen: (boundaries, longest segment) per call
+
+    def record_segments(_module, _args, kwargs):
+        if "cu_seq_lens_q" in kwargs:
+            segments.append((kwargs["cu_seq_lens_q"].numel(), int(kwargs["max_length_q"])))
+
     try:
         assert worker.compiled and worker.device.type == "cuda"
         if attention is not None:
             assert worker.attention == attention
+        decoder_layers(worker.model)[0].register_forward_pre_hook(record_segments, with_kwargs=True)
         metrics, seen, _ = run_steps(worker, value=value)
     finally:
         worker.shutdown()
     _assert_built_once(metrics, "value/" if value else "")
-    assert len({s for s, _ in seen}) >= 4
+    if segments:  # one row per micro batch: its length in 128s, the segments varying
+        assert len({s for s, _ in seen}) >= 2 and len(set(segments)) >= 4
+    else:
+        assert len({s for s, _ in seen}) >= 4

@@ -117,6 +117,10 @@ class _ChunkLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, blocked_V, opts):
         with_entropy, compiled, backend = opts
         fwd, _ = _head_fns(compiled, backend)
+        if compiled:
+            # A chunk's targets are a view at some offset into the row's; dynamo specialises
+            # a storage offset of 0 or 1 and would compile again for the next chunk's.
+            targets_N = targets_N.clone()
         logits = torch.nn.functional.linear(hidden_NH, weight_VH)
         lp, ent, lse = fwd(logits, targets_N, temperature, blocked_V, with_entropy)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse, blocked_V)

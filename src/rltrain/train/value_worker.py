@@ -12,7 +12,7 @@ get the same rows) and every method is called on all ranks.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -60,12 +60,14 @@ class ValueModel(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attention_kwargs: Any,
     ) -> torch.Tensor:
         hidden = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **attention_kwargs,  # the varlen kernel's segment boundaries (train.attention)
         ).last_hidden_state
         R, S, H = hidden.shape
         # 2-D in, fresh tensor out: FSDP2 hooks must not see views (in-place ops on them
