@@ -6,7 +6,7 @@ through ``FSDPTrainer.compile_backend``; inductor on CPU takes ~20 s per graph),
 real worker path (logprobs, the split train step, the critic's values and update) over
 packed rows of different lengths and counts, equal-length rows, a lone sequence,
 empty micro batches and padded rows. GPU (``-m gpu``): the same with inductor on CUDA,
-under the varlen (bf16) and flex (fp32) kernels.
+under the varlen kernel (bf16) and sdpa with 4-D masks (fp32).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_varlen_one_row_never_recompiles(monkeypatch):
     fake, calls = _reference_varlen("2.13")
     # The stand-in reads the boundaries on the host (.tolist()): keep it out of the graph.
     monkeypatch.setattr(varlen_mod, "varlen_attn", torch.compiler.disable(fake))
-    monkeypatch.setattr(fsdp, "choose_attention", lambda cfg, device: "varlen")
+    monkeypatch.setattr(fsdp, "choose_attention", lambda cfg, device, compiled=False: "varlen")
     worker = _policy(_cfg(**BASE), monkeypatch, "eager")
     metrics, seen, _ = run_steps(worker)
     worker.shutdown()
@@ -303,15 +303,16 @@ def _gpu_cfg(precision: str, packing: bool):
     "case",
     [
         ("bf16", True, "varlen"),
-        ("fp32", True, "flex"),
+        ("fp32", True, "sdpa"),
         ("bf16", False, None),
         ("value", True, None),
     ],
-    ids=["bf16-packed-varlen", "fp32-packed-flex", "bf16-padded", "bf16-packed-critic"],
+    ids=["bf16-packed-varlen", "fp32-packed-sdpa", "bf16-padded", "bf16-packed-critic"],
 )
 def test_inductor_blocks_never_recompile_on_cuda(case):
     """Inductor on CUDA: after step 1 no compile at all over the SHAPES steps, under the
-    varlen kernel (bf16), flex (fp32), padded rows, and the critic."""
+    varlen kernel (bf16), sdpa with 4-D masks (fp32: compiled blocks do not take flex),
+    padded rows, and the critic."""
     from rltrain.train.distributed import DistEnv, free_port
     from rltrain.train.kernels import varlen_available
     from rltrain.train.policy_worker import PolicyWorker

@@ -276,7 +276,9 @@ def test_varlen_attention_matches_the_masked_path(monkeypatch, torch_version):
             if kind == "varlen":
                 fake, calls = _reference_varlen(torch_version)
                 monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
-                monkeypatch.setattr(fsdp, "choose_attention", lambda cfg, device: "varlen")
+                monkeypatch.setattr(
+                    fsdp, "choose_attention", lambda cfg, device, compiled=False: "varlen"
+                )
             w = _worker(cfg)
             assert w.attention == kind
             initial = _weights(w)

@@ -316,3 +316,39 @@ def test_sweep_demand_counts_a_shared_gpu_once():
         assert spec.demand() == (cpus, 1.0)
     cfg, plan = _plan("grpo", "dtensor.dp=2", resources=GPU2)  # GPU 1: policy rank 1 alone
     assert TrialSpec(0, "trial_000", [], "", cfg=cfg, plan=plan).demand() == (3.0, 2.0)
+
+
+def test_colocated_kv_cache_holds_one_generate_call(tmp_path):
+    """A colocated vLLM engine's KV cache: a step's rows on the replica at the longest
+    length, in whole 16-token blocks, plus a quarter (bytes from the model's layers, kv
+    heads and head size); left to gpu_memory_utilization when that is too much."""
+    from transformers import Qwen2Config
+
+    from rltrain.rollout.vllm_engine import colocated_kv_cache_bytes
+    from tests.conftest import tiny_config
+
+    Qwen2Config(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+    ).save_pretrained(tmp_path)
+    cfg = tiny_config(
+        **{
+            "algorithm.prompts_per_step": 32,
+            "algorithm.samples_per_prompt": 8,
+            "rollout.replicas": 2,
+            "rollout.vllm.max_model_len": 1024,
+            "precision.rollout_dtype": "bfloat16",
+            "eval.every_n_steps": 0,
+        }
+    )
+    per_token = 2 * 28 * 2 * 128 * 2  # k and v, layers, kv heads, head_dim, bf16
+    rows, blocks = 128, 1024 // 16 + 1
+    want = int(rows * blocks * 16 * per_token * 1.25)
+    assert colocated_kv_cache_bytes(cfg, str(tmp_path), total_gpu_bytes=80 * 2**30) == want
+    assert want < 5 * 2**30  # against ~20 GiB for the cache at gpu_memory_utilization=0.3
+    # the model's own 32k context for 128 rows would not fit half of 0.8 x 8 GiB: vLLM decides
+    cfg.rollout.vllm.max_model_len = None
+    assert colocated_kv_cache_bytes(cfg, str(tmp_path), total_gpu_bytes=8 * 2**30) is None

@@ -247,6 +247,10 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float = 0.8
     # CPU: KV cache size in GiB (vLLM reads it as VLLM_CPU_KVCACHE_SPACE; set from here).
     cpu_kv_cache_gib: float = 1.0
+    # GPU: KV cache size in GiB per replica. null = colocated engines get enough for one
+    # step's sequences at once (waking and sleeping costs grow with the cache; the rest of
+    # the GPU stays with the trainer), other engines what gpu_memory_utilization leaves.
+    kv_cache_gib: float | None = None
     # Eager mode (no CUDA graphs / torch.compile): fast start, required on CPU.
     enforce_eager: bool = True
     # Longest prompt + response; null = the model's max_position_embeddings.

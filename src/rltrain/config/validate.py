@@ -428,6 +428,11 @@ def _validate_vllm(cfg: RunConfig) -> None:
         )
     if v.cpu_kv_cache_gib <= 0:
         raise ConfigError(f"rollout.vllm.cpu_kv_cache_gib={v.cpu_kv_cache_gib} must be > 0.")
+    if v.kv_cache_gib is not None and not v.kv_cache_gib > 0:
+        raise ConfigError(
+            f"rollout.vllm.kv_cache_gib={v.kv_cache_gib} must be > 0 (GiB), or null to size it "
+            "from the batch (colocated) or gpu_memory_utilization."
+        )
     if v.max_model_len is not None and v.max_model_len < cfg.rollout.max_new_tokens + 1:
         raise ConfigError(
             f"rollout.vllm.max_model_len={v.max_model_len} leaves no room for a prompt and "

@@ -58,6 +58,46 @@ def request_seeds(base: int, n: int) -> list[int]:
     return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
 
 
+KV_BLOCK_TOKENS = 16  # vLLM's default block size on GPU
+
+
+def colocated_kv_cache_bytes(
+    cfg: RunConfig, model_path: str, total_gpu_bytes: int | None = None
+) -> int | None:
+    """KV cache bytes for a colocated engine: every sequence of one generate call held at
+    once (a step's rows on this replica, or an evaluation call's when evaluation is on), at
+    the longest length (``rollout.vllm.max_model_len``, else the model's), in whole blocks,
+    plus a quarter. None when that would exceed half of the ``gpu_memory_utilization`` share
+    (then vLLM sizes the cache from that share, as without colocation).
+
+    Waking a colocated engine maps its whole KV cache back in, and sleeping unmaps it: the
+    cost grows with the cache (0.4-0.6 s per step for the embedded model under a cache
+    sized by gpu_memory_utilization=0.8 of an H200), while a cache larger than one call's
+    sequences is never used in a synchronous loop.
+    """
+    from transformers import AutoConfig
+
+    ro, a, e = cfg.rollout, cfg.algorithm, cfg.eval
+    hf = AutoConfig.from_pretrained(model_path)
+    hf = getattr(hf, "text_config", None) or hf
+    rows = -(-a.prompts_per_step * a.samples_per_prompt // ro.replicas)
+    if e.every_n_steps > 0:
+        rows = max(rows, -(-e.batch_size * e.samples_per_prompt // ro.replicas))
+    max_len = ro.vllm.max_model_len or hf.max_position_embeddings
+    tokens = rows * (-(-max_len // KV_BLOCK_TOKENS) + 1) * KV_BLOCK_TOKENS
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    dtype_bytes = torch.empty((), dtype=getattr(torch, cfg.precision.rollout_dtype)).element_size()
+    per_token = 2 * hf.num_hidden_layers * max(kv_heads // ro.tp, 1) * head_dim * dtype_bytes
+    need = int(tokens * per_token * 1.25)
+    if total_gpu_bytes is None:
+        total_gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if need > ro.vllm.gpu_memory_utilization * total_gpu_bytes / 2:
+        return None
+    return need
+
+
 class VLLMEngine:
     """One rollout replica backed by ``vllm.LLM``. ``generate`` is called by the controller;
     ``init_refit`` once and ``refit_receive`` after every optimizer step by the refit wiring.
@@ -138,6 +178,15 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * GIB)
         else:
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+            kv_bytes = (
+                int(v.kv_cache_gib * GIB)
+                if v.kv_cache_gib is not None
+                else colocated_kv_cache_bytes(self.cfg, model_path)
+                if ro.colocated
+                else None
+            )
+            if kv_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = kv_bytes
             # The run's workers get rollout.colocated resolved by the plan; null (auto) here
             # means an engine built outside a run (eval, benchmarks): nothing to share with.
             kwargs["enable_sleep_mode"] = bool(ro.colocated)

@@ -228,7 +228,7 @@ class FSDPTrainer:
         attention function that follows what it is given, so rows holding one
         sequence use causal sdpa in every case.
         """
-        self.attention = choose_attention(self.cfg, self.device)
+        self.attention = choose_attention(self.cfg, self.device, bool(self.compiled))
         varlen = self.attention == "varlen"
         cast("PreTrainedModel | ValueModel", model).set_attn_implementation(
             register_varlen_attention() if varlen else register_attention()

@@ -152,16 +152,30 @@ def varlen_boundaries(micro: MicroBatch) -> tuple[list[int], int]:
     return cu, max(b - a for a, b in zip(cu, cu[1:], strict=False))
 
 
-def choose_attention(cfg: RunConfig, device: torch.device) -> str:
+def choose_attention(cfg: RunConfig, device: torch.device, compiled: bool = False) -> str:
     """``train.attention`` resolved: ``auto`` = varlen on CUDA with 16-bit compute and a
-    torch that has it, else flex on CUDA, sdpa on CPU; explicit choices are checked."""
+    torch that has it, else flex on CUDA (sdpa with a 4-D mask when the blocks are
+    compiled), sdpa on CPU; explicit choices are checked.
+
+    Compiled blocks on CUDA cannot take flex: inductor's lowering of flex attention with
+    symbolic sizes fails in torch 2.11 (its flex-decoding check ANDs the symbolic head
+    ratio: "unsupported operand type(s) for &: 'floor' and 'Add'"), measured on H200.
+    """
     choice = cfg.train.attention
     cuda = device.type == "cuda"
     half = cfg.precision.param_dtype in ("bfloat16", "float16")
     if choice == "auto":
         if not cuda:
             return "sdpa"
-        return "varlen" if half and varlen_available() else "flex"
+        if half and varlen_available():
+            return "varlen"
+        return "sdpa" if compiled else "flex"
+    if choice == "flex" and cuda and compiled:
+        raise ValueError(
+            "train.attention=flex with compiled blocks on CUDA: torch's inductor cannot lower "
+            "flex attention with symbolic sizes; use train.attention=sdpa (or auto), or "
+            "train.compile=false"
+        )
     if choice in ("flex", "varlen") and not cuda:
         raise ValueError(
             f"train.attention={choice} needs CUDA (no CPU kernel or backward); "
