@@ -2,8 +2,8 @@
 (and the GRPO loop, for ``algorithm.name=grpo``).
 
 No Ray: a policy, a value worker and a torch engine (each a gang of one,
-gloo) stand behind the same interface as ``cluster.workers.Workers``, and the
-refit is a direct copy of the policy's full tensors. The loop, the workers
+gloo) stand behind the methods the loops call on the role handles of
+``cluster.handles``, and the refit is a direct copy of the policy's full tensors. The loop, the workers
 and the math are the ones ``rltrain ppo`` runs; only the actor boundary is
 gone, so CPU experiments of many runs (the right-shift ablation) fit in
 minutes on a shared 2-core machine.
@@ -12,24 +12,62 @@ minutes on a shared 2-core machine.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rltrain.algorithms.context import RunContext
 from rltrain.config.schema import RunConfig
 from rltrain.plan import Resources, RunPlan, make_plan
 from rltrain.refit.base import RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 from rltrain.rollout.torch_engine import TorchEngine
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv, free_port
 from rltrain.train.policy_worker import PolicyWorker
 from rltrain.train.value_worker import ValueWorker
 
 
+class LocalPolicy:
+    """The policy worker behind ``ctx.policy``'s methods the loops call."""
+
+    def __init__(self, worker: PolicyWorker):
+        self.worker = worker
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        return self.worker.compute_logprobs(batch, reference)
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        return self.worker.train(batch)
+
+
+class LocalValue:
+    """The value worker behind ``ctx.value``'s methods the loop calls."""
+
+    def __init__(self, worker: ValueWorker):
+        self.worker = worker
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.worker.values(batch)
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        return self.worker.train(batch)
+
+
+class LocalRollout:
+    """One torch engine behind ``ctx.rollout``."""
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, then_sleep: bool = True
+    ) -> RolloutBatch:
+        return self.engine.generate(prompt_ids, sampling)
+
+
 class LocalWorkers:
-    """Policy, critic (PPO only) and engine in this process; the methods the loops call."""
+    """Policy, critic (PPO only) and engine in this process, as the loops' role handles."""
 
     def __init__(self, cfg: RunConfig, num_threads: int = 1):
         env = DistEnv(0, 1, "127.0.0.1", free_port(), "gloo")
@@ -38,23 +76,6 @@ class LocalWorkers:
         self.value = ValueWorker(cfg, env, num_threads) if cfg.algorithm.name == "ppo" else None
         self.engine = TorchEngine(cfg, "cpu", 0, num_threads)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        return self.engine.generate(prompt_ids, sampling)
-
-    def values(self, batch: TrainBatch) -> torch.Tensor:
-        assert self.value is not None
-        return self.value.values(batch)
-
-    def train_value(self, batch: TrainBatch) -> dict[str, float]:
-        assert self.value is not None
-        return self.value.train(batch)
-
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        return self.policy.compute_logprobs(batch, reference)
-
-    def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
-        return self.policy.train(batch)
-
     def refit(self, weight_version: int) -> RefitStats:
         t0 = time.perf_counter()
         tensors = self.policy.full_tensors()
@@ -62,25 +83,24 @@ class LocalWorkers:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return RefitStats(weight_version, time.perf_counter() - t0, nbytes, 1)
 
+    def context(self, cfg: RunConfig, plan: RunPlan) -> RunContext:
+        """The loop's context over these workers (no checkpoints)."""
+        from rltrain.data import build_task
+
+        return RunContext(
+            cfg,
+            plan,
+            LocalPolicy(self.policy),  # type: ignore[arg-type]  # the methods the loops call
+            LocalRollout(self.engine),  # type: ignore[arg-type]
+            None if self.value is None else LocalValue(self.value),  # type: ignore[arg-type]
+            build_task(cfg.data, cfg.seed),
+            self.engine.tokenizer,
+            refit=self.refit,
+            checkpoint=lambda step, weight_version: "",
+        )
+
     def shutdown(self) -> None:
         self.policy.shutdown()
-
-
-@dataclass
-class LocalContext:
-    """The subset of ``runner.RunContext`` the loop reads (no checkpoints)."""
-
-    cfg: RunConfig
-    plan: RunPlan
-    workers: LocalWorkers
-    task: object
-    tokenizer: object
-    output_dir: Path | None = None
-    start_step: int = 0
-    weight_version: int = 0
-
-    def checkpoint(self, step: int, weight_version: int) -> str:
-        return ""
 
 
 def run_ppo_in_process(
@@ -90,13 +110,12 @@ def run_ppo_in_process(
     returns one metrics dict per step (``on_step(step, m)`` too)."""
     from rltrain.algorithms.grpo import train_grpo
     from rltrain.algorithms.ppo import train_ppo
-    from rltrain.data import build_task
 
     loop = train_ppo if cfg.algorithm.name == "ppo" else train_grpo
 
     plan = make_plan(cfg, Resources(num_cpus=num_threads, num_gpus=0))
     workers = LocalWorkers(cfg, num_threads)
-    ctx = LocalContext(cfg, plan, workers, build_task(cfg.data, cfg.seed), workers.engine.tokenizer)
+    ctx = workers.context(cfg, plan)
     history: list[dict[str, float]] = []
     try:
 

@@ -112,7 +112,6 @@ def test_default_task_learns(tmp_path):
 @pytest.mark.timeout(300)
 def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
     """Ray actors: dp=2 policy + torch engine; after a refit both score tokens identically."""
-    import ray
 
     from rltrain.algorithms.advantages import grpo_advantages
     from rltrain.cluster.workers import WorkerError, Workers
@@ -128,22 +127,22 @@ def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
         tok = load_tokenizer(cfg)
         prompts = [ids for ids in tok(["ab=", "c=", "dab=", "bb="] * 2).input_ids for _ in range(8)]
         sampling = SamplingParams(max_new_tokens=5)
-        rollout = workers.generate(prompts, sampling)
+        rollout = workers.rollout.generate(prompts, sampling)
         assert rollout.weight_version == 0 and len(rollout.response_ids) == 64
         rewards = torch.tensor([float(len(r) == 3) for r in rollout.response_ids])
         batch = build_train_batch(
             rollout, grpo_advantages(rewards + torch.rand(64) * 0.1, 8), tok.pad_token_id
         )
-        metrics, old = workers.train(batch)
+        metrics, old = workers.policy.train(batch)
         assert metrics["grad_norm"] > 0 and old.shape == batch.input_ids_BT.shape
         stats = workers.refit(1)
         assert stats.weight_version == 1 and stats.bytes > 0
 
         # New samples from the refitted engine score the same under the trained policy.
-        rollout = workers.generate(prompts, sampling)
+        rollout = workers.rollout.generate(prompts, sampling)
         assert rollout.weight_version == 1
         batch = build_train_batch(rollout, torch.zeros(64), tok.pad_token_id)
-        train_lp = workers.logprobs(batch)
+        train_lp = workers.policy.logprobs(batch)
         mask = batch.response_mask_BT.bool()
         torch.testing.assert_close(
             train_lp[mask], batch.engine_logprobs_BT[mask], atol=1e-5, rtol=0
@@ -152,8 +151,8 @@ def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
         assert old[mask[: old.shape[0]]].abs().sum() > 0
 
         # A dead replica ends the call with its role and rank named, not a hang.
-        ray.kill(workers.rollout.actors[0])
+        workers.rollout.actors[0].kill()
         with pytest.raises(WorkerError, match="rollout rank 0"):
-            workers.generate(prompts, sampling)
+            workers.rollout.generate(prompts, sampling)
     finally:
         workers.shutdown()

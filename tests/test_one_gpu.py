@@ -283,23 +283,25 @@ def test_workers_colocated_path_through_ray_actors(ray_session):
 
     def asleep() -> list[bool]:
         return ray.get(
-            [a.call.remote("__getattribute__", "asleep") for a in workers.rollout.actors]
+            [a.handle.call.remote("__getattribute__", "asleep") for a in workers.rollout.actors]
         )
 
     try:
         assert workers.cfg.rollout.colocated is True  # the engines see the plan's answer
         prompts = [[3, 4, 5], [6, 7], [5, 5, 4], [7]] * 2
         sampling = SamplingParams(max_new_tokens=5, seed=3)
-        first = workers.generate(prompts, sampling)
+        first = workers.rollout.generate(prompts, sampling)
         assert asleep() == [True, True]
         assert workers.refit(1).weight_version == 1  # the same weights, version 1
         assert asleep() == [False, False]
-        evaluated = workers.generate(prompts, sampling, then_sleep=False)  # as evaluation does
+        evaluated = workers.rollout.generate(
+            prompts, sampling, then_sleep=False
+        )  # as evaluation does
         assert asleep() == [False, False]
         assert evaluated.response_ids == first.response_ids
-        workers.generate(prompts[:1], sampling)  # replica 1 gets no prompt: it sleeps too
+        workers.rollout.generate(prompts[:1], sampling)  # replica 1 gets no prompt: it sleeps too
         assert asleep() == [True, True]
-        again = workers.generate(prompts, sampling)
+        again = workers.rollout.generate(prompts, sampling)
         assert again.response_ids == first.response_ids
         assert again.response_logprobs == first.response_logprobs
         assert again.weight_version == 1

@@ -72,7 +72,7 @@ def _perturb(worker, seed: int) -> None:
 
 def _engine_refit(rank: int, ports: list[int], out_dir: str) -> None:
     """Ranks 0-1: dp=2 policy; rank 2: torch engine. Gloo refit with verify, landing in place."""
-    from rltrain.refit.base import plan_refit
+    from rltrain.refit.base import RefitGroup, plan_refit
 
     over = {"refit.bucket_bytes": 2**20, "refit.num_buffers": 2, "refit.verify": True}
     if rank < 2:
@@ -80,8 +80,7 @@ def _engine_refit(rank: int, ports: list[int], out_dir: str) -> None:
         embed = dict(worker.model.named_parameters())["model.embed_tokens.weight"]
         assert embed.to_local().shape[0] == (5 if rank == 0 else 4)  # 9 rows: uneven shards
         _perturb(worker, seed=1)
-        worker.refit_manifest()
-        worker.init_refit(HOST, ports[2], 2, "gloo")
+        worker.init_refit(RefitGroup(worker.refit_manifest(), HOST, ports[2], 2, "gloo"), 0)
         stats = worker.refit_send(weight_version=5)
         full = {k: v.clone() for k, v in worker.full_tensors().items()}
         if rank == 0:
@@ -97,7 +96,7 @@ def _engine_refit(rank: int, ports: list[int], out_dir: str) -> None:
         engine = TorchEngine(cfg, "cpu", 0, num_threads=1)
         names = [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()]
         manifest = plan_refit(names, "float32", 2**20, 2)
-        engine.init_refit(manifest, HOST, ports[2], 1, 2, "gloo")
+        engine.init_refit(RefitGroup(manifest, HOST, ports[2], 2, "gloo"), 1)
         assert engine.refit_in_place  # fp32 engine, fp32 refit: the weights are the buckets
         stats = engine.refit_receive()
         assert stats.weight_version == engine.weight_version() == 5

@@ -89,7 +89,7 @@ def _dp2(rank: int, port: int, out_dir: str) -> None:
     old_full = worker.values(batch)  # same rows on both ranks: the full batch's values
     batch.old_values_BT = old_full
     shard = batch.slice(rank * (B // 2), (rank + 1) * (B // 2))
-    metrics = worker.train(shard)
+    metrics = worker.train(shard).metrics
     params = {k: v.clone() for k, v in worker.full_tensors().items()}
     # The naive estimate (mean of per-micro-batch ratios on this rank) for contrast.
     per_micro = [
@@ -121,7 +121,7 @@ def _bf16_head(port: int, out_dir: str) -> None:
     worker.model.model.layers[0].self_attn.q_proj.register_forward_hook(hook("q_proj"))
     batch = _batch()
     batch.old_values_BT = worker.values(batch)
-    metrics = worker.train(batch)
+    metrics = worker.train(batch).metrics
     torch.save({"seen": seen, "metrics": metrics}, os.path.join(out_dir, "bf16.pt"))
     worker.shutdown()
 

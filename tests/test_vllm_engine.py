@@ -10,7 +10,7 @@ import torch
 from rltrain.algorithms.logprobs import token_logprobs
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import load_model
-from rltrain.refit.base import fill_from, plan_buckets
+from rltrain.refit.base import RefitGroup, fill_from, plan_buckets
 from rltrain.refit.gloo import GlooRefitSender
 from rltrain.rollout.base import SamplingParams
 from rltrain.train.distributed import free_port
@@ -179,7 +179,7 @@ def test_refit_through_gloo_replaces_weights(engine, trainer_model):
 
     t = threading.Thread(target=build_sender)
     t.start()
-    engine.init_refit(manifest, "127.0.0.1", port, 1, 2)
+    engine.init_refit(RefitGroup(manifest, "127.0.0.1", port, 2), 1)
     t.join()
 
     def send(version: int, result: dict) -> None:

@@ -7,9 +7,9 @@ the last checkpoint on disk is never overwritten by a partial one.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,66 +18,58 @@ from rich.console import Console
 
 from rltrain.config.compose import to_yaml
 from rltrain.config.schema import RunConfig
-from rltrain.plan import Resources, RunPlan, make_plan
+from rltrain.plan import Resources, make_plan
 
 if TYPE_CHECKING:
+    from rltrain.algorithms.context import RunContext
     from rltrain.cluster.workers import Workers
     from rltrain.data import Task
 
 
-@dataclass
-class RunContext:
-    """What an algorithm loop needs; built by :func:`run`."""
+def save_checkpoint(
+    workers: Workers, task: Task, output_dir: Path, keep_last: int, step: int, weight_version: int
+) -> str:
+    """Save checkpoints/step_<n>: every trainer gang's sharded state, the run state
+    (step, weight version, data order) and the policy as an HF folder.
 
-    cfg: RunConfig
-    plan: RunPlan
-    workers: Workers
-    task: Task
-    tokenizer: object
-    output_dir: Path
-    start_step: int = 0  # the loop continues after this step (0 = a fresh run)
-    weight_version: int = 0  # weights the rollout engines hold when the loop starts
+    Written under a temp name and renamed once complete, then all but the
+    newest ``keep_last`` are deleted.
+    """
+    from rltrain.train.checkpoint import (
+        RUN_STATE,
+        atomic_folder,
+        prune_checkpoints,
+        step_folder,
+    )
 
-    def checkpoint(self, step: int, weight_version: int) -> str:
-        """Save checkpoints/step_<n>: every trainer gang's sharded state, the run state
-        (step, weight version, data order) and the policy as an HF folder.
+    checkpoints = output_dir / "checkpoints"
+    final = step_folder(checkpoints, step)
+    with atomic_folder(final) as tmp:
+        workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
+        roles = workers.save_state(str(tmp / "trainer"))
+        state = {
+            "step": step,
+            "weight_version": weight_version,
+            "trainer_roles": roles,
+            "task": task.state_dict() if hasattr(task, "state_dict") else None,
+        }
+        (tmp / RUN_STATE).write_text(json.dumps(state))
+    prune_checkpoints(checkpoints, keep_last)
+    return str(final)
 
-        Written under a temp name and renamed once complete, then all but the
-        newest ``checkpoint.keep_last`` are deleted.
-        """
-        from rltrain.train.checkpoint import (
-            RUN_STATE,
-            atomic_folder,
-            prune_checkpoints,
-            step_folder,
-        )
 
-        checkpoints = self.output_dir / "checkpoints"
-        final = step_folder(checkpoints, step)
-        with atomic_folder(final) as tmp:
-            self.workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
-            roles = self.workers.save_state(str(tmp / "trainer"))
-            state = {
-                "step": step,
-                "weight_version": weight_version,
-                "trainer_roles": roles,
-                "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
-            }
-            (tmp / RUN_STATE).write_text(json.dumps(state))
-        prune_checkpoints(checkpoints, self.cfg.checkpoint.keep_last)
-        return str(final)
+def restore_checkpoint(ctx: RunContext, workers: Workers, path: Path) -> None:
+    """Continue from a checkpoint folder: trainer gangs, data order, then a refit so the
+    rollout engines hold the restored weights before the first resumed step; sets
+    ``ctx.start_step`` and ``ctx.weight_version``."""
+    from rltrain.train.checkpoint import RUN_STATE
 
-    def restore(self, path: Path) -> None:
-        """Continue from a checkpoint folder: trainer gangs, data order, then a refit so the
-        rollout engines hold the restored weights before the first resumed step."""
-        from rltrain.train.checkpoint import RUN_STATE
-
-        state = json.loads((path / RUN_STATE).read_text())
-        self.workers.load_state(str(path / "trainer"))
-        if state["task"] is not None:
-            self.task.load_state_dict(state["task"])
-        self.workers.refit(state["weight_version"])
-        self.start_step, self.weight_version = state["step"], state["weight_version"]
+    state = json.loads((path / RUN_STATE).read_text())
+    workers.load_state(str(path / "trainer"))
+    if state["task"] is not None:
+        ctx.task.load_state_dict(state["task"])
+    ctx.refit(state["weight_version"])
+    ctx.start_step, ctx.weight_version = state["step"], state["weight_version"]
 
 
 def find_resume(cfg: RunConfig, out: Path) -> Path | None:
@@ -166,6 +158,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     prepare_output_dir(out)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
+    from rltrain.algorithms.context import RunContext
     from rltrain.cluster.workers import Workers
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
@@ -201,9 +194,21 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         try:
             plan.placement = _report_placement(workers.placement, cluster_nodes(), console)
             (out / "plan.json").write_text(plan.to_json())
-            ctx = RunContext(cfg, plan, workers, task, tokenizer, out)
+            ctx = RunContext(
+                cfg,
+                plan,
+                workers.policy,
+                workers.rollout,
+                workers.value,
+                task,
+                tokenizer,
+                refit=workers.refit,
+                checkpoint=functools.partial(
+                    save_checkpoint, workers, task, out, cfg.checkpoint.keep_last
+                ),
+            )
             if resume_from is not None:
-                ctx.restore(resume_from)
+                restore_checkpoint(ctx, workers, resume_from)
                 console.print(
                     f"resumed from {resume_from} (step {ctx.start_step}, "
                     f"weight version {ctx.weight_version})",

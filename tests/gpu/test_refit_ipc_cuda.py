@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rltrain.refit.base import RefitGroup
 from tests.gpu.common import HOST, gpu_config, needs, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -86,7 +87,7 @@ def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str)
         worker = PolicyWorker(cfg, DistEnv(0, 1, HOST, free_port(), "nccl", 120.0))
         store.set("manifest", pickle.dumps(worker.refit_manifest()))
         store.wait(["engine_built"])
-        worker.init_refit(HOST, ports[1], 2, "ipc")
+        worker.init_refit(RefitGroup(worker.refit_manifest(), HOST, ports[1], 2, "ipc"), 0)
         assert worker.manifest is not None
         dtype = worker.manifest.torch_dtype
         out["buckets"] = len(worker.manifest.buckets)
@@ -134,7 +135,7 @@ def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
     store.set("engine_built", "")
     manifest = pickle.loads(store.get("manifest"))
-    engine.init_refit(manifest, HOST, ports[1], 1, 2, "ipc")
+    engine.init_refit(RefitGroup(manifest, HOST, ports[1], 2, "ipc"), 1)
     out["in_place"] = getattr(engine, "refit_in_place", False)
     out["direct"] = getattr(engine, "landing", None) is not None  # vLLM: buckets land directly
     if kind == "vllm":  # the loop's colocated order: generate, sleep (train), refit wakes it

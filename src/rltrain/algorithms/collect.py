@@ -7,6 +7,7 @@ resumed before it; the loops (grpo.py, ppo.py) go on from the scored rollout.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,10 @@ from rltrain.algorithms.shaping import fill_groups, informative_groups
 from rltrain.data import encode_groups, score_groups
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from rltrain.algorithms.context import RunContext
+    from rltrain.config.schema import RunConfig
 
 
 @dataclass
@@ -44,7 +49,7 @@ class Collected:
             self.generated_exact = self.exact
 
 
-def sampling_params(cfg) -> SamplingParams:
+def sampling_params(cfg: RunConfig) -> SamplingParams:
     """The rollout's sampling settings from ``cfg.rollout`` (the seed is set per step)."""
     ro = cfg.rollout
     return SamplingParams(
@@ -59,7 +64,7 @@ def step_seed(seed: int, step: int, round_: int = 0) -> int:
 
 
 def collect(
-    ctx,
+    ctx: RunContext,
     step: int,
     sampling: SamplingParams,
     weight_version: int,
@@ -75,7 +80,7 @@ def collect(
     items = ctx.task.sample(a.prompts_per_step)
     prompt_ids = encode_groups(ctx.tokenizer, items, a.samples_per_prompt)
     with timer("generate"):
-        rollout = ctx.workers.generate(
+        rollout = ctx.rollout.generate(
             prompt_ids, replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_))
         )
     assert rollout.weight_version == weight_version, "rollout used stale weights"
@@ -118,7 +123,7 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
 
 
 def collect_dynamic(
-    ctx, step: int, sampling: SamplingParams, weight_version: int, timer: StageTimer
+    ctx: RunContext, step: int, sampling: SamplingParams, weight_version: int, timer: StageTimer
 ) -> Collected:
     """DAPO's dynamic sampling: generate rounds of ``prompts_per_step`` groups until
     ``prompts_per_step`` groups with unequal rewards are in hand, or

@@ -14,6 +14,7 @@ import torch
 
 from rltrain.algorithms.advantages import outcome_advantages
 from rltrain.algorithms.collect import Collected, collect, collect_dynamic, sampling_params
+from rltrain.algorithms.context import RunContext
 from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.losses import kl_estimate
 from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
@@ -53,16 +54,16 @@ def objective_metrics(
     return out
 
 
-def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
-    """Run ``ctx.cfg.max_steps`` GRPO steps on ``ctx.workers``; ``on_step`` logs each one.
+def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
+    """Run ``ctx.cfg.max_steps`` GRPO steps; ``on_step`` logs each one.
 
-    ``ctx`` is a :class:`rltrain.runner.RunContext`: config, plan, workers,
-    task, tokenizer, ``checkpoint(step, weight_version)``, and the step and weight
-    version to continue from (``start_step``, ``weight_version``; 0 for a fresh run).
+    ``ctx`` holds the config, plan, role handles (``ctx.policy``, ``ctx.rollout``),
+    task, tokenizer, ``refit`` and ``checkpoint``, and the step and weight version to
+    continue from (``start_step``, ``weight_version``; 0 for a fresh run).
     The objective (advantage estimator, shaping, loss) is the ``algorithm`` node's;
     docs/objectives.md lists the choices.
     """
-    cfg, workers, tok = ctx.cfg, ctx.workers, ctx.tokenizer
+    cfg, policy, tok = ctx.cfg, ctx.policy, ctx.tokenizer
     a = cfg.algorithm
     sampling = sampling_params(cfg)
     kl_in_reward = a.kl_coef > 0 and a.kl_in_reward
@@ -100,9 +101,9 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         kl_BT = None
         with timer("logprobs"):
             if not fuse_old_logprobs:
-                batch.old_logprobs_BT = workers.logprobs(batch)
+                batch.old_logprobs_BT = policy.logprobs(batch)
             if a.kl_coef > 0:
-                ref_logprobs = workers.logprobs(batch, reference=True)
+                ref_logprobs = policy.logprobs(batch, reference=True)
                 if kl_in_reward:
                     assert batch.old_logprobs_BT is not None
                     kl_BT = (
@@ -135,14 +136,14 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 7: policy update
         with timer("train"):
-            train_metrics, fused_old = workers.train(batch)
+            train_metrics, fused_old = policy.train(batch)
             if fused_old is not None:
                 batch.old_logprobs_BT = fused_old
 
         # step 8: refit the rollout engines with the new weights
         with timer("refit"):
             weight_version += 1
-            refit = workers.refit(weight_version)
+            refit = ctx.refit(weight_version)
 
         # step 9: metrics and checkpoint
         step_s = time.perf_counter() - t_step
@@ -182,7 +183,7 @@ def train_grpo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         # step 10: greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
             # Engines stay awake: the next step generates before anything trains.
-            eval_generate = functools.partial(workers.generate, then_sleep=False)
+            eval_generate = functools.partial(ctx.rollout.generate, then_sleep=False)
             metrics.update(evaluate(eval_generate, ctx.task, tok, cfg))
         on_step(step, metrics)
         if (

@@ -14,6 +14,7 @@ from typing import cast
 import torch
 
 from rltrain.algorithms.collect import collect, sampling_params
+from rltrain.algorithms.context import RunContext
 from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.gae import gae, token_rewards
 from rltrain.algorithms.grpo import token_mult_prob_error
@@ -24,15 +25,18 @@ from rltrain.logging.metrics import StageTimer
 from rltrain.train.batch import build_train_batch
 
 
-def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
-    """Run ``ctx.cfg.max_steps`` PPO steps on ``ctx.workers`` (policy, value, rollout).
+def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
+    """Run ``ctx.cfg.max_steps`` PPO steps on ``ctx.policy``, ``ctx.value`` and ``ctx.rollout``.
 
-    ``ctx`` is a :class:`rltrain.runner.RunContext`; a resumed run continues after
+    A resumed run continues after
     ``ctx.start_step`` with the restored policy and critic. Before
     ``algorithm.policy_training_start_step`` only the critic trains (warm-up):
     the policy, and so the rollout weights, stay as they are.
     """
-    cfg, workers, tok = ctx.cfg, ctx.workers, ctx.tokenizer
+    cfg, policy, tok = ctx.cfg, ctx.policy, ctx.tokenizer
+    if ctx.value is None:
+        raise ValueError("PPO needs a value role (the plan of algorithm=ppo has one)")
+    value = ctx.value
     a = cfg.algorithm
     sampling = sampling_params(cfg)
     # The KL penalty in the reward needs the old logprobs before GAE, so it cannot take
@@ -63,15 +67,15 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 4: values of the state before every token (critic, right-shifted)
         with timer("values"):
-            batch.old_values_BT = workers.values(batch)
+            batch.old_values_BT = value.values(batch)
 
         # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
         kl_BT = None
         with timer("logprobs"):
             if not (fuse_old_logprobs and train_policy):
-                batch.old_logprobs_BT = workers.logprobs(batch)
+                batch.old_logprobs_BT = policy.logprobs(batch)
             if a.kl_coef > 0:
-                ref_logprobs = workers.logprobs(batch, reference=True)
+                ref_logprobs = policy.logprobs(batch, reference=True)
                 if kl_in_reward:  # per sampled token (k1 by default)
                     assert batch.old_logprobs_BT is not None
                     kl_BT = (
@@ -98,20 +102,20 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
 
         # step 7: critic update(s) first: its targets were computed with the old values
         with timer("train_value"):
-            value_metrics = workers.train_value(batch)
+            value_metrics = value.train(batch).metrics
 
         # step 8: actor update(s) (ppo epochs x mini batches), after the critic's warm-up
         policy_metrics: dict[str, float] = {}
         if train_policy:
             with timer("train"):
-                policy_metrics, fused_old = workers.train(batch)
+                policy_metrics, fused_old = policy.train(batch)
                 if fused_old is not None:
                     batch.old_logprobs_BT = fused_old
 
             # step 9: refit the rollout engines with the new policy weights
             with timer("refit"):
                 weight_version += 1
-                refit = workers.refit(weight_version)
+                refit = ctx.refit(weight_version)
             policy_metrics.update(
                 {"refit/bytes": float(refit.bytes)}
                 | {f"time/refit_{k}": v for k, v in refit.extra.items()}
@@ -148,7 +152,7 @@ def train_ppo(ctx, on_step: Callable[[int, dict[str, float]], None]) -> None:
         # greedy evaluation on the validation split (val/accuracy), with the new weights
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
             # Engines stay awake: the next step generates before anything trains.
-            eval_generate = functools.partial(workers.generate, then_sleep=False)
+            eval_generate = functools.partial(ctx.rollout.generate, then_sleep=False)
             metrics.update(evaluate(eval_generate, ctx.task, tok, cfg))
         on_step(step, metrics)
         if (

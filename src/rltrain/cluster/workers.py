@@ -1,142 +1,47 @@
-"""Ray layer: host the plain worker classes in actors, placed by the run plan.
+"""Ray layer: start a run's actors where the plan places them, wire the refit, tear down.
 
-The worker classes (PolicyWorker, TorchEngine) know nothing of Ray. Here each
-runs inside a generic :class:`WorkerHost` actor; the gangs below shard
-batches over data-parallel ranks, fan rollouts out over replicas, and turn
-actor failures and timeouts into errors that name the role and rank.
+The worker classes (PolicyWorker, ValueWorker, the engines) know nothing of
+Ray. Each runs inside a generic actor (:mod:`rltrain.cluster.actors`); the
+controller drives them through the typed role handles of
+:mod:`rltrain.cluster.handles` that :class:`Workers` builds: ``policy``,
+``value`` (PPO) and ``rollout``, plus :meth:`Workers.refit`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import ray
-import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rltrain.cluster.actors import (
+    Actor,
+    Pending,
+    RemoteHost,
+    WorkerError,
+    WorkerHost,
+    register_tensor_serializer,
+    wait,
+    wait_all,
+)
+from rltrain.cluster.handles import Calls, PolicyGang, RolloutPool, TrainerGang, ValueGang
 from rltrain.cluster.placement import RoleBundles, role_bundles, shared_gpu_mismatch
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
-from rltrain.refit.base import RefitStats
-from rltrain.rollout.base import RolloutBatch, SamplingParams
-from rltrain.train.batch import TrainBatch
+from rltrain.refit.base import RefitGroup, RefitStats
+from rltrain.rollout import ENGINE_PRELOAD, engine_class
+from rltrain.rollout.base import Engine
 from rltrain.train.distributed import DistEnv
-from rltrain.train.packing import balance_by_tokens, row_lengths
+from rltrain.train.policy_worker import PolicyWorker
+from rltrain.train.value_worker import ValueWorker
 
-# rollout.engine -> the plain engine class each replica's actor builds.
-ENGINE_CLASSES = {
-    "torch": "rltrain.rollout.torch_engine.TorchEngine",
-    "vllm": "rltrain.rollout.vllm_engine.VLLMEngine",
-}
-# rollout.engine -> what its actors import while the trainers build (a colocated engine
-# builds only after them): vLLM's import alone takes seconds.
-ENGINE_PRELOAD = {"torch": (), "vllm": ("vllm", "rltrain.rollout.vllm_engine")}
-
-
-def _tensor_to_wire(t: torch.Tensor) -> tuple[str, Any]:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
-        return "bfloat16", t.view(torch.int16).numpy()
-    return "", t.numpy()
-
-
-def _tensor_from_wire(wire: tuple[str, Any]) -> torch.Tensor:
-    kind, array = wire
-    # The array is a read-only view of Ray's object store: the tensor gets its own copy.
-    t = torch.from_numpy(array.copy())
-    return t.view(torch.bfloat16) if kind == "bfloat16" else t
-
-
-def register_tensor_serializer() -> None:
-    """Send CPU tensors between Ray processes as numpy arrays (Ray's zero-copy path)
-    instead of torch's pickling, which writes each storage through ``torch.save``:
-    a training batch of 256 x 1024 tokens crossed in ~3x less time (measured on CPU,
-    28 -> 10 ms). Per process, so the driver and every actor register it; tensors keep
-    their dtype, shape and values. Tensors on a GPU arrive on the CPU."""
-    ray.util.register_serializer(
-        torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire
-    )
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed or stopped answering; the message names it.
-
-    ``fault`` is "died" (the process is gone), "timeout" (it stopped answering)
-    or "failed" (it raised): the first two are faults of the machine, which a
-    restart from the last checkpoint can outlive.
-    """
-
-    def __init__(self, message: str, fault: str = "failed"):
-        super().__init__(message)
-        self.fault = fault
-
-
-class WorkerHost:
-    """Generic actor body: builds one worker object and forwards calls to it."""
-
-    def __init__(self) -> None:
-        register_tensor_serializer()
-
-    def endpoint(self) -> tuple[str, int]:
-        from rltrain.train.distributed import free_port, node_ip
-
-        return node_ip(), free_port()
-
-    def where(self) -> dict[str, Any]:
-        """Node id, node IP, process id and GPU ids of this actor (for the placement report).
-
-        ``gpus``: the ids Ray gave this actor, which it also wrote to CUDA_VISIBLE_DEVICES
-        (a fractional GPU request gets the id of the one GPU its share is on).
-        """
-        ctx = ray.get_runtime_context()
-        return {
-            "node_id": ctx.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpus": [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])],
-        }
-
-    def preload(self, modules: tuple[str, ...]) -> float:
-        """Import ``modules`` ahead of :meth:`build` (start-up overlaps them with other roles'
-        builds); returns the seconds it took."""
-        t0 = time.perf_counter()
-        for name in modules:
-            importlib.import_module(name)
-        return time.perf_counter() - t0
-
-    def build(self, class_path: str, *args: Any) -> bool:
-        module, _, name = class_path.rpartition(".")
-        self.worker = getattr(importlib.import_module(module), name)(*args)
-        return True
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def call_between(
-        self, before: tuple[str, ...], method: str, args: tuple, after: tuple[str, ...]
-    ) -> Any:
-        """``method(*args)`` with the argument-less methods ``before`` called first and
-        ``after`` called once it returned, all in one actor call; returns its result.
-
-        Saves the controller a round trip per step where a colocated engine wakes
-        up or goes to sleep around a call; nothing after ``method`` runs if it raises.
-        """
-        for name in before:
-            getattr(self.worker, name)()
-        out = getattr(self.worker, method)(*args)
-        for name in after:
-            getattr(self.worker, name)()
-        return out
-
-
-RemoteHost = ray.remote(WorkerHost)
+# Importable from here too: the run's errors and the wait that names a stuck worker.
+__all__ = ["Workers", "WorkerError", "WorkerHost", "refit_summary", "wait"]
 
 
 def refit_summary(sent: RefitStats, received: list[RefitStats]) -> RefitStats:
@@ -150,143 +55,43 @@ def refit_summary(sent: RefitStats, received: list[RefitStats]) -> RefitStats:
     return replace(sent, extra=extra)
 
 
-def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
-    """ray.get that names the stuck or dead worker instead of hanging or dumping a trace.
-
-    Results are taken as they arrive, so the first worker that dies or fails
-    ends the wait at once, even while its peers are still blocked in a
-    collective with it (they are torn down by :meth:`Workers.shutdown`).
-    ``timeout_s`` bounds the whole wait; None waits without a bound.
-    """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pending = list(refs)
-    results: dict[int, Any] = {}  # index in refs -> value (each result deserialized once)
-    while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            stuck = [n for r, n in zip(refs, names, strict=True) if r in pending]
-            raise WorkerError(
-                f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s", "timeout"
-            )
-        ref = ready[0]
-        index = refs.index(ref)
-        name = names[index]
-        try:
-            results[index] = ray.get(ref, timeout=0)
-        except RayActorError as exc:
-            raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
-        except RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            failed = f"{what}: {name} failed: {type(cause).__name__}: {cause}"
-            if not _is_peer_loss(cause):  # a bug or a diverging run: not retried
-                raise WorkerError(failed) from exc
-            # A rank whose collective peer died raises (gloo: "Connection closed by
-            # peer"), often before Ray reports the death: a machine fault, so name the
-            # dead rank when it shows up within a short grace period.
-            dead = _dead_peer(pending, refs, names)
-            if dead is not None:
-                raise WorkerError(
-                    f"{what}: {dead[0]} died ({dead[1]}); {name} then failed in a collective "
-                    f"with it",
-                    "died",
-                ) from exc
-            raise WorkerError(failed, "died") from exc
-        except GetTimeoutError:  # cannot happen for a ready ref; keep waiting if it does
-            pending.append(ref)
-    return [results[i] for i in range(len(refs))]
-
-
-# Messages of a collective whose peer process went away (gloo, NCCL, c10d store).
-_PEER_LOSS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "DistNetworkError",
-    "remote process exited",
-    "NCCL communicator was aborted",
-)
-
-
-def _is_peer_loss(cause: BaseException) -> bool:
-    text = f"{type(cause).__name__}: {cause}"
-    return any(m in text for m in _PEER_LOSS)
-
-
-def _dead_peer(pending: list, refs: list, names: list[str], grace_s: float = 10.0):
-    """(name, reason) of a worker in ``pending`` that died within ``grace_s``, else None."""
-    if not pending:
-        return None
-    deadline = time.monotonic() + grace_s
-    waiting = list(pending)
-    while waiting:
-        ready, waiting = ray.wait(
-            waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-        )
-        if not ready:
-            return None
-        try:
-            ray.get(ready[0], timeout=0)
-        except RayActorError as exc:
-            return names[refs.index(ready[0])], str(exc).splitlines()[0]
-        except Exception:  # noqa: BLE001 - another failed rank; keep looking for the dead one
-            continue
-    return None
-
-
-@dataclass
-class Gang:
-    """The actors of one role, rank order."""
-
-    role: str
-    actors: list
-
-    def names(self, idx: list[int] | None = None) -> list[str]:
-        idx = list(range(len(self.actors))) if idx is None else idx
-        return [f"{self.role} rank {i}" for i in idx]
-
-    def call_all(self, method: str, *args: Any) -> list:
-        return [a.call.remote(method, *args) for a in self.actors]
-
-
 class Workers:
-    """Every actor of a run: the policy gang and the rollout pool, plus the refit wiring."""
+    """Every actor of a run: the policy gang, the rollout pool and (PPO) the value gang as
+    typed handles, plus the refit wiring between policy and pool."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
         self.pgs: list = []
         register_tensor_serializer()
-        self.policy = Gang("policy", [])
-        self.rollout = Gang("rollout", [])
-        self.value: Gang | None = None  # PPO's critic
+        # The workers see the plan's answer to rollout.colocated=null (auto): the vLLM
+        # engine enables sleep mode from it.
+        self.cfg = replace(cfg, rollout=replace(cfg.rollout, colocated=plan.colocated))
+        self.plan = plan
+        self.timeout = cfg.cluster.startup_timeout_s
+        self.calls = Calls(cfg.cluster.call_timeout_s)
+        self.rollout = RolloutPool([], plan.colocated, self.calls)
+        self.policy = PolicyGang([], 1, 1, self.calls)
+        self.value: ValueGang | None = None  # PPO's critic
+        # Seconds of each start-up phase (the run summary's startup_phases).
+        self.startup: dict[str, float] = {}
         try:
-            self._start(cfg, plan)
+            self._start()
         except BaseException:
             # A start that failed half way frees what it took (actors, reservations).
-            self.failed = True
+            self.calls.failed = True
             self.shutdown()
             raise
 
-    def _start(self, cfg: RunConfig, plan: RunPlan) -> None:
-        # The workers see the plan's answer to rollout.colocated=null (auto): the vLLM
-        # engine enables sleep mode from it.
-        cfg = replace(cfg, rollout=replace(cfg.rollout, colocated=plan.colocated))
-        self.cfg = cfg
-        self.plan = plan
-        self.timeout = cfg.cluster.startup_timeout_s
-        self.call_timeout = cfg.cluster.call_timeout_s
-        self.failed = False  # set when a call failed: shutdown then kills without waiting
-        # Colocated engines sleep between steps; which replicas hold GPU memory now.
-        self.awake = [True] * plan.role("rollout").world_size
-        # Sleep calls still running after a generate returned (see generate), and the seconds
-        # trainer calls have waited on them since the last train().
-        self._sleeping: list = []
-        self._sleep_wait_s = 0.0
+    @property
+    def failed(self) -> bool:
+        """A call failed: the shutdown then kills without waiting."""
+        return self.calls.failed
+
+    def _start(self) -> None:
+        cfg, plan = self.cfg, self.plan
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         groups = role_bundles(plan, cfg.cluster)
         actors: dict[str, dict[int, Any]] = {"policy": {}, "rollout": {}, "value": {}}
-        # Seconds of each start-up phase (the run summary's startup_phases).
-        self.startup: dict[str, float] = {}
         t0 = time.perf_counter()
         for rb in groups:
             pg = self._placement_group(rb)
@@ -302,24 +107,38 @@ class Workers:
                     ),
                 ).remote()
 
-        def gang(role: str, n: int) -> Gang:
-            return Gang(role, [actors[role][i] for i in range(n)])
+        def gang(role: str, n: int) -> list[Actor[Any]]:
+            return [Actor(actors[role][i], f"{role} rank {i}") for i in range(n)]
 
-        self.policy = gang("policy", policy.world_size)
-        self.rollout = gang("rollout", rollout.world_size)
+        policy_actors: list[Actor[PolicyWorker]] = gang("policy", policy.world_size)
+        rollout_actors: list[Actor[Engine]] = gang("rollout", rollout.world_size)
+        value_actors: list[Actor[ValueWorker]] = []
         if value_role is not None:
-            self.value = gang("value", value_role.world_size)
-        gangs = [g for g in (self.policy, self.rollout, self.value) if g is not None]
+            value_actors = gang("value", value_role.world_size)
+        colocated = plan.colocated
+        self.rollout = RolloutPool(rollout_actors, colocated, self.calls)
+        self.policy = PolicyGang(
+            policy_actors,
+            plan.batch.dp,
+            plan.batch.mini_batch,
+            self.calls,
+            self.rollout.take_sleep_wait if colocated else None,
+        )
+        if value_role is not None:
+            assert plan.value_batch is not None, "a value role comes with its batch math"
+            vb = plan.value_batch
+            self.value = ValueGang(value_actors, vb.dp, vb.mini_batch, self.calls)
+        everyone: list[Actor[Any]] = [*policy_actors, *rollout_actors, *value_actors]
         # Where each process landed (role, rank, node, pid, GPU ids): printed at start, kept in
         # plan.json.
-        where = wait(
-            [a.where.remote() for g in gangs for a in g.actors],
-            [n for g in gangs for n in g.names()],
-            self.timeout,
-            "start-up",
-        )
+        where = wait_all([a.where() for a in everyone], self.timeout, "start-up")
         self.startup["placement_and_processes_s"] = time.perf_counter() - t0
-        ranks = [(g.role, i) for g in gangs for i in range(len(g.actors))]
+        roles: list[tuple[str, list[Actor[Any]]]] = [
+            ("policy", policy_actors),
+            ("rollout", rollout_actors),
+            ("value", value_actors),
+        ]
+        ranks = [(role, i) for role, members in roles for i in range(len(members))]
         self.placement: list[dict[str, Any]] = [
             {"role": role, "rank": rank, **w} for (role, rank), w in zip(ranks, where, strict=True)
         ]
@@ -332,32 +151,25 @@ class Workers:
             )
             if mismatch is not None:
                 raise WorkerError(f"start-up: {mismatch}")
-        preload = [
-            a.preload.remote(ENGINE_PRELOAD[cfg.rollout.engine]) for a in self.rollout.actors
-        ]
+        preload = [a.preload(ENGINE_PRELOAD[cfg.rollout.engine]) for a in rollout_actors]
         t0 = time.perf_counter()
-        host, port = wait(
-            [self.policy.actors[0].endpoint.remote()], ["policy rank 0"], self.timeout, "start-up"
-        )[0]
+        host, port = wait_all([policy_actors[0].endpoint()], self.timeout, "start-up")[0]
         collective_s = cfg.cluster.collective_timeout_s
         builds = [
-            a.build.remote(
-                "rltrain.train.policy_worker.PolicyWorker",
+            a.build(
+                PolicyWorker,
                 cfg,
                 DistEnv(rank, policy.world_size, host, port, policy.backend, collective_s),
                 policy.threads,
             )
-            for rank, a in enumerate(self.policy.actors)
+            for rank, a in enumerate(policy_actors)
         ]
-        names = self.policy.names()
-        if self.value is not None and value_role is not None:
+        if value_role is not None:
             # The critic's own process group: its rank 0 hosts the rendezvous.
-            vhost, vport = wait(
-                [self.value.actors[0].endpoint.remote()], ["value rank 0"], self.timeout, "start-up"
-            )[0]
+            vhost, vport = wait_all([value_actors[0].endpoint()], self.timeout, "start-up")[0]
             builds += [
-                a.build.remote(
-                    "rltrain.train.value_worker.ValueWorker",
+                a.build(
+                    ValueWorker,
                     cfg,
                     DistEnv(
                         rank,
@@ -369,27 +181,26 @@ class Workers:
                     ),
                     value_role.threads,
                 )
-                for rank, a in enumerate(self.value.actors)
+                for rank, a in enumerate(value_actors)
             ]
-            names += self.value.names()
-        if plan.colocated:
+        if colocated:
             # Engines on the trainer's GPU start once the trainers hold their memory: vLLM
             # sizes its KV cache from the free memory it measures while it starts, which
             # must not change under it.
-            wait(builds, names, self.timeout, "building workers")
-            builds, names = [], []
+            wait_all(builds, self.timeout, "building workers")
+            builds = []
             self.startup["trainers_build_s"] = time.perf_counter() - t0
-        imports = wait(preload, self.rollout.names(), self.timeout, "engine imports")
+        imports = wait_all(preload, self.timeout, "engine imports")
         self.startup["engine_imports_s"] = max(imports, default=0.0)
         t1 = time.perf_counter()
+        build_engine = engine_class(cfg.rollout.engine)
         builds += [
-            a.build.remote(ENGINE_CLASSES[cfg.rollout.engine], cfg, plan.device, i, rollout.threads)
-            for i, a in enumerate(self.rollout.actors)
+            a.build(build_engine, cfg, plan.device, i, rollout.threads)
+            for i, a in enumerate(rollout_actors)
         ]
-        names += self.rollout.names()
-        wait(builds, names, self.timeout, "building workers")
+        wait_all(builds, self.timeout, "building workers")
         self.startup["engines_build_s"] = time.perf_counter() - t1
-        if not plan.colocated:  # built side by side with the trainers
+        if not colocated:  # built side by side with the trainers
             self.startup["trainers_build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._init_refit()
@@ -409,54 +220,23 @@ class Workers:
             ) from exc
         return pg
 
-    def _wait(self, refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
-        """:func:`wait`, remembering a failure so that shutdown does not wait on stuck peers."""
-        try:
-            return wait(refs, names, timeout_s, what)
-        except WorkerError:
-            self.failed = True
-            raise
-
-    def _settle(self) -> None:
-        """Wait for the engines' pending sleeps before a trainer call that needs their GPU
-        memory (training, logprobs, values, the refit's send, checkpoints); the seconds waited
-        go into the next :meth:`train`'s ``time/engine_sleep_wait``."""
-        if not self._sleeping:
-            return
-        t0 = time.perf_counter()
-        refs, names = zip(*self._sleeping, strict=True)
-        self._sleeping = []
-        self._wait(list(refs), list(names), self.call_timeout, "engine sleep")
-        self._sleep_wait_s += time.perf_counter() - t0
-
-    # -- refit wiring -----------------------------------------------------------------------
+    # -- refit ----------------------------------------------------------------------------
     def _init_refit(self) -> None:
         """One-time manifest exchange and refit-group rendezvous (policy rank 0 + replicas)."""
-        manifest = wait(
-            [self.policy.actors[0].call.remote("refit_manifest")],
-            ["policy rank 0"],
-            self.timeout,
-            "refit manifest",
+        rank0 = self.policy.actors[0]
+        manifest = self.calls.wait(
+            [rank0.call(PolicyWorker.refit_manifest)], "refit manifest", self.timeout
         )[0]
-        host, port = wait(
-            [self.policy.actors[0].call.remote("refit_endpoint")],
-            ["policy rank 0"],
-            self.timeout,
-            "refit set-up",
+        host, port = self.calls.wait(
+            [rank0.call(PolicyWorker.refit_endpoint)], "refit set-up", self.timeout
         )[0]
-        world = 1 + len(self.rollout.actors)
         transport = str(self.plan.refit["transport"])  # auto already resolved by the plan
-        refs = [
-            a.call.remote("init_refit", host, port, world, transport) for a in self.policy.actors
+        group = RefitGroup(manifest, host, port, 1 + len(self.rollout.actors), transport)
+        pending = [a.call(PolicyWorker.init_refit, group, 0) for a in self.policy.actors]
+        pending += [
+            a.call(Engine.init_refit, group, i + 1) for i, a in enumerate(self.rollout.actors)
         ]
-        refs += [
-            a.call.remote("init_refit", manifest, host, port, i + 1, world, transport)
-            for i, a in enumerate(self.rollout.actors)
-        ]
-        wait(
-            refs, self.policy.names() + self.rollout.names(), self.timeout, "refit group rendezvous"
-        )
-        self.manifest = manifest
+        self.calls.wait(pending, "refit group rendezvous", self.timeout)
 
     def refit(self, weight_version: int) -> RefitStats:
         """Push the policy's weights to every replica, stamped ``weight_version``.
@@ -465,19 +245,17 @@ class Workers:
         weights land in GPU memory they gave back, and the sender only writes once the
         receiver said it is ready (after its wake-up).
         """
-        self._settle()
-        send = self.policy.call_all("refit_send", weight_version)
-        wake = ("wake_up",) if self.plan.colocated else ()
-        recv = [a.call_between.remote(wake, "refit_receive", (), ()) for a in self.rollout.actors]
-        self.awake = [True] * len(self.rollout.actors)
-        out = self._wait(
-            send + recv,
-            self.policy.names() + self.rollout.names(),
-            self.cfg.refit.timeout_s * 2,
-            f"refit v{weight_version}",
+        self.rollout.settle()
+        send = [a.call(PolicyWorker.refit_send, weight_version) for a in self.policy.actors]
+        wake = (Engine.wake_up,) if self.plan.colocated else ()
+        recv = [a.call_after(wake, Engine.refit_receive) for a in self.rollout.actors]
+        self.rollout.awake = [True] * len(self.rollout.actors)
+        out = self.calls.wait(
+            [*send, *recv], f"refit v{weight_version}", self.cfg.refit.timeout_s * 2
         )
-        stats: RefitStats = out[0]
-        replicas: list[RefitStats] = out[len(send) :]
+        stats = out[0]
+        assert stats is not None, "policy rank 0 sends the refit"
+        replicas = [s for s in out[len(send) :] if s is not None]
         replica_versions = [s.weight_version for s in replicas]
         if any(v != weight_version for v in replica_versions):
             raise WorkerError(
@@ -485,224 +263,33 @@ class Workers:
             )
         return refit_summary(stats, replicas)
 
-    # -- rollout ------------------------------------------------------------------------------
-    def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, then_sleep: bool = True
-    ) -> RolloutBatch:
-        """Split the prompts evenly over the replicas, keep request order.
-
-        Colocated engines wake up (a no-op when awake), generate and, with
-        ``then_sleep``, go back to sleep to leave the GPU to the trainer, all in one
-        actor call per replica. ``then_sleep=False`` keeps them awake: evaluation
-        right after a refit, when the next thing the engines do is generate again
-        (an engine may discard its weights in its sleep and then needs a refit).
-        """
-        n = len(self.rollout.actors)
-        chunks = [
-            prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
-        ]
-        # A seeded call gives each replica its own stream, derived from the call's seed.
-        seeded = [
-            sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
-            for i in range(n)
-        ]
-        colocated = self.plan.colocated
-        wake = ("wake_up",) if colocated else ()
-        sleep = colocated and then_sleep
-        refs = [
-            a.call_between.remote(wake, "generate", (c, sp), ())
-            for a, c, sp in zip(self.rollout.actors, chunks, seeded, strict=True)
-            if c
-        ]
-        busy = [i for i, c in enumerate(chunks) if c]
-        if sleep:
-            # The engines go to sleep in a call of their own, queued behind the generate: the
-            # rollout comes back without waiting for it, and the sleep runs while the
-            # controller scores the responses; the next trainer call waits for it (_settle).
-            # A replica left without prompts (fewer prompts than replicas) sleeps too.
-            asleep = [i for i, c in enumerate(chunks) if c or self.awake[i]]
-            self._sleeping += [
-                (self.rollout.actors[i].call.remote("sleep"), f"rollout rank {i}") for i in asleep
-            ]
-            for i in asleep:
-                self.awake[i] = False
-        elif colocated:
-            for i in busy:
-                self.awake[i] = True
-        parts: list[RolloutBatch] = self._wait(
-            refs, self.rollout.names(busy), self.call_timeout, "generate"
-        )
-        return RolloutBatch(
-            prompt_ids=[p for b in parts for p in b.prompt_ids],
-            response_ids=[r for b in parts for r in b.response_ids],
-            response_logprobs=[lp for b in parts for lp in b.response_logprobs],
-            finished=[f for b in parts for f in b.finished],
-            weight_version=min(b.weight_version for b in parts),
-            engine_seconds=max(b.engine_seconds for b in parts),
-        )
-
-    # -- policy -------------------------------------------------------------------------------
-    def _shards(
-        self, batch: TrainBatch
-    ) -> tuple[list[TrainBatch], list[list[int]], list[list[int]]]:
-        """Rows of each policy rank, token-balanced over dp ranks within each mini batch.
-
-        The rollout is cut into consecutive mini batches (``train.mini_batch_size``
-        rows); each one's rows are split over the dp groups by token count
-        (tp ranks of a dp group share the rows). Returns, per rank, its
-        TrainBatch, the global row index of each of its rows (to put results
-        back in rollout order) and its row count per mini batch.
-        """
-        dp, tp = self.plan.batch.dp, self.cfg.dtensor.tp
-        mini = self.plan.batch.mini_batch
-        lengths = row_lengths(batch)
-        index: list[list[int]] = [[] for _ in range(dp)]
-        counts: list[list[int]] = [[] for _ in range(dp)]
-        for start in range(0, batch.size, mini):
-            groups = balance_by_tokens(lengths[start : start + mini], dp)
-            for d, group in enumerate(groups):
-                index[d].extend(start + i for i in group)
-                counts[d].append(len(group))
-        shards = [batch.select(rows) for rows in index]
-        ranks = range(len(self.policy.actors))
-        return (
-            [shards[r // tp] for r in ranks],
-            [index[r // tp] for r in ranks],
-            [counts[r // tp] for r in ranks],
-        )
-
-    def _gather_rows(self, parts: list[torch.Tensor], index: list[list[int]], like: torch.Tensor):
-        """Per-rank row results (one per dp group) back into rollout row order."""
-        out = torch.zeros(like.shape, dtype=parts[0].dtype)
-        tp = self.cfg.dtensor.tp
-        for part, rows in zip(parts[::tp], index[::tp], strict=True):
-            out[rows] = part
-        return out
-
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        self._settle()
-        shards, index, _ = self._shards(batch)
-        refs = [
-            a.call.remote("compute_logprobs", s, reference)
-            for a, s in zip(self.policy.actors, shards, strict=True)
-        ]
-        out = self._wait(
-            refs,
-            self.policy.names(),
-            self.call_timeout,
-            "reference logprobs" if reference else "logprobs",
-        )
-        return self._gather_rows(out, index, batch.input_ids_BT)
-
-    def train(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor | None]:
-        """Train on the batch; returns rank 0's metrics (already reduced over dp) and,
-        when ``batch.old_logprobs_BT`` was None, the old logprobs the training forward computed."""
-        self._settle()
-        shards, index, counts = self._shards(batch)
-        refs = [
-            a.call.remote("train", s, c)
-            for a, s, c in zip(self.policy.actors, shards, counts, strict=True)
-        ]
-        out = self._wait(refs, self.policy.names(), self.call_timeout, "train")
-        metrics, old = out[0]
-        if self.plan.colocated:
-            metrics = {**metrics, "time/engine_sleep_wait": self._sleep_wait_s}
-            self._sleep_wait_s = 0.0
-        if old is None:
-            return metrics, None
-        return metrics, self._gather_rows([o for _, o in out], index, batch.input_ids_BT)
+    # -- trainer checkpoints ------------------------------------------------------------
+    def trainer_gangs(self) -> list[TrainerGang[Any]]:
+        """Every gang whose workers are FSDPTrainers (their state is checkpointed)."""
+        return [g for g in (self.policy, self.value) if g is not None]
 
     def export_hf(self, path: str, metadata: dict) -> str:
-        self._settle()
-        out = self._wait(
-            self.policy.call_all("export_hf", path, metadata),
-            self.policy.names(),
-            self.call_timeout,
-            "checkpoint",
-        )[0]
-        if self.value is not None:  # the critic next to the policy: <path>/value
-            self._wait(
-                self.value.call_all("export_hf", f"{path}/value", {**metadata, "role": "value"}),
-                self.value.names(),
-                self.call_timeout,
-                "value checkpoint",
-            )
+        """The policy as an HF folder at ``path``, the critic (PPO) at ``<path>/value``."""
+        out = self.policy.export_hf(path, metadata)
+        if self.value is not None:
+            self.value.export_hf(f"{path}/value", {**metadata, "role": "value"})
         return out
-
-    # -- value (PPO's critic) ------------------------------------------------------------------
-    def _value_shards(
-        self, batch: TrainBatch
-    ) -> tuple[list[TrainBatch], list[list[int]], list[list[int]], int]:
-        """Rows per value rank: like :meth:`_shards`, over the critic's own dp x tp mesh.
-
-        Returns per rank its TrainBatch, global row indices and row count per
-        mini batch, plus the critic's tp (ranks of one dp group share rows).
-        """
-        assert self.value is not None and self.plan.value_batch is not None, "algorithm is not ppo"
-        dp = self.plan.value_batch.dp
-        tp = len(self.value.actors) // dp
-        mini = self.plan.value_batch.mini_batch
-        lengths = row_lengths(batch)
-        index: list[list[int]] = [[] for _ in range(dp)]
-        counts: list[list[int]] = [[] for _ in range(dp)]
-        for start in range(0, batch.size, mini):
-            for d, group in enumerate(balance_by_tokens(lengths[start : start + mini], dp)):
-                index[d].extend(start + i for i in group)
-                counts[d].append(len(group))
-        ranks = range(len(self.value.actors))
-        return (
-            [batch.select(index[r // tp]) for r in ranks],
-            [index[r // tp] for r in ranks],
-            [counts[r // tp] for r in ranks],
-            tp,
-        )
-
-    def values(self, batch: TrainBatch) -> torch.Tensor:
-        """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
-        self._settle()
-        assert self.value is not None
-        shards, index, _, tp = self._value_shards(batch)
-        refs = [a.call.remote("values", s) for a, s in zip(self.value.actors, shards, strict=True)]
-        parts = self._wait(refs, self.value.names(), self.call_timeout, "values")
-        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-        for part, rows in zip(parts[::tp], index[::tp], strict=True):
-            out[rows] = part
-        return out
-
-    def train_value(self, batch: TrainBatch) -> dict[str, float]:
-        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
-        (already reduced over the critic's dp ranks)."""
-        self._settle()
-        assert self.value is not None
-        shards, _, counts, _ = self._value_shards(batch)
-        refs = [
-            a.call.remote("train", s, c)
-            for a, s, c in zip(self.value.actors, shards, counts, strict=True)
-        ]
-        return self._wait(refs, self.value.names(), self.call_timeout, "value train")[0]
-
-    # -- trainer checkpoints ----------------------------------------------------------------
-    def trainer_gangs(self) -> list[Gang]:
-        """Every gang whose workers are FSDPTrainers (their state is checkpointed)."""
-        return [g for g in (self.policy, getattr(self, "value", None)) if g is not None]
 
     def save_state(self, path: str) -> list[str]:
-        """Sharded checkpoint of every trainer gang into ``<path>/<role>`` (all ranks of each)."""
-        self._settle()
-        refs, names = [], []
+        """Sharded checkpoint of every trainer gang into ``<path>/<role>`` (all ranks of each,
+        the gangs side by side); returns the roles saved."""
+        pending: list[Pending[Any]] = []
         for gang in self.trainer_gangs():
-            refs += gang.call_all("save_state", f"{path}/{gang.role}")
-            names += gang.names()
-        self._wait(refs, names, self.call_timeout, "saving trainer state")
+            pending += gang.save_state(f"{path}/{gang.role}")
+        self.calls.wait(pending, "saving trainer state")
         return [g.role for g in self.trainer_gangs()]
 
     def load_state(self, path: str) -> None:
         """Load ``<path>/<role>`` into every trainer gang (the gangs may have another dp size)."""
-        refs, names = [], []
+        pending: list[Pending[Any]] = []
         for gang in self.trainer_gangs():
-            refs += gang.call_all("load_state", f"{path}/{gang.role}")
-            names += gang.names()
-        self._wait(refs, names, self.call_timeout, f"loading trainer state from {path}")
+            pending += gang.load_state(f"{path}/{gang.role}")
+        self.calls.wait(pending, f"loading trainer state from {path}")
 
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement groups.
@@ -712,17 +299,18 @@ class Workers:
         Otherwise they get cluster.failure_timeout_s to leave their groups.
         """
         grace = self.cfg.cluster.failure_timeout_s
-        value_actors = self.value.actors if self.value is not None else []
         if not self.failed:
-            for gang in [self.policy] + ([self.value] if self.value is not None else []):
+            for gang in self.trainer_gangs():
                 with contextlib.suppress(Exception):  # best effort on the way out
-                    ray.get(gang.call_all("shutdown"), timeout=grace)
+                    wait_all(gang.shutdown(), grace, "shutdown")
             if self.rollout.actors:
                 with contextlib.suppress(Exception):  # frees the engine (and its model folder)
-                    ray.get(self.rollout.call_all("shutdown"), timeout=grace)
-        for a in self.policy.actors + self.rollout.actors + value_actors:
+                    wait_all(self.rollout.shutdown(), grace, "shutdown")
+        value_actors: list[Actor[Any]] = list(self.value.actors) if self.value is not None else []
+        everyone: list[Actor[Any]] = [*self.policy.actors, *self.rollout.actors, *value_actors]
+        for a in everyone:
             with contextlib.suppress(Exception):
-                ray.kill(a)
+                a.kill()
         for pg in self.pgs:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)

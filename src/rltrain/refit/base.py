@@ -151,6 +151,21 @@ def plan_refit(
     return plan_buckets(shapes, dtype, bucket_bytes, num_buffers, bucket_bytes // 8, ramp)
 
 
+@dataclass(frozen=True)
+class RefitGroup:
+    """Where the refit group meets, what it moves and over which transport (one per run).
+
+    Group rank 0 is policy rank 0 (the sender); replica i is group rank i + 1.
+    ``transport`` is resolved (gloo, nccl or ipc: the plan turns ``auto`` into one).
+    """
+
+    manifest: RefitManifest
+    host: str
+    port: int
+    world_size: int
+    transport: str = "gloo"
+
+
 @dataclass
 class RefitStats:
     """Timing of one refit on one side."""

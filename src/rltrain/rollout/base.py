@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from rltrain.refit.base import RefitManifest, RefitStats
+from rltrain.refit.base import RefitGroup, RefitStats
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RolloutBatch:
 class Engine(Protocol):
     """A rollout engine replica: every method the rollout pool (``cluster/workers.py``) calls.
 
-    Refit: ``init_refit`` once, then ``refit_receive`` after every optimizer step
+    Refit: ``init_refit`` once (as group rank ``rank`` >= 1), then ``refit_receive`` after every optimizer step
     (see ``refit/``). Colocated on the trainer's GPU, the pool calls ``sleep``
     after each ``generate`` and ``wake_up`` before the next ``generate`` or
     refit; ``wake_up`` is a no-op when awake. What sleeping frees is the
@@ -51,15 +51,7 @@ class Engine(Protocol):
 
     def weight_version(self) -> int: ...
 
-    def init_refit(
-        self,
-        manifest: RefitManifest,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        transport: str = "gloo",
-    ) -> None: ...
+    def init_refit(self, group: RefitGroup, rank: int) -> None: ...
 
     def refit_receive(self) -> RefitStats: ...
 

@@ -15,7 +15,7 @@ from rltrain.algorithms.logprobs import scale_logits
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit import RefitReceiver, make_refit_receiver
-from rltrain.refit.base import RefitManifest, RefitStats
+from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 
@@ -183,18 +183,11 @@ class TorchEngine:
         self._version = weight_version
         return n
 
-    def init_refit(
-        self,
-        manifest: RefitManifest,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        transport: str = "gloo",
-    ) -> None:
-        """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest comes
-        from the policy. Where the transport can, the weights become views into its bucket
-        storage so a refit lands in place."""
+    def init_refit(self, group: RefitGroup, rank: int) -> None:
+        """Join the refit ``group`` as group rank ``rank`` (>= 1); the manifest comes from the
+        policy. Where the transport can, the weights become views into its bucket storage so
+        a refit lands in place."""
+        manifest = group.manifest
         missing = [s.name for b in manifest.buckets for s in b.slots if s.name not in self._params]
         if missing:
             raise KeyError(
@@ -202,7 +195,15 @@ class TorchEngine:
             )
         r = self.cfg.refit
         self.refit_receiver = make_refit_receiver(
-            transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify
+            group.transport,
+            manifest,
+            group.host,
+            group.port,
+            rank,
+            group.world_size,
+            r.timeout_s,
+            self.device,
+            r.verify,
         )
         self.refit_in_place = self.refit_receiver.bind(self._params)
 

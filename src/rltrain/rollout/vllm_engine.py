@@ -45,7 +45,7 @@ from rltrain import env
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit import RefitReceiver, make_refit_receiver
-from rltrain.refit.base import RefitManifest, RefitStats
+from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_landing import VllmLanding, build_landing
 
@@ -307,23 +307,23 @@ class VLLMEngine:
         self._version = weight_version
         return count
 
-    def init_refit(
-        self,
-        manifest: RefitManifest,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        transport: str = "gloo",
-    ) -> None:
-        """Join the refit group as rank ``rank`` (>= 1) over ``transport``; the manifest
-        comes from the policy. Then map the manifest onto vLLM's parameters once, so every
-        refit lands each bucket with one fused copy (see ``vllm_landing.py``)."""
+    def init_refit(self, group: RefitGroup, rank: int) -> None:
+        """Join the refit ``group`` as group rank ``rank`` (>= 1); the manifest comes from the
+        policy. Then map the manifest onto vLLM's parameters once, so every refit lands each
+        bucket with one fused copy (see ``vllm_landing.py``)."""
         r = self.cfg.refit
         self.refit_receiver = make_refit_receiver(
-            transport, manifest, host, port, rank, world_size, r.timeout_s, self.device, r.verify
+            group.transport,
+            group.manifest,
+            group.host,
+            group.port,
+            rank,
+            group.world_size,
+            r.timeout_s,
+            self.device,
+            r.verify,
         )
-        self.landing, self.landing_note = self._build_landing(manifest)
+        self.landing, self.landing_note = self._build_landing(group.manifest)
 
     def _model(self) -> torch.nn.Module:
         """vLLM's model object (in this process: one tensor-parallel rank, in-process core)."""

@@ -1,9 +1,10 @@
-"""TrainBatch: the padded tensors a trainer consumes, built from a rollout."""
+"""TrainBatch: the padded tensors a trainer consumes, built from a rollout; TrainResult:
+what its ``train`` returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,6 +76,19 @@ class TrainBatch:
             for f in fields(self)
         }
         return replace(self, **moved)
+
+
+class TrainResult(NamedTuple):
+    """What a trainer's ``train`` returns (policy and value alike).
+
+    ``metrics``: the update's metrics, already reduced over data-parallel ranks.
+    ``old_logprobs_BT``: the policy's logprobs before the update, computed by the
+    training forward when the batch came without them (the fused on-policy step);
+    None otherwise, and always None from the value model.
+    """
+
+    metrics: dict[str, float]
+    old_logprobs_BT: torch.Tensor | None = None
 
 
 def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id: int) -> TrainBatch:

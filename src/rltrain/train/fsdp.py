@@ -28,7 +28,7 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import TrainBatch, TrainResult
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
 from rltrain.train.compile import (
     CompileCounter,
@@ -357,6 +357,12 @@ class FSDPTrainer:
         divided by anything. Metric values are local (see train/metrics.py).
         The per-token output (e.g. logprobs) is detached, in micro layout.
         """
+        raise NotImplementedError
+
+    def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
+        """Subclass hook: the role's update on this rank's rows (``mini_batch_rows``: its row
+        count per mini batch; null = equal parts of ``train.mini_batch_size / dp``), through
+        :meth:`train_steps`."""
         raise NotImplementedError
 
     @property

@@ -10,7 +10,7 @@ Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every ran
 from __future__ import annotations
 
 import gc
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -102,7 +102,7 @@ def _varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     k = key.transpose(1, 2).reshape(B * S, key.shape[1], D)
     v = value.transpose(1, 2).reshape(B * S, value.shape[1], D)
     opts = _VARLEN_OPTIONS
-    extra: dict[str, object] = {}
+    extra: dict[str, Any] = {}  # keyword arguments of this torch's varlen_attn
     if opts["window_size"]:
         extra["window_size"] = (-1, 0)  # causal
     else:
@@ -121,7 +121,7 @@ def _varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0
             f"model scales by {scaling}, not 1/sqrt(head_dim); use train.attention=flex"
         )
     max_len = kwargs["max_length_q"]
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+    out = cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra))
     return out.view(B, S, H, D), None
 
 

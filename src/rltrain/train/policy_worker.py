@@ -17,9 +17,9 @@ from rltrain.algorithms.logprobs import chunked_token_logprobs
 from rltrain.algorithms.losses import Objective, policy_loss
 from rltrain.config.schema import RunConfig
 from rltrain.refit import RefitSender, make_refit_sender
-from rltrain.refit.base import RefitManifest, RefitStats, plan_refit
+from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv, free_port, node_ip
 from rltrain.train.fsdp import FSDPTrainer, MicroLoss, _hf_name
 from rltrain.train.metrics import MetricKind
@@ -135,9 +135,7 @@ class PolicyWorker(FSDPTrainer):
         metrics["loss"] = (kind, out.loss_sum.detach())
         return MicroLoss(out.loss_sum, kind, metrics, lp.detach(), (out.tokens, out.sequences))
 
-    def train(
-        self, batch: TrainBatch, mini_batch_rows: list[int] | None = None
-    ) -> tuple[dict[str, float], torch.Tensor | None]:
+    def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
         """Clipped policy-gradient training on this rank's rows.
 
         Rows are cut into mini batches (one optimizer step each, ``epochs``
@@ -148,7 +146,7 @@ class PolicyWorker(FSDPTrainer):
 
         ``old_logprobs_BT=None`` is allowed only when the step is on-policy with
         a single optimizer step: the training forward then yields the old
-        logprobs too (saving a forward pass), returned as the second value.
+        logprobs too (saving a forward pass), returned as ``old_logprobs_BT``.
         """
         t0 = time.perf_counter()
         a, t = self.cfg.algorithm, self.cfg.train
@@ -176,7 +174,7 @@ class PolicyWorker(FSDPTrainer):
         metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
         self.settle_device()
         metrics["time/train_worker"] = time.perf_counter() - t0
-        return metrics, old
+        return TrainResult(metrics, old)
 
     # -- refit (sender side) -------------------------------------------------------------
     def refit_manifest(self) -> RefitManifest:
@@ -191,20 +189,23 @@ class PolicyWorker(FSDPTrainer):
         """Address of the refit group's store (rank 0 hosts it)."""
         return node_ip(), free_port()
 
-    def init_refit(self, host: str, port: int, world_size: int, transport: str = "gloo") -> None:
-        """Every rank builds the per-bucket gatherer (collective); rank 0 also joins the
-        refit group as its root over ``transport`` (the plan's resolved refit transport)."""
-        manifest = self.manifest or self.refit_manifest()
+    def init_refit(self, group: RefitGroup, rank: int) -> None:
+        """Every rank builds the per-bucket gatherer (collective); policy rank 0 also joins
+        the refit ``group`` as its root (group ``rank`` 0, the only rank a policy takes).
+        ``group.manifest`` is :meth:`refit_manifest`'s (the same on every rank)."""
+        if rank != 0:
+            raise ValueError(f"the policy is group rank 0 of the refit group, not {rank}")
+        manifest = self.manifest = group.manifest
         params = {_hf_name(n): p for n, p in self.model.named_parameters()}
         self.gatherer = BucketGatherer(params, manifest, device=self.device)
         if self.is_rank0:
             r = self.cfg.refit
             self.sender = make_refit_sender(
-                transport,
+                group.transport,
                 manifest,
-                host,
-                port,
-                world_size,
+                group.host,
+                group.port,
+                group.world_size,
                 r.timeout_s,
                 self.device,
                 r.verify,

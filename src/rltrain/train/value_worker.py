@@ -21,7 +21,7 @@ from rltrain.algorithms.losses import clipped_value_loss
 from rltrain.algorithms.values import explained_variance, explained_variance_sums, right_shift
 from rltrain.config.schema import RunConfig, value_run_config
 from rltrain.models.loader import build_empty_model, load_model
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv
 from rltrain.train.fsdp import FSDPTrainer
 from rltrain.train.metrics import MetricKind
@@ -152,9 +152,7 @@ class ValueWorker(FSDPTrainer):
             metrics[name] = (S, x)
         return loss_sum, MetricKind.TOKEN_MEAN, metrics, values.detach()
 
-    def train(
-        self, batch: TrainBatch, mini_batch_rows: list[int] | None = None
-    ) -> dict[str, float]:
+    def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
         """Clipped value regression of this rank's rows onto ``batch.returns_BT``.
 
         Needs ``returns_BT`` and ``old_values_BT`` (what :meth:`values` gave
@@ -164,7 +162,8 @@ class ValueWorker(FSDPTrainer):
         step: the loss is the token mean over each mini batch on every dp rank.
         Explained variance is exact over the whole batch: its sums add over
         micro batches and dp ranks across the first epoch (each row once, with
-        its mini batch's pre-update weights). Returns metrics reduced over dp.
+        its mini batch's pre-update weights). Returns metrics reduced over dp (no per-token
+        output: ``old_logprobs_BT`` is None).
         """
         t0 = time.perf_counter()
         a, t = self.run_cfg.algorithm, self.cfg.train
@@ -193,7 +192,7 @@ class ValueWorker(FSDPTrainer):
         metrics.update(self.compile_metrics("value/"))  # since the last train(): values too
         self.settle_device()
         metrics["time/value_worker"] = time.perf_counter() - t0
-        return metrics
+        return TrainResult(metrics)
 
 
 def _backbone(causal_lm: torch.nn.Module) -> PreTrainedModel:

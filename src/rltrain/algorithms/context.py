@@ -1,0 +1,40 @@
+"""RunContext: what a controller loop is handed (config, plan, role handles, data)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rltrain.cluster.handles import PolicyGang, RolloutPool, ValueGang
+    from rltrain.config.schema import RunConfig
+    from rltrain.data import Task
+    from rltrain.plan import RunPlan
+    from rltrain.refit.base import RefitStats
+
+
+@dataclass
+class RunContext:
+    """Everything a loop (``train_grpo``, ``train_ppo``) reads; the runner builds it.
+
+    ``policy``, ``rollout`` and ``value`` (PPO's critic; None for GRPO) are the
+    role handles: their methods are the workers' API (``ctx.policy.train(batch)``,
+    ``ctx.rollout.generate(prompt_ids, sampling)``). ``refit(weight_version)``
+    pushes the policy's weights into the rollout pool stamped with that version;
+    ``checkpoint(step, weight_version)`` saves a complete checkpoint and returns its
+    folder. The loop continues after ``start_step`` with the rollout engines holding
+    ``weight_version`` (0 and 0 for a fresh run).
+    """
+
+    cfg: RunConfig
+    plan: RunPlan
+    policy: PolicyGang
+    rollout: RolloutPool
+    value: ValueGang | None
+    task: Task
+    tokenizer: Any  # a transformers tokenizer
+    refit: Callable[[int], RefitStats]
+    checkpoint: Callable[[int, int], str]
+    start_step: int = 0
+    weight_version: int = 0

@@ -1,0 +1,329 @@
+"""Typed role handles: the worker API of each role over its Ray actors.
+
+The controller calls :class:`PolicyGang` (``ctx.policy``), :class:`ValueGang`
+(``ctx.value``, PPO's critic) and :class:`RolloutPool` (``ctx.rollout``) like
+plain objects: batches go in, results come back in rollout row order. Each
+method shards its input over the ranks (token-balanced over data-parallel
+ranks), calls the worker class's own method on every actor through
+:meth:`rltrain.cluster.actors.Actor.call` and waits with the run's call timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar, cast
+
+import torch
+
+from rltrain.cluster.actors import Actor, Pending, WorkerError, wait_all
+from rltrain.rollout.base import Engine, RolloutBatch, SamplingParams
+from rltrain.train.batch import TrainBatch, TrainResult
+from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.packing import balance_by_tokens, row_lengths
+from rltrain.train.policy_worker import PolicyWorker
+from rltrain.train.value_worker import ValueWorker
+
+R = TypeVar("R")
+T = TypeVar("T", bound=FSDPTrainer)
+
+
+class Calls:
+    """What a run's handles share: the call timeout, whether a call failed (the shutdown
+    then kills without waiting), and the wait for a colocated pool's pending sleeps
+    that trainer calls do first (set by :class:`RolloutPool`)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.failed = False
+        self.settle: Callable[[], None] = lambda: None
+
+    def wait(
+        self, pending: Sequence[Pending[R]], what: str, timeout_s: float | None = -1.0
+    ) -> list[R]:
+        """:func:`wait_all` with the call timeout (or ``timeout_s`` when given), remembering
+        a failure."""
+        try:
+            return wait_all(pending, self.timeout_s if timeout_s == -1.0 else timeout_s, what)
+        except WorkerError:
+            self.failed = True
+            raise
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A batch cut over a gang's ranks: per rank its rows (tp ranks of one dp group share
+    them), their global row indices, and its row count per mini batch."""
+
+    batches: list[TrainBatch]
+    index: list[list[int]]
+    counts: list[list[int]]
+    tp: int
+
+    def gather(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """Per-rank row results (one per dp group) back into rollout row order."""
+        out = torch.zeros(like.shape, dtype=parts[0].dtype)
+        for part, rows in zip(parts[:: self.tp], self.index[:: self.tp], strict=True):
+            out[rows] = part
+        return out
+
+
+def shard_rows(batch: TrainBatch, dp: int, tp: int, mini_batch: int) -> Shards:
+    """Rows of each of the ``dp * tp`` ranks, token-balanced over dp within each mini batch.
+
+    The rollout is cut into consecutive mini batches (``mini_batch`` rows); each
+    one's rows are split over the dp groups by token count.
+    """
+    lengths = row_lengths(batch)
+    index: list[list[int]] = [[] for _ in range(dp)]
+    counts: list[list[int]] = [[] for _ in range(dp)]
+    for start in range(0, batch.size, mini_batch):
+        for d, group in enumerate(balance_by_tokens(lengths[start : start + mini_batch], dp)):
+            index[d].extend(start + i for i in group)
+            counts[d].append(len(group))
+    shards = [batch.select(rows) for rows in index]
+    ranks = range(dp * tp)
+    return Shards(
+        [shards[r // tp] for r in ranks],
+        [index[r // tp] for r in ranks],
+        [counts[r // tp] for r in ranks],
+        tp,
+    )
+
+
+class TrainerGang(Generic[T]):
+    """The ranks of one FSDP trainer role (policy or value): what both can do.
+
+    ``dp`` data-parallel groups of ``len(actors) // dp`` tensor-parallel ranks;
+    ``mini_batch`` rows per optimizer step (the plan's batch math).
+    """
+
+    def __init__(
+        self, role: str, actors: list[Actor[T]], dp: int, mini_batch: int, calls: Calls
+    ) -> None:
+        self.role = role
+        self.actors = actors
+        self.dp = dp
+        self.tp = max(1, len(actors) // dp)
+        self.mini_batch = mini_batch
+        self.calls = calls
+
+    def names(self) -> list[str]:
+        return [a.name for a in self.actors]
+
+    def shards(self, batch: TrainBatch) -> Shards:
+        return shard_rows(batch, self.dp, self.tp, self.mini_batch)
+
+    def _train(self, batch: TrainBatch, what: str) -> tuple[list[TrainResult], Shards]:
+        """Every rank's :meth:`FSDPTrainer.train` on its shard (rows per mini batch given)."""
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(FSDPTrainer.train, s, c)
+            for a, s, c in zip(self.actors, shards.batches, shards.counts, strict=True)
+        ]
+        return self.calls.wait(pending, what), shards
+
+    def export_hf(self, path: str, metadata: dict) -> str:
+        """The model as an HF folder at ``path`` (rank 0 writes it); returns the path."""
+        self.calls.settle()
+        pending = [a.call(FSDPTrainer.export_hf, path, metadata) for a in self.actors]
+        what = "checkpoint" if self.role == "policy" else "value checkpoint"
+        return self.calls.wait(pending, what)[0]
+
+    def save_state(self, path: str) -> Sequence[Pending[str]]:
+        """Start a sharded checkpoint into ``path`` on every rank; wait on what it returns."""
+        self.calls.settle()
+        return [a.call(FSDPTrainer.save_state, path) for a in self.actors]
+
+    def load_state(self, path: str) -> Sequence[Pending[dict]]:
+        """Start loading ``path`` on every rank (any earlier dp size); wait on what it returns."""
+        return [a.call(FSDPTrainer.load_state, path) for a in self.actors]
+
+    def shutdown(self) -> Sequence[Pending[None]]:
+        """Leave the process group on every rank."""
+        return [a.call(FSDPTrainer.shutdown) for a in self.actors]
+
+
+class PolicyGang(TrainerGang[PolicyWorker]):
+    """``ctx.policy``: logprobs, the training step (whole or split), checkpoints."""
+
+    def __init__(
+        self,
+        actors: list[Actor[PolicyWorker]],
+        dp: int,
+        mini_batch: int,
+        calls: Calls,
+        sleep_wait: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__("policy", actors, dp, mini_batch, calls)
+        # Seconds trainer calls waited on colocated engines' sleeps since the last train().
+        self.sleep_wait = sleep_wait
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Token-aligned logprobs_BT of every row under the current (or reference) policy."""
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(PolicyWorker.compute_logprobs, s, reference)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        what = "reference logprobs" if reference else "logprobs"
+        return shards.gather(self.calls.wait(pending, what), batch.input_ids_BT)
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        """Train on the batch (its mini batches and epochs); rank 0's metrics (already reduced
+        over dp) and, when ``batch.old_logprobs_BT`` was None, the old logprobs the training
+        forward computed, in rollout row order."""
+        results, shards = self._train(batch, "train")
+        metrics = results[0].metrics
+        if self.sleep_wait is not None:
+            metrics = {**metrics, "time/engine_sleep_wait": self.sleep_wait()}
+        if results[0].old_logprobs_BT is None:
+            return TrainResult(metrics)
+        old = [cast(torch.Tensor, r.old_logprobs_BT) for r in results]
+        return TrainResult(metrics, shards.gather(old, batch.input_ids_BT))
+
+    # -- the split step: begin -> train_microbatch (any number) -> finish, or abort ------
+    def begin_train_step(self) -> None:
+        """Open one optimizer step on every rank."""
+        self.calls.settle()
+        self.calls.wait([a.call(PolicyWorker.begin_train_step) for a in self.actors], "train")
+
+    def train_microbatch(self, batch: TrainBatch, last: bool = True) -> None:
+        """Forward/backward of ``batch`` as one micro batch per dp group (rows token-balanced
+        over dp; a group left without rows runs an empty one). ``last=False``: more micro
+        batches of this step follow (see ``dtensor.grad_sync``)."""
+        shards = shard_rows(batch, self.dp, self.tp, max(batch.size, 1))
+        pending = [
+            a.call(PolicyWorker.train_microbatch, s if s.size else None, last)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        self.calls.wait(pending, "train")
+
+    def finish_train_step(self) -> dict[str, float]:
+        """Reduce, scale, clip and step on every rank; rank 0's metrics (reduced over dp)."""
+        pending = [a.call(PolicyWorker.finish_train_step) for a in self.actors]
+        return self.calls.wait(pending, "train")[0]
+
+    def abort_train_step(self) -> None:
+        """Drop the open step's gradients on every rank (weights untouched)."""
+        self.calls.wait([a.call(PolicyWorker.abort_train_step) for a in self.actors], "train")
+
+
+class ValueGang(TrainerGang[ValueWorker]):
+    """``ctx.value`` (PPO's critic): values before the update, and its update."""
+
+    def __init__(
+        self, actors: list[Actor[ValueWorker]], dp: int, mini_batch: int, calls: Calls
+    ) -> None:
+        super().__init__("value", actors, dp, mini_batch, calls)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(ValueWorker.values, s) for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        return shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT)
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
+        (already reduced over the critic's dp ranks)."""
+        return self._train(batch, "value train")[0][0]
+
+
+class RolloutPool:
+    """``ctx.rollout``: the engine replicas; prompts fan out over them, rows come back in
+    request order.
+
+    Colocated engines (on the trainers' GPUs) wake up before they generate or receive
+    weights and go back to sleep after generating, so that the trainers get the memory.
+    """
+
+    def __init__(self, actors: list[Actor[Engine]], colocated: bool, calls: Calls) -> None:
+        self.actors = actors
+        self.colocated = colocated
+        self.calls = calls
+        # Which replicas hold GPU memory now (colocated engines sleep between steps).
+        self.awake = [True] * len(actors)
+        # Sleep calls still running after a generate returned (see generate), and the seconds
+        # trainer calls have waited on them since the last train_sleep_wait().
+        self._sleeping: list[Pending[None]] = []
+        self._sleep_wait_s = 0.0
+        calls.settle = self.settle
+
+    def names(self) -> list[str]:
+        return [a.name for a in self.actors]
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, then_sleep: bool = True
+    ) -> RolloutBatch:
+        """Split the prompts evenly over the replicas, keep request order.
+
+        Colocated engines wake up (a no-op when awake), generate and, with
+        ``then_sleep``, go back to sleep to leave the GPU to the trainer, all in one
+        actor call per replica. ``then_sleep=False`` keeps them awake: evaluation
+        right after a refit, when the next thing the engines do is generate again
+        (an engine may discard its weights in its sleep and then needs a refit).
+        """
+        n = len(self.actors)
+        chunks = [
+            prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
+        ]
+        # A seeded call gives each replica its own stream, derived from the call's seed.
+        seeded = [
+            sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
+            for i in range(n)
+        ]
+        wake = (Engine.wake_up,) if self.colocated else ()
+        sleep = self.colocated and then_sleep
+        pending = [
+            a.call_after(wake, Engine.generate, c, sp)
+            for a, c, sp in zip(self.actors, chunks, seeded, strict=True)
+            if c
+        ]
+        busy = [i for i, c in enumerate(chunks) if c]
+        if sleep:
+            # The engines go to sleep in a call of their own, queued behind the generate: the
+            # rollout comes back without waiting for it, and the sleep runs while the
+            # controller scores the responses; the next trainer call waits for it (settle).
+            # A replica left without prompts (fewer prompts than replicas) sleeps too.
+            asleep = [i for i, c in enumerate(chunks) if c or self.awake[i]]
+            self._sleeping += [self.actors[i].call(Engine.sleep) for i in asleep]
+            for i in asleep:
+                self.awake[i] = False
+        elif self.colocated:
+            for i in busy:
+                self.awake[i] = True
+        parts = self.calls.wait(pending, "generate")
+        return RolloutBatch(
+            prompt_ids=[p for b in parts for p in b.prompt_ids],
+            response_ids=[r for b in parts for r in b.response_ids],
+            response_logprobs=[lp for b in parts for lp in b.response_logprobs],
+            finished=[f for b in parts for f in b.finished],
+            weight_version=min(b.weight_version for b in parts),
+            engine_seconds=max(b.engine_seconds for b in parts),
+        )
+
+    def settle(self) -> None:
+        """Wait for the engines' pending sleeps before a trainer call that needs their GPU
+        memory (training, logprobs, values, the refit's send, checkpoints); the seconds
+        waited go into the next :meth:`take_sleep_wait`."""
+        if not self._sleeping:
+            return
+        t0 = time.perf_counter()
+        sleeping, self._sleeping = self._sleeping, []
+        self.calls.wait(sleeping, "engine sleep")
+        self._sleep_wait_s += time.perf_counter() - t0
+
+    def take_sleep_wait(self) -> float:
+        """Seconds trainer calls waited on engine sleeps since the last call of this."""
+        waited, self._sleep_wait_s = self._sleep_wait_s, 0.0
+        return waited
+
+    def shutdown(self) -> Sequence[Pending[None]]:
+        """Free every engine (and its model folder)."""
+        return [a.call(Engine.shutdown) for a in self.actors]
