@@ -257,9 +257,9 @@ def standalone_worker(spec: dict) -> None:
     """
     import torch
 
-    from rltrain.algorithms.collect import sampling_params, step_seed
     from rltrain.config.compose import compose, load_run_config
     from rltrain.data import build_task, encode_groups
+    from rltrain.loops.collect import sampling_params, step_seed
     from rltrain.models.loader import load_tokenizer
 
     config_yaml = Path(spec["run_dir"]) / "config.yaml"

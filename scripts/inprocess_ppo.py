@@ -1,4 +1,4 @@
-"""The PPO loop (``rltrain.algorithms.ppo.train_ppo``) with its workers in one process
+"""The PPO loop (``rltrain.loops.ppo.train_ppo``) with its workers in one process
 (and the GRPO loop, for ``algorithm.name=grpo``).
 
 No Ray: a policy, a value worker and a torch engine (each a gang of one,
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from rltrain.algorithms.context import RunContext
 from rltrain.config.schema import RunConfig
+from rltrain.loops.context import RunContext
 from rltrain.plan import Resources, RunPlan, make_plan
 from rltrain.refit.base import RefitStats
 from rltrain.rollout.base import RolloutBatch, SamplingParams
@@ -108,8 +108,8 @@ def run_ppo_in_process(
 ) -> list[dict[str, float]]:
     """``cfg.max_steps`` steps of the config's loop (PPO, or GRPO for ``algorithm.name=grpo``);
     returns one metrics dict per step (``on_step(step, m)`` too)."""
-    from rltrain.algorithms.grpo import train_grpo
-    from rltrain.algorithms.ppo import train_ppo
+    from rltrain.loops.grpo import train_grpo
+    from rltrain.loops.ppo import train_ppo
 
     loop = train_ppo if cfg.algorithm.name == "ppo" else train_grpo
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rltrain.algorithms.evaluate import eval_sampling, evaluate
 from rltrain.algorithms.logprobs import scale_logits
 from rltrain.cli import ALGORITHMS, app
 from rltrain.config.compose import group_options
 from rltrain.config.errors import ConfigError
 from rltrain.data import build_task
+from rltrain.loops.evaluate import eval_sampling, evaluate
 from rltrain.models.loader import blocked_token_ids
 from rltrain.rollout.base import SamplingParams
 from rltrain.rollout.torch_engine import TorchEngine

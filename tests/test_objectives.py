@@ -436,9 +436,9 @@ class _FakeRollouts:
 
 @pytest.mark.parametrize("max_rounds", [4, 2])
 def test_dynamic_sampling_refills_from_later_rounds_within_the_bound(max_rounds):
-    from rltrain.algorithms.collect import collect_dynamic, sampling_params
     from rltrain.data import build_task
     from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.collect import collect_dynamic, sampling_params
     from rltrain.models.tiny import build_tokenizer
     from tests.conftest import tiny_config
 
@@ -452,7 +452,7 @@ def test_dynamic_sampling_refills_from_later_rounds_within_the_bound(max_rounds)
     tok = build_tokenizer(cfg.data.alphabet)
     engine = _FakeRollouts(tok, varied=[0, 3, 2, 4])  # informative groups per round: 0, 3, 2
     ctx = SimpleNamespace(
-        cfg=cfg, task=build_task(cfg.data, cfg.seed), tokenizer=tok, workers=engine
+        cfg=cfg, task=build_task(cfg.data, cfg.seed), tokenizer=tok, rollout=engine
     )
     got = collect_dynamic(ctx, 1, sampling_params(cfg), 0, StageTimer())
     assert len(got.rollout.response_ids) == 32 and got.rewards.shape == (32,)

@@ -266,9 +266,9 @@ def eval_(
     """
     from pathlib import Path
 
-    from rltrain.algorithms.evaluate import evaluate_model
     from rltrain.config.compose import load_run_config
     from rltrain.config.errors import ConfigError
+    from rltrain.loops.evaluate import evaluate_model
 
     run_config = Path(model).parent.parent / "config.yaml"
     try:

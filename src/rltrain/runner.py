@@ -21,9 +21,9 @@ from rltrain.config.schema import RunConfig
 from rltrain.plan import Resources, make_plan
 
 if TYPE_CHECKING:
-    from rltrain.algorithms.context import RunContext
     from rltrain.cluster.workers import Workers
     from rltrain.data import Task
+    from rltrain.loops.context import RunContext
 
 
 def save_checkpoint(
@@ -158,10 +158,10 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     prepare_output_dir(out)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
-    from rltrain.algorithms.context import RunContext
     from rltrain.cluster.workers import Workers
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
+    from rltrain.loops.context import RunContext
 
     phases = {"before_cluster_s": time.perf_counter() - t0}
     t_ray = time.perf_counter()
@@ -304,11 +304,11 @@ def _write_report(out: Path, console: Console) -> None:
 
 def _algorithm_loop(name: str):
     if name == "grpo":
-        from rltrain.algorithms.grpo import train_grpo
+        from rltrain.loops.grpo import train_grpo
 
         return train_grpo
     if name == "ppo":
-        from rltrain.algorithms.ppo import train_ppo
+        from rltrain.loops.ppo import train_ppo
 
         return train_ppo
     raise ValueError(f"no loop for algorithm {name}")

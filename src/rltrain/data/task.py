@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rltrain.config.errors import ConfigError
-from rltrain.config.schema import DataConfig, RewardConfig
-
 
 @dataclass(frozen=True)
 class PromptItem:
@@ -44,28 +41,6 @@ class Task(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def build_task(
-    cfg: DataConfig, seed: int, tokenizer=None, reward: RewardConfig | None = None
-) -> Task:
-    """The task named by ``data.task``; ``tokenizer`` renders and measures dataset prompts.
-
-    Runs in the controller before any cluster starts: a missing file, bad rows
-    under ``data.strict=true`` or a bad ``reward.fn`` raise ConfigError here.
-    """
-    reward = reward if reward is not None else RewardConfig()
-    if cfg.task == "copy":
-        from rltrain.data.toy import CopyTask
-
-        return CopyTask(cfg, seed, reward)
-    if cfg.task == "dataset":
-        from rltrain.data.datasets import DatasetTask
-
-        if tokenizer is None:
-            raise ValueError("data.task=dataset needs the run's tokenizer")
-        return DatasetTask(cfg, seed, tokenizer, reward)
-    raise ConfigError(f"data.task={cfg.task} is not a known task; use data.task=copy or dataset.")
 
 
 def encode_groups(tokenizer, items: list[PromptItem], samples_per_prompt: int) -> list[list[int]]:

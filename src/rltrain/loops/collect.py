@@ -17,8 +17,8 @@ from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
-    from rltrain.algorithms.context import RunContext
     from rltrain.config.schema import RunConfig
+    from rltrain.loops.context import RunContext
 
 
 @dataclass

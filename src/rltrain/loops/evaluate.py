@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from rltrain.algorithms.collect import sampling_params
 from rltrain.config.schema import RunConfig
 from rltrain.data import encode_groups, score_groups
+from rltrain.loops.collect import sampling_params
 from rltrain.rollout.base import Engine, RolloutBatch, SamplingParams
 
 Generate = Callable[[list[list[int]], SamplingParams], RolloutBatch]

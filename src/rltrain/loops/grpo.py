@@ -13,13 +13,13 @@ from typing import cast
 import torch
 
 from rltrain.algorithms.advantages import outcome_advantages
-from rltrain.algorithms.collect import Collected, collect, collect_dynamic, sampling_params
-from rltrain.algorithms.context import RunContext
-from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.losses import kl_estimate
 from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
 from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig, KLEstimator
 from rltrain.logging.metrics import StageTimer
+from rltrain.loops.collect import Collected, collect, collect_dynamic, sampling_params
+from rltrain.loops.context import RunContext
+from rltrain.loops.evaluate import evaluate
 from rltrain.train.batch import build_train_batch
 
 

@@ -13,15 +13,15 @@ from typing import cast
 
 import torch
 
-from rltrain.algorithms.collect import collect, sampling_params
-from rltrain.algorithms.context import RunContext
-from rltrain.algorithms.evaluate import evaluate
 from rltrain.algorithms.gae import gae, token_rewards
-from rltrain.algorithms.grpo import token_mult_prob_error
 from rltrain.algorithms.losses import kl_estimate
 from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
 from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
+from rltrain.loops.collect import collect, sampling_params
+from rltrain.loops.context import RunContext
+from rltrain.loops.evaluate import evaluate
+from rltrain.loops.grpo import token_mult_prob_error
 from rltrain.train.batch import build_train_batch
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,11 @@ from rltrain.train.parallel import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from rltrain.train.value_worker import ValueModel
+
+class AttentionSwitch(Protocol):
+    """A model whose attention kernel can be picked by name (HF models; the value model)."""
+
+    def set_attn_implementation(self, name: str) -> None: ...
 
 
 class OverflowStormError(RuntimeError):
@@ -230,7 +234,7 @@ class FSDPTrainer:
         """
         self.attention = choose_attention(self.cfg, self.device, bool(self.compiled))
         varlen = self.attention == "varlen"
-        cast("PreTrainedModel | ValueModel", model).set_attn_implementation(
+        cast(AttentionSwitch, model).set_attn_implementation(
             register_varlen_attention() if varlen else register_attention()
         )
 
