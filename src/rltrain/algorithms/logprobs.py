@@ -195,3 +195,11 @@ def chunked_token_logprobs(
         ent = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
         entropy_BT = torch.nn.functional.pad(ent.view(B, T - 1), (1, 0))
     return logprobs_BT, entropy_BT
+
+
+def token_mult_prob_error(
+    train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> float:
+    """Mean over response tokens of exp(|train logprob - engine logprob|); 1.0 = exact agreement."""
+    n = mask_BT.sum().clamp(min=1)
+    return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)

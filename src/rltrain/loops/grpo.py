@@ -5,7 +5,6 @@ prompts -> generate -> reward -> advantages -> logprobs -> train -> refit -> [ev
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import cast
@@ -13,22 +12,20 @@ from typing import cast
 import torch
 
 from rltrain.algorithms.advantages import outcome_advantages
-from rltrain.algorithms.losses import kl_estimate
+from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
-from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig, KLEstimator
+from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.collect import Collected, collect, collect_dynamic, sampling_params
 from rltrain.loops.context import RunContext
-from rltrain.loops.evaluate import evaluate
+from rltrain.loops.step import (
+    end_step,
+    fuses_old_logprobs,
+    old_and_reference_logprobs,
+    refit_rollout,
+    train_policy,
+)
 from rltrain.train.batch import build_train_batch
-
-
-def token_mult_prob_error(
-    train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor
-) -> float:
-    """Mean over response tokens of exp(|train logprob - engine logprob|); 1.0 = exact agreement."""
-    n = mask_BT.sum().clamp(min=1)
-    return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
 
 
 def objective_metrics(
@@ -63,13 +60,10 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
     The objective (advantage estimator, shaping, loss) is the ``algorithm`` node's;
     docs/objectives.md lists the choices.
     """
-    cfg, policy, tok = ctx.cfg, ctx.policy, ctx.tokenizer
+    cfg, tok = ctx.cfg, ctx.tokenizer
     a = cfg.algorithm
     sampling = sampling_params(cfg)
-    kl_in_reward = a.kl_coef > 0 and a.kl_in_reward
-    # On-policy with one optimizer step, the training forward yields the old logprobs,
-    # unless the KL penalty needs them before the advantages.
-    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and not kl_in_reward
+    fuse_old_logprobs = fuses_old_logprobs(ctx)
     gather = collect_dynamic if a.dynamic_sampling.enabled else collect
     # A resumed run starts after its checkpoint's step, with the restored weights.
     weight_version = ctx.weight_version
@@ -98,22 +92,7 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
 
         # step 5: train-side logprobs before the update (and reference logprobs for KL).
         # On-policy with one optimizer step, the training forward computes them.
-        kl_BT = None
-        with timer("logprobs"):
-            if not fuse_old_logprobs:
-                batch.old_logprobs_BT = policy.logprobs(batch)
-            if a.kl_coef > 0:
-                ref_logprobs = policy.logprobs(batch, reference=True)
-                if kl_in_reward:
-                    assert batch.old_logprobs_BT is not None
-                    kl_BT = (
-                        kl_estimate(
-                            batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
-                        )
-                        * loss_mask
-                    )
-                else:
-                    batch.ref_logprobs_BT = ref_logprobs
+        kl_BT = old_and_reference_logprobs(ctx, batch, loss_mask, not fuse_old_logprobs, timer)
 
         # step 6: advantages (group-normalised for GRPO; docs/objectives.md for the others)
         advantages = outcome_advantages(
@@ -135,15 +114,11 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
             adv_abs_mean = float(advantages.abs().mean())
 
         # step 7: policy update
-        with timer("train"):
-            train_metrics, fused_old = policy.train(batch)
-            if fused_old is not None:
-                batch.old_logprobs_BT = fused_old
+        train_metrics = train_policy(ctx, batch, timer)
 
         # step 8: refit the rollout engines with the new weights
-        with timer("refit"):
-            weight_version += 1
-            refit = ctx.refit(weight_version)
+        weight_version += 1
+        refit = refit_rollout(ctx, weight_version, timer)
 
         # step 9: metrics and checkpoint
         step_s = time.perf_counter() - t_step
@@ -180,15 +155,6 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
             "throughput/tokens_per_s": n_tokens / step_s,
             **objective_metrics(a, got, penalty, loss_mask, kl_BT),
         }
-        # step 10: greedy evaluation on the validation split (val/accuracy), with the new weights
-        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
-            # Engines stay awake: the next step generates before anything trains.
-            eval_generate = functools.partial(ctx.rollout.generate, then_sleep=False)
-            metrics.update(evaluate(eval_generate, ctx.task, tok, cfg))
-        on_step(step, metrics)
-        if (
-            cfg.checkpoint.every_n_steps
-            and step % cfg.checkpoint.every_n_steps == 0
-            and step < cfg.max_steps
-        ):
-            ctx.checkpoint(step, weight_version)
+        # step 10: greedy evaluation on the validation split (val/accuracy) with the new
+        # weights, then log, then a checkpoint every checkpoint.every_n_steps
+        end_step(ctx, step, weight_version, metrics, on_step)

@@ -6,22 +6,24 @@ prompts -> generate -> reward -> values -> logprobs (policy, reference) -> GAE
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
 from rltrain.algorithms.gae import gae, token_rewards
-from rltrain.algorithms.losses import kl_estimate
+from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
-from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.collect import collect, sampling_params
 from rltrain.loops.context import RunContext
-from rltrain.loops.evaluate import evaluate
-from rltrain.loops.grpo import token_mult_prob_error
+from rltrain.loops.step import (
+    end_step,
+    fuses_old_logprobs,
+    old_and_reference_logprobs,
+    refit_rollout,
+    train_policy,
+)
 from rltrain.train.batch import build_train_batch
 
 
@@ -33,21 +35,18 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
     ``algorithm.policy_training_start_step`` only the critic trains (warm-up):
     the policy, and so the rollout weights, stay as they are.
     """
-    cfg, policy, tok = ctx.cfg, ctx.policy, ctx.tokenizer
+    cfg, tok = ctx.cfg, ctx.tokenizer
     if ctx.value is None:
         raise ValueError("PPO needs a value role (the plan of algorithm=ppo has one)")
     value = ctx.value
     a = cfg.algorithm
     sampling = sampling_params(cfg)
-    # The KL penalty in the reward needs the old logprobs before GAE, so it cannot take
-    # them from the training forward; without it, on-policy with one optimizer step, it can.
-    kl_in_reward = a.kl_coef > 0 and a.kl_in_reward
-    fuse_old_logprobs = ctx.plan.batch.optimizer_steps_per_rollout == 1 and not kl_in_reward
+    fuse_old_logprobs = fuses_old_logprobs(ctx)
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         timer = StageTimer()
-        train_policy = step >= a.policy_training_start_step
+        trains_policy = step >= a.policy_training_start_step
 
         # steps 1-3: prompts (each repeated samples_per_prompt times), generate with the
         # engines' current weights (version = weight_version), reward of each whole response
@@ -70,22 +69,8 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             batch.old_values_BT = value.values(batch)
 
         # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
-        kl_BT = None
-        with timer("logprobs"):
-            if not (fuse_old_logprobs and train_policy):
-                batch.old_logprobs_BT = policy.logprobs(batch)
-            if a.kl_coef > 0:
-                ref_logprobs = policy.logprobs(batch, reference=True)
-                if kl_in_reward:  # per sampled token (k1 by default)
-                    assert batch.old_logprobs_BT is not None
-                    kl_BT = (
-                        kl_estimate(
-                            batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
-                        )
-                        * mask
-                    )
-                else:
-                    batch.ref_logprobs_BT = ref_logprobs
+        need_old = not (fuse_old_logprobs and trains_policy)
+        kl_BT = old_and_reference_logprobs(ctx, batch, mask, need_old, timer)
 
         # step 6: GAE: the score on the last response token (minus the KL penalty per token)
         rewards_BT = token_rewards(shaped, mask, kl_BT, a.kl_coef)
@@ -106,16 +91,12 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
 
         # step 8: actor update(s) (ppo epochs x mini batches), after the critic's warm-up
         policy_metrics: dict[str, float] = {}
-        if train_policy:
-            with timer("train"):
-                policy_metrics, fused_old = policy.train(batch)
-                if fused_old is not None:
-                    batch.old_logprobs_BT = fused_old
+        if trains_policy:
+            policy_metrics = train_policy(ctx, batch, timer)
 
             # step 9: refit the rollout engines with the new policy weights
-            with timer("refit"):
-                weight_version += 1
-                refit = ctx.refit(weight_version)
+            weight_version += 1
+            refit = refit_rollout(ctx, weight_version, timer)
             policy_metrics.update(
                 {"refit/bytes": float(refit.bytes)}
                 | {f"time/refit_{k}": v for k, v in refit.extra.items()}
@@ -134,7 +115,7 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             "response/finished_frac": sum(rollout.finished) / len(rollout.finished),
             **value_metrics,
             **policy_metrics,
-            "policy_trained": float(train_policy),
+            "policy_trained": float(trains_policy),
             "weight_version": float(weight_version),
             **ctx.task.reward_metrics(),
             **timer.metrics(),
@@ -149,15 +130,6 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             )
         if kl_BT is not None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
-        # greedy evaluation on the validation split (val/accuracy), with the new weights
-        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
-            # Engines stay awake: the next step generates before anything trains.
-            eval_generate = functools.partial(ctx.rollout.generate, then_sleep=False)
-            metrics.update(evaluate(eval_generate, ctx.task, tok, cfg))
-        on_step(step, metrics)
-        if (
-            cfg.checkpoint.every_n_steps
-            and step % cfg.checkpoint.every_n_steps == 0
-            and step < cfg.max_steps
-        ):
-            ctx.checkpoint(step, weight_version)
+        # greedy evaluation on the validation split (val/accuracy) with the new weights,
+        # then log, then a checkpoint every checkpoint.every_n_steps
+        end_step(ctx, step, weight_version, metrics, on_step)

@@ -1,0 +1,92 @@
+"""The stages every loop shares after its rollout is scored: old and reference logprobs,
+the policy update, the refit, and the step's end (evaluation, logging, checkpoint)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import cast
+
+import torch
+
+from rltrain.algorithms.losses import kl_estimate
+from rltrain.config.schema import KLEstimator
+from rltrain.logging.metrics import StageTimer
+from rltrain.loops.context import RunContext
+from rltrain.loops.evaluate import evaluate
+from rltrain.refit.base import RefitStats
+from rltrain.train.batch import TrainBatch
+
+
+def fuses_old_logprobs(ctx: RunContext) -> bool:
+    """Whether the training forward computes the old logprobs (saving a forward pass):
+    on-policy with one optimizer step per rollout, unless the KL penalty in the reward
+    needs them before the advantages."""
+    a = ctx.cfg.algorithm
+    kl_in_reward = a.kl_coef > 0 and a.kl_in_reward
+    return ctx.plan.batch.optimizer_steps_per_rollout == 1 and not kl_in_reward
+
+
+def old_and_reference_logprobs(
+    ctx: RunContext, batch: TrainBatch, mask_BT: torch.Tensor, need_old: bool, timer: StageTimer
+) -> torch.Tensor | None:
+    """Train-side logprobs before the update into ``batch.old_logprobs_BT`` (when
+    ``need_old``), and with ``algorithm.kl_coef > 0`` the reference logprobs: into
+    ``batch.ref_logprobs_BT`` for the loss's KL term, or, with ``kl_in_reward``, turned
+    into the per-token KL penalty (times ``mask_BT``) that is returned. Times "logprobs"."""
+    a = ctx.cfg.algorithm
+    kl_BT = None
+    with timer("logprobs"):
+        if need_old:
+            batch.old_logprobs_BT = ctx.policy.logprobs(batch)
+        if a.kl_coef > 0:
+            ref_logprobs = ctx.policy.logprobs(batch, reference=True)
+            if a.kl_in_reward:  # per sampled token (k1 by default)
+                assert batch.old_logprobs_BT is not None
+                kl_BT = (
+                    kl_estimate(
+                        batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
+                    )
+                    * mask_BT
+                )
+            else:
+                batch.ref_logprobs_BT = ref_logprobs
+    return kl_BT
+
+
+def train_policy(ctx: RunContext, batch: TrainBatch, timer: StageTimer) -> dict[str, float]:
+    """The policy update (times "train"); old logprobs the training forward computed go
+    into ``batch.old_logprobs_BT``. Returns the update's metrics."""
+    with timer("train"):
+        result = ctx.policy.train(batch)
+        if result.old_logprobs_BT is not None:
+            batch.old_logprobs_BT = result.old_logprobs_BT
+    return result.metrics
+
+
+def refit_rollout(ctx: RunContext, weight_version: int, timer: StageTimer) -> RefitStats:
+    """Push the new policy weights to the rollout engines as ``weight_version`` (times
+    "refit")."""
+    with timer("refit"):
+        return ctx.refit(weight_version)
+
+
+def end_step(
+    ctx: RunContext,
+    step: int,
+    weight_version: int,
+    metrics: dict[str, float],
+    on_step: Callable[[int, dict[str, float]], None],
+) -> None:
+    """Greedy evaluation every ``eval.every_n_steps`` (val/* into ``metrics``, with the new
+    weights), then ``on_step``, then a checkpoint every ``checkpoint.every_n_steps``
+    (the last step's is the runner's final one)."""
+    cfg = ctx.cfg
+    if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
+        # Engines stay awake: the next step generates before anything trains.
+        eval_generate = functools.partial(ctx.rollout.generate, then_sleep=False)
+        metrics.update(evaluate(eval_generate, ctx.task, ctx.tokenizer, cfg))
+    on_step(step, metrics)
+    every = cfg.checkpoint.every_n_steps
+    if every and step % every == 0 and step < cfg.max_steps:
+        ctx.checkpoint(step, weight_version)
