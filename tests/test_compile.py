@@ -82,10 +82,10 @@ def run_steps(worker, value: bool = False) -> tuple[list[dict[str, float]], list
         if value:
             outputs.append(worker.values(batch))
             batch.old_values_BT = outputs[-1]
-            metrics.append(worker.train(batch, [batch.size]))
+            metrics.append(worker.train(batch, [batch.size]).metrics)
         else:
             outputs.append(worker.compute_logprobs(batch))
-            metrics.append(worker.train(batch, [batch.size])[0])
+            metrics.append(worker.train(batch, [batch.size]).metrics)
         if step == 0:
             seen.clear()
     later = list(seen)
