@@ -1,5 +1,6 @@
-"""The CUDA IPC refit (gpu tier): policy worker -> torch engine and -> vLLM engine, both on
-one GPU in two spawned processes, as a colocated run places them.
+"""The CUDA refits (gpu tier): policy worker -> torch engine and -> vLLM engine, by CUDA IPC on
+one GPU in two spawned processes (as a colocated run places them), and by NCCL with the engine on a
+second GPU (as a split run places them; skipped on one GPU).
 
 Rank 0 is the policy (FSDP2, NCCL world of one), rank 1 the engine. Rank 0
 perturbs its weights (the engine starts from the same seed, so stale weights
@@ -30,7 +31,7 @@ VERSIONS = (1, 2)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _cfg(precision: str, engine: str):
+def _cfg(precision: str, engine: str, transport: str = "ipc"):
     cfg = gpu_config(precision)
     cfg.model.tiny.max_position_embeddings = 192
     cfg.refit.bucket_bytes = BUCKET_BYTES
@@ -39,7 +40,7 @@ def _cfg(precision: str, engine: str):
     cfg.train.attention = "sdpa"
     cfg.rollout.engine = engine
     if engine == "vllm":
-        cfg.rollout.colocated = True  # sleep mode on, as in a colocated run
+        cfg.rollout.colocated = transport == "ipc"  # sleep mode on, as in a colocated run
         cfg.rollout.vllm.gpu_memory_utilization = 0.25
     return cfg
 
@@ -71,11 +72,18 @@ def _engine_weights(engine, kind: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in engine.model.named_parameters()}
 
 
-def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str) -> dict:
-    """Rank 0: policy worker (sender); rank 1: the engine (receiver). Runs spawned."""
+def _ranks(
+    rank: int, precision: str, kind: str, transport: str, ports: list[int], out_dir: str
+) -> dict:
+    """Rank 0: policy worker (sender); rank 1: the engine (receiver), on GPU 1 with NCCL.
+    Runs spawned."""
+    import os
+
     import torch.distributed as dist
 
-    cfg = _cfg(precision, kind)
+    if rank == 1 and transport == "nccl":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # before CUDA starts in this process
+    cfg = _cfg(precision, kind, transport)
     # The test's own store: the manifest, "engine built", the rollout after refit 2, "done".
     store = dist.TCPStore(HOST, ports[0], 2, is_master=rank == 0, timeout=timedelta(seconds=600))
     out: dict = {}
@@ -87,7 +95,7 @@ def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str)
         worker = PolicyWorker(cfg, DistEnv(0, 1, HOST, free_port(), "nccl", 120.0))
         store.set("manifest", pickle.dumps(worker.refit_manifest()))
         store.wait(["engine_built"])
-        worker.init_refit(RefitGroup(worker.refit_manifest(), HOST, ports[1], 2, "ipc"), 0)
+        worker.init_refit(RefitGroup(worker.refit_manifest(), HOST, ports[1], 2, transport), 0)
         assert worker.manifest is not None
         dtype = worker.manifest.torch_dtype
         out["buckets"] = len(worker.manifest.buckets)
@@ -135,10 +143,10 @@ def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
     store.set("engine_built", "")
     manifest = pickle.loads(store.get("manifest"))
-    engine.init_refit(RefitGroup(manifest, HOST, ports[1], 2, "ipc"), 1)
+    engine.init_refit(RefitGroup(manifest, HOST, ports[1], 2, transport), 1)
     out["in_place"] = getattr(engine, "refit_in_place", False)
     out["direct"] = getattr(engine, "landing", None) is not None  # vLLM: buckets land directly
-    if kind == "vllm":  # the loop's colocated order: generate, sleep (train), refit wakes it
+    if kind == "vllm" and transport == "ipc":  # the colocated order: generate, sleep, refit wakes
         engine.generate(prompts, sampling)
         engine.sleep()
     for version in VERSIONS:
@@ -152,12 +160,18 @@ def _ranks(rank: int, precision: str, kind: str, ports: list[int], out_dir: str)
     return out
 
 
-def _run(tmp_path: Path, precision: str, kind: str) -> tuple[dict, dict]:
+def _run(tmp_path: Path, precision: str, kind: str, transport: str = "ipc") -> tuple[dict, dict]:
     from rltrain.train.distributed import free_port
 
     ports = [free_port(), free_port()]
-    trainer, engine = run_ranks(_ranks, 2, (precision, kind, ports, str(tmp_path)), tmp_path, 800)
+    args = (precision, kind, transport, ports, str(tmp_path))
+    trainer, engine = run_ranks(_ranks, 2, args, tmp_path, 800)
     return trainer, engine
+
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
 
 
 def _load(tmp_path: Path, who: str, version: int) -> dict[str, torch.Tensor]:
@@ -193,7 +207,33 @@ def test_ipc_refit_into_torch_engine_is_bit_exact(tmp_path, precision):
 
 @needs("vllm")
 def test_ipc_refit_into_vllm_is_bit_exact_and_scores_like_the_trainer(tmp_path):
-    trainer, engine = _run(tmp_path, "fp32", "vllm")
+    _check_vllm(tmp_path, "ipc")
+
+
+@two_gpus
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_nccl_refit_into_torch_engine_on_a_second_gpu_is_bit_exact(tmp_path, precision):
+    trainer, engine = _run(tmp_path, precision, "torch", "nccl")
+    assert trainer["buckets"] > 3 and engine["in_place"]
+    initial = _load(tmp_path, "engine", 0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for version in VERSIONS:
+        want, got = _load(tmp_path, "trainer", version), _load(tmp_path, "engine", version)
+        assert set(want) == set(got)
+        for name, t in want.items():
+            assert t.dtype == got[name].dtype == dtype, name
+            assert torch.equal(got[name], t), f"refit v{version}: engine {name} differs"
+        assert any(not torch.equal(initial[n], got[n]) for n in got)
+
+
+@two_gpus
+@needs("vllm")
+def test_nccl_refit_into_vllm_on_a_second_gpu_is_bit_exact_and_scores_like_the_trainer(tmp_path):
+    _check_vllm(tmp_path, "nccl")
+
+
+def _check_vllm(tmp_path: Path, transport: str) -> None:
+    trainer, engine = _run(tmp_path, "fp32", "vllm", transport)
     assert engine["direct"]  # one fused copy per bucket into vLLM's parameters, no reload_weights
     initial = _load(tmp_path, "engine", 0)
     for version in VERSIONS:
