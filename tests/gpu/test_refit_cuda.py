@@ -169,9 +169,11 @@ def _run(tmp_path: Path, precision: str, kind: str, transport: str = "ipc") -> t
     return trainer, engine
 
 
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
-)
+def _two_gpus() -> None:
+    """Skip on one GPU. Asked inside the test, never at import: the spawned ranks import this
+    module, and counting devices there would start CUDA before rank 1 picks its GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
 
 
 def _load(tmp_path: Path, who: str, version: int) -> dict[str, torch.Tensor]:
@@ -210,9 +212,9 @@ def test_ipc_refit_into_vllm_is_bit_exact_and_scores_like_the_trainer(tmp_path):
     _check_vllm(tmp_path, "ipc")
 
 
-@two_gpus
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_nccl_refit_into_torch_engine_on_a_second_gpu_is_bit_exact(tmp_path, precision):
+    _two_gpus()
     trainer, engine = _run(tmp_path, precision, "torch", "nccl")
     assert trainer["buckets"] > 3 and engine["in_place"]
     initial = _load(tmp_path, "engine", 0)
@@ -226,9 +228,9 @@ def test_nccl_refit_into_torch_engine_on_a_second_gpu_is_bit_exact(tmp_path, pre
         assert any(not torch.equal(initial[n], got[n]) for n in got)
 
 
-@two_gpus
 @needs("vllm")
 def test_nccl_refit_into_vllm_on_a_second_gpu_is_bit_exact_and_scores_like_the_trainer(tmp_path):
+    _two_gpus()
     _check_vllm(tmp_path, "nccl")
 
 
