@@ -265,6 +265,13 @@ def make_plan(
     else:
         dp = d.dp if d.dp is not None else 1
     colocated = layout is not None and layout.rollout_colocated
+    if colocated and cfg.algorithm.async_rollout.enabled:
+        raise ConfigError(
+            f"algorithm.async_rollout.enabled=true but the engines land on the trainers' GPUs "
+            f"({resources.num_gpus} GPU(s): rollout.colocated resolves to true), where they sleep "
+            "while the trainer trains; give the rollout GPUs of its own (more GPUs, or fewer "
+            "trainer ranks with dtensor.dp) or set algorithm.async_rollout.enabled=false."
+        )
     batch = _batch_plan(cfg, dp)
     value_dp = 0
     value_batch = None
@@ -467,13 +474,29 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
     rc = a.rollout_correction
     parts = []
     if rc.weights is not None:
-        parts.append(f"{rc.weights}-level importance weights min(pi_train/pi_engine, {rc.cap})")
+        if rc.over_cap == "mask":
+            parts.append(
+                f"{rc.weights}-level importance weights pi_train/pi_engine, masked above {rc.cap}"
+            )
+        else:
+            parts.append(f"{rc.weights}-level importance weights min(pi_train/pi_engine, {rc.cap})")
     if rc.mask_bound is not None:
         parts.append(
             f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked"
         )
     if parts:
         out["rollout correction"] = "; ".join(parts)
+    ar = a.async_rollout
+    if ar.enabled:
+        per_call = ar.groups_per_call or a.prompts_per_step // max(cfg.rollout.replicas, 1)
+        buffer = ar.buffer_groups or 2 * a.prompts_per_step
+        out["async"] = (
+            f"max_staleness {ar.max_staleness} (a sample of weight version v trains at t while "
+            f"t - v <= {ar.max_staleness}); buffer {buffer} groups ({buffer * a.samples_per_prompt} "
+            f"samples); {per_call} groups per generate call; partial rollouts "
+            f"{'on' if ar.partial_rollouts else 'off'}; group deadline {ar.group_timeout_s:g}s, "
+            f"then {ar.replica_failure}"
+        )
     return out
 
 

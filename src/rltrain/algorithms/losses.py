@@ -21,7 +21,14 @@ from typing import cast
 
 import torch
 
-from rltrain.config.schema import ISLevel, KLEstimator, LossAggregation, RatioLevel, RunConfig
+from rltrain.config.schema import (
+    ISLevel,
+    KLEstimator,
+    LossAggregation,
+    OverCap,
+    RatioLevel,
+    RunConfig,
+)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -210,6 +217,7 @@ class Objective:
     is_level: ISLevel | None = None
     is_cap: float = 2.0
     mask_bound: float | None = None
+    over_cap: OverCap = "truncate"
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Objective:
@@ -228,6 +236,7 @@ class Objective:
             is_level=cast("ISLevel | None", rc.weights),
             is_cap=rc.cap,
             mask_bound=rc.mask_bound,
+            over_cap=cast(OverCap, rc.over_cap),
         )
 
 
@@ -259,12 +268,17 @@ def rollout_correction(
     level: ISLevel | None,
     cap: float,
     mask_bound: float | None,
+    over_cap: OverCap = "truncate",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(mask, weights or None, capped) for rho = exp(old - engine), the trainer/engine ratio.
+    """(mask, weights or None, capped) for rho = exp(old - engine), the trainer/engine ratio
+    (asynchronous runs: the proximal policy, the trainer's at the start of the step, over
+    the behaviour policy that generated the token).
 
     mask: ``mask_BT`` with tokens whose rho lies outside [1/mask_bound, mask_bound] removed.
     weights: min(rho_t, cap) per token, or min(prod_t rho_t, cap) over each sequence's
     kept tokens, broadcast to its tokens; detached. capped: 1.0 where the cap bit.
+    ``over_cap="mask"``: a weight above the cap takes its token (sequence level: its
+    sequence) out of the mask instead of being truncated (the decoupled objective's rule).
     """
     log_rho = (old_logprobs_BT - engine_logprobs_BT).detach()
     mask = mask_BT
@@ -278,8 +292,11 @@ def rollout_correction(
     else:
         log_w = segment_broadcast(segment_sum(log_rho * mask, seq_id_BT, num_seqs), seq_id_BT)
     log_cap = math.log(cap)
+    capped = (log_w > log_cap).to(mask.dtype)
     weights = torch.exp(log_w.clamp(max=log_cap))
-    return mask, weights, (log_w > log_cap).to(mask.dtype)
+    if over_cap == "mask":
+        mask = mask * (1.0 - capped)
+    return mask, weights, capped
 
 
 def aggregate_loss(
@@ -347,6 +364,7 @@ def policy_loss(
             o.is_level,
             o.is_cap,
             o.mask_bound,
+            o.over_cap,
         )
         if o.mask_bound is not None:
             terms["rollout_masked"] = (mask_BT.to(mask.dtype) - mask).detach()

@@ -20,6 +20,8 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 ISLevel = Literal["token", "sequence"]
+OverCap = Literal["truncate", "mask"]
+ReplicaFailure = Literal["fail", "continue"]
 
 
 @dataclass
@@ -59,6 +61,37 @@ class RolloutCorrectionConfig:
     cap: float = 2.0
     # Mask tokens whose rho lies outside [1 / mask_bound, mask_bound] out of the loss. null = off.
     mask_bound: float | None = None
+    # What a weight above the cap becomes (OverCap): truncate = min(rho, cap) (truncated
+    # importance sampling), mask = the token (or sequence) leaves the loss (the decoupled
+    # objective's rule for behaviour/proximal ratios past the cap).
+    over_cap: str = "truncate"
+
+
+@dataclass
+class AsyncRolloutConfig:
+    """Asynchronous GRPO: rollout replicas generate continuously into a bounded buffer of
+    scored prompt groups while the trainer trains on the groups already in hand
+    (``algorithm.async_rollout.enabled=true``; docs/async.md)."""
+
+    enabled: bool = False
+    # k: a sample generated with weight version v may be trained at trainer version t only
+    # while t - v <= k (v of its oldest token); older samples are dropped and counted.
+    # 0 = strictly on-policy (the synchronous loop's samples and metrics).
+    max_staleness: int = 1
+    # A refit may land while a replica generates (torch engine: between decode steps); the
+    # tokens after it carry the new version. false = refits wait for the call in flight.
+    partial_rollouts: bool = False
+    # Capacity of the buffer in prompt groups (in flight + waiting); null = 2 x prompts_per_step.
+    buffer_groups: int | None = None
+    # Groups per generate call (the unit that streams into the train step); null =
+    # prompts_per_step / rollout.replicas, the synchronous loop's split.
+    groups_per_call: int | None = None
+    # Seconds a generate call may take before its groups are dropped and counted and its
+    # replica is treated as failed.
+    group_timeout_s: float = 600.0
+    # A replica that failed or timed out: fail (the run stops, naming the replica) or
+    # continue (its groups are dropped and the other replicas go on).
+    replica_failure: str = "fail"
 
 
 @dataclass
@@ -94,6 +127,7 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     # PPO (GAE): discount and trace decay of the actor's advantages; the critic's
     # returns use value_gamma/value_lam (null = gamma/lam).
     gamma: float = 1.0

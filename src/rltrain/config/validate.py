@@ -20,7 +20,9 @@ from rltrain.config.schema import (
     ISLevel,
     KLEstimator,
     LossAggregation,
+    OverCap,
     RatioLevel,
+    ReplicaFailure,
     RunConfig,
 )
 
@@ -35,6 +37,8 @@ OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+OVER_CAP: tuple[str, ...] = get_args(OverCap)
+REPLICA_FAILURES: tuple[str, ...] = get_args(ReplicaFailure)
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
@@ -337,6 +341,79 @@ def validate_objective(cfg: RunConfig) -> None:
         raise ConfigError(
             f"algorithm.rollout_correction.mask_bound={rc.mask_bound} is below 1 (tokens are "
             "kept while 1/bound <= ratio <= bound); set it >= 1, or null to mask nothing."
+        )
+    _choice("algorithm.rollout_correction.over_cap", rc.over_cap, OVER_CAP)
+    _validate_async(cfg)
+
+
+def _validate_async(cfg: RunConfig) -> None:
+    """algorithm.async_rollout: the asynchronous GRPO controller's settings."""
+    a = cfg.algorithm
+    ar = a.async_rollout
+    _choice("algorithm.async_rollout.replica_failure", ar.replica_failure, REPLICA_FAILURES)
+    if not ar.enabled:
+        return
+    if a.name != "grpo":
+        raise ConfigError(
+            f"algorithm.async_rollout.enabled=true is available with rltrain grpo only (this is "
+            f"rltrain {a.name}); set algorithm.async_rollout.enabled=false."
+        )
+    if a.dynamic_sampling.enabled:
+        raise ConfigError(
+            "algorithm.async_rollout.enabled=true with algorithm.dynamic_sampling.enabled=true: "
+            "the asynchronous controller fills each step from its buffer of groups; set "
+            "algorithm.dynamic_sampling.enabled=false."
+        )
+    if ar.max_staleness < 0:
+        raise ConfigError(
+            f"algorithm.async_rollout.max_staleness={ar.max_staleness} must be >= 0 (0 = "
+            "strictly on-policy)."
+        )
+    if cfg.train.mini_batch_size is not None or cfg.train.epochs != 1:
+        raise ConfigError(
+            "algorithm.async_rollout.enabled=true trains each group once, in one optimizer step "
+            "per algorithm.prompts_per_step groups; leave train.mini_batch_size=null and "
+            f"train.epochs=1 (got {cfg.train.mini_batch_size}, {cfg.train.epochs})."
+        )
+    if a.kl_coef > 0 and a.kl_in_reward:
+        raise ConfigError(
+            "algorithm.async_rollout.enabled=true with algorithm.kl_in_reward=true: the "
+            "asynchronous controller scores groups as they arrive without a reference forward; "
+            "set algorithm.kl_in_reward=false (KL in the loss) or algorithm.kl_coef=0."
+        )
+    if cfg.rollout.colocated:
+        raise ConfigError(
+            "algorithm.async_rollout.enabled=true with rollout.colocated=true: colocated engines "
+            "sleep while the trainer trains, so nothing can overlap; set rollout.colocated=false "
+            "(engines on their own GPUs) or algorithm.async_rollout.enabled=false."
+        )
+    ro = cfg.rollout
+    groups = ar.groups_per_call
+    if groups is not None:
+        _positive("algorithm.async_rollout.groups_per_call", groups)
+        if a.prompts_per_step % groups:
+            raise ConfigError(
+                f"algorithm.async_rollout.groups_per_call={groups} must divide "
+                f"algorithm.prompts_per_step={a.prompts_per_step} (each step's prompts go out "
+                "in whole calls)."
+            )
+    elif a.prompts_per_step % ro.replicas:
+        raise ConfigError(
+            f"algorithm.async_rollout.enabled=true with algorithm.prompts_per_step="
+            f"{a.prompts_per_step} over rollout.replicas={ro.replicas}: each replica's call "
+            "takes whole prompt groups; set algorithm.async_rollout.groups_per_call or a "
+            "prompts_per_step divisible by the replicas."
+        )
+    per_call = groups if groups is not None else a.prompts_per_step // ro.replicas
+    if ar.buffer_groups is not None and ar.buffer_groups < a.prompts_per_step + per_call:
+        raise ConfigError(
+            f"algorithm.async_rollout.buffer_groups={ar.buffer_groups} cannot hold a step "
+            f"({a.prompts_per_step} groups) and one more call ({per_call} groups) in flight; set "
+            f"it >= {a.prompts_per_step + per_call}, or null for 2 x prompts_per_step."
+        )
+    if ar.group_timeout_s <= 0:
+        raise ConfigError(
+            f"algorithm.async_rollout.group_timeout_s={ar.group_timeout_s} must be > 0."
         )
 
 

@@ -34,6 +34,18 @@ class RolloutBatch:
     finished: list[bool]  # True when the response ended with EOS
     weight_version: int
     engine_seconds: float = 0.0  # wall time inside the engine (the rest is transport)
+    # When the engine began this call (time.time(), for the overlap of generation with training).
+    started_at: float = 0.0
+    # Per row, the weight version of its oldest token: rows generated while a refit landed
+    # (partial rollouts) are older than ``weight_version`` says. None = every row is
+    # ``weight_version``.
+    row_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The weight version of each row's oldest token."""
+        if self.row_versions is not None:
+            return list(self.row_versions)
+        return [self.weight_version] * len(self.response_ids)
 
 
 class Engine(Protocol):

@@ -95,7 +95,7 @@ class TorchEngine:
         Prompts are left-padded into one batch; each step feeds the last token
         with the KV cache. A row stops at EOS; the batch stops when all rows did.
         """
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         B = len(prompt_ids)
@@ -163,6 +163,7 @@ class TorchEngine:
             finished=finished,
             weight_version=self._version,
             engine_seconds=time.perf_counter() - t0,
+            started_at=started_at,
         )
 
     # -- refit --------------------------------------------------------------

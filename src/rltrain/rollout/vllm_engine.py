@@ -215,7 +215,7 @@ class VLLMEngine:
                 f"rollout replica {self.replica_index}: generate after a level-2 sleep without a "
                 "refit; the engine's weights were discarded"
             )
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         self._calls += 1
         base = (
             sampling.seed
@@ -259,6 +259,7 @@ class VLLMEngine:
             finished=finished,
             weight_version=self._version,
             engine_seconds=time.perf_counter() - t0,
+            started_at=started_at,
         )
 
     # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
