@@ -494,8 +494,7 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
             f"max_staleness {ar.max_staleness} (a sample of weight version v trains at t while "
             f"t - v <= {ar.max_staleness}); buffer {buffer} groups ({buffer * a.samples_per_prompt} "
             f"samples); {per_call} groups per generate call; partial rollouts "
-            f"{'on' if ar.partial_rollouts else 'off'}; group deadline {ar.group_timeout_s:g}s, "
-            f"then {ar.replica_failure}"
+            f"{'on' if ar.partial_rollouts else 'off'}; deadline per call {ar.group_timeout_s:g}s"
         )
     return out
 

@@ -7,9 +7,9 @@ the last checkpoint on disk is never overwritten by a partial one.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,11 +26,21 @@ if TYPE_CHECKING:
     from rltrain.loops.context import RunContext
 
 
+LOOP_STATE = "loop_state.pt"
+
+
 def save_checkpoint(
-    workers: Workers, task: Task, output_dir: Path, keep_last: int, step: int, weight_version: int
+    workers: Workers,
+    task: Task,
+    output_dir: Path,
+    keep_last: int,
+    step: int,
+    weight_version: int,
+    loop_state: Callable[[], dict] | None = None,
 ) -> str:
     """Save checkpoints/step_<n>: every trainer gang's sharded state, the run state
-    (step, weight version, data order) and the policy as an HF folder.
+    (step, weight version, data order), the loop's own state (``loop_state()``: the
+    asynchronous loop's buffer, in loop_state.pt) and the policy as an HF folder.
 
     Written under a temp name and renamed once complete, then all but the
     newest ``keep_last`` are deleted.
@@ -45,6 +55,10 @@ def save_checkpoint(
     checkpoints = output_dir / "checkpoints"
     final = step_folder(checkpoints, step)
     with atomic_folder(final) as tmp:
+        if loop_state is not None:  # first: it may wait for generate calls in flight
+            import torch
+
+            torch.save(loop_state(), tmp / LOOP_STATE)
         workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
         roles = workers.save_state(str(tmp / "trainer"))
         state = {
@@ -68,6 +82,10 @@ def restore_checkpoint(ctx: RunContext, workers: Workers, path: Path) -> None:
     workers.load_state(str(path / "trainer"))
     if state["task"] is not None:
         ctx.task.load_state_dict(state["task"])
+    if (path / LOOP_STATE).exists():
+        import torch
+
+        ctx.resumed_loop_state = torch.load(path / LOOP_STATE, weights_only=True)
     ctx.refit(state["weight_version"])
     ctx.start_step, ctx.weight_version = state["step"], state["weight_version"]
 
@@ -203,8 +221,14 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 task,
                 tokenizer,
                 refit=workers.refit,
-                checkpoint=functools.partial(
-                    save_checkpoint, workers, task, out, cfg.checkpoint.keep_last
+                checkpoint=lambda step, version: save_checkpoint(
+                    workers,
+                    task,
+                    out,
+                    cfg.checkpoint.keep_last,
+                    step,
+                    version,
+                    ctx.loop_state,
                 ),
             )
             if resume_from is not None:
@@ -221,7 +245,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                     logger.log(step, metrics)
                     progress.update(step, metrics)
 
-                loop = _algorithm_loop(cfg.algorithm.name)
+                loop = _algorithm_loop(cfg)
                 loop(ctx, on_step)
             outputs = {"output_dir": str(out), "metrics": str(logger.path)}
             if cfg.checkpoint.save_final:
@@ -302,7 +326,12 @@ def _write_report(out: Path, console: Console) -> None:
         console.print(f"report: {paths[0]} (rltrain report {out} draws each plot on its own)")
 
 
-def _algorithm_loop(name: str):
+def _algorithm_loop(cfg: RunConfig):
+    name = cfg.algorithm.name
+    if name == "grpo" and cfg.algorithm.async_rollout.enabled:
+        from rltrain.loops.async_grpo import train_grpo_async
+
+        return train_grpo_async
     if name == "grpo":
         from rltrain.loops.grpo import train_grpo
 

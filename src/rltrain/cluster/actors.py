@@ -203,6 +203,20 @@ def wait_all(pending: Sequence[Pending[R]], timeout_s: float | None, what: str) 
     return wait([p.ref for p in pending], [p.name for p in pending], timeout_s, what)
 
 
+def ready(pending: Sequence[Pending[Any]], timeout_s: float | None) -> list[int]:
+    """Indices of the calls of ``pending`` that have finished, waiting up to ``timeout_s``
+    (None: no bound) for the first; [] when none finished in time. Their results (or the
+    failure, naming the worker) come from :func:`wait_all`."""
+    if not pending:
+        return []
+    refs = [p.ref for p in pending]
+    done, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+    if not done:
+        return []
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return [i for i, r in enumerate(refs) if r in done]
+
+
 def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> list:
     """ray.get that names the stuck or dead worker instead of hanging or dumping a trace.
 

@@ -202,6 +202,19 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         ]
         self.calls.wait(pending, "train")
 
+    def accumulate(self, batch: TrainBatch, last: bool = True) -> float:
+        """Forward/backward of ``batch`` inside the open step, rows token-balanced over the dp
+        groups, each rank's share over token-planned micro batches; ``last=False``: more
+        rows of this step follow. Returns the seconds the slowest rank took."""
+        shards = shard_rows(batch, self.dp, self.tp, max(batch.size, 1))
+        t0 = time.perf_counter()
+        pending = [
+            a.call(PolicyWorker.accumulate, s if s.size else None, last)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        self.calls.wait(pending, "train")
+        return time.perf_counter() - t0
+
     def finish_train_step(self) -> dict[str, float]:
         """Reduce, scale, clip and step on every rank; rank 0's metrics (reduced over dp)."""
         pending = [a.call(PolicyWorker.finish_train_step) for a in self.actors]
@@ -307,6 +320,15 @@ class RolloutPool:
             weight_version=min(b.weight_version for b in parts),
             engine_seconds=max(b.engine_seconds for b in parts),
         )
+
+    def submit(
+        self, replica: int, prompt_ids: list[list[int]], sampling: SamplingParams
+    ) -> Pending[RolloutBatch]:
+        """One generate call on replica ``replica`` with exactly ``sampling`` (no per-replica
+        seed is derived), returning at once; the asynchronous controller keeps several in
+        flight. Engines that are not colocated only (they never sleep)."""
+        assert not self.colocated, "the asynchronous controller runs with engines of their own"
+        return self.actors[replica].call(Engine.generate, prompt_ids, sampling)
 
     def settle(self) -> None:
         """Wait for the engines' pending sleeps before a trainer call that needs their GPU

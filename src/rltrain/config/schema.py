@@ -21,7 +21,6 @@ RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 ISLevel = Literal["token", "sequence"]
 OverCap = Literal["truncate", "mask"]
-ReplicaFailure = Literal["fail", "continue"]
 
 
 @dataclass
@@ -86,12 +85,10 @@ class AsyncRolloutConfig:
     # Groups per generate call (the unit that streams into the train step); null =
     # prompts_per_step / rollout.replicas, the synchronous loop's split.
     groups_per_call: int | None = None
-    # Seconds a generate call may take before its groups are dropped and counted and its
-    # replica is treated as failed.
+    # Seconds a generate call may take from its submission: past it, its groups are dropped
+    # and counted and the run fails naming the replica (a stuck replica cannot take the next
+    # refit); cluster.max_restarts then resumes from the last checkpoint, buffer included.
     group_timeout_s: float = 600.0
-    # A replica that failed or timed out: fail (the run stops, naming the replica) or
-    # continue (its groups are dropped and the other replicas go on).
-    replica_failure: str = "fail"
 
 
 @dataclass

@@ -22,7 +22,6 @@ from rltrain.config.schema import (
     LossAggregation,
     OverCap,
     RatioLevel,
-    ReplicaFailure,
     RunConfig,
 )
 
@@ -34,11 +33,12 @@ LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 # The estimators of `rltrain grpo` (outcome rewards, no critic); PPO's is gae.
 OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
+# Estimators whose advantages depend on one prompt group alone (the asynchronous loop's).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 OVER_CAP: tuple[str, ...] = get_args(OverCap)
-REPLICA_FAILURES: tuple[str, ...] = get_args(ReplicaFailure)
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
@@ -350,7 +350,6 @@ def _validate_async(cfg: RunConfig) -> None:
     """algorithm.async_rollout: the asynchronous GRPO controller's settings."""
     a = cfg.algorithm
     ar = a.async_rollout
-    _choice("algorithm.async_rollout.replica_failure", ar.replica_failure, REPLICA_FAILURES)
     if not ar.enabled:
         return
     if a.name != "grpo":
@@ -363,6 +362,13 @@ def _validate_async(cfg: RunConfig) -> None:
             "algorithm.async_rollout.enabled=true with algorithm.dynamic_sampling.enabled=true: "
             "the asynchronous controller fills each step from its buffer of groups; set "
             "algorithm.dynamic_sampling.enabled=false."
+        )
+    if a.adv_estimator not in GROUP_ESTIMATORS:
+        raise ConfigError(
+            f"algorithm.async_rollout.enabled=true with algorithm.adv_estimator="
+            f"{a.adv_estimator}: groups stream into the step one call at a time, so the "
+            f"advantages must come from each prompt group alone; use one of: "
+            f"{', '.join(GROUP_ESTIMATORS)}."
         )
     if ar.max_staleness < 0:
         raise ConfigError(

@@ -38,3 +38,8 @@ class RunContext:
     checkpoint: Callable[[int, int], str]
     start_step: int = 0
     weight_version: int = 0
+    # What the loop keeps beyond the trainers' state (the asynchronous loop's buffer): the
+    # loop sets ``loop_state``, every checkpoint saves what it returns, and a resumed run
+    # finds it in ``resumed_loop_state``.
+    loop_state: Callable[[], dict[str, Any]] | None = None
+    resumed_loop_state: dict[str, Any] | None = None

@@ -25,7 +25,8 @@ from rltrain.loops.step import (
     refit_rollout,
     train_policy,
 )
-from rltrain.train.batch import build_train_batch
+from rltrain.rollout.base import RolloutBatch
+from rltrain.train.batch import TrainBatch, build_train_batch
 
 
 def objective_metrics(
@@ -49,6 +50,50 @@ def objective_metrics(
     if kl_BT is not None:
         out["kl_penalty"] = float(kl_BT.sum() / loss_mask_BT.sum().clamp(min=1))
     return out
+
+
+def shape_rewards(
+    a: AlgorithmConfig,
+    max_new_tokens: int,
+    batch: TrainBatch,
+    rollout: RolloutBatch,
+    rewards: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shaped rewards, overlong penalty) of a scored rollout: the soft overlong punishment
+    on the reward and, with ``algorithm.overlong.filter``, truncated responses out of
+    ``batch.loss_mask_BT``."""
+    lengths = torch.tensor([len(r) for r in rollout.response_ids])
+    penalty = overlong_penalty(lengths, max_new_tokens, a.overlong.buffer, a.overlong.penalty)
+    shaped = rewards + penalty if a.overlong.buffer else rewards
+    if a.overlong.filter:
+        finished = torch.tensor(rollout.finished)
+        batch.loss_mask_BT = truncated_keep_mask(finished, batch.response_mask_BT)
+    return shaped, penalty
+
+
+def set_advantages(
+    a: AlgorithmConfig,
+    batch: TrainBatch,
+    shaped: torch.Tensor,
+    loss_mask: torch.Tensor,
+    kl_BT: torch.Tensor | None,
+) -> float:
+    """The objective's advantages of whole prompt groups into ``batch`` (``advantages_B``,
+    or ``advantages_BT`` for per-token estimators); returns their mean magnitude."""
+    advantages = outcome_advantages(
+        cast(AdvantageEstimator, a.adv_estimator),
+        shaped,
+        a.samples_per_prompt,
+        loss_mask,
+        None if kl_BT is None else a.kl_coef * kl_BT,
+        a.normalize_adv_by_std,
+        a.adv_eps,
+    )
+    if advantages.dim() == 2:
+        batch.advantages_BT = advantages
+        return float((advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1))
+    batch.advantages_B = advantages
+    return float(advantages.abs().mean())
 
 
 def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
@@ -77,41 +122,18 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
         got = gather(ctx, step, sampling, weight_version, timer)
         rollout, rewards = got.rollout, got.rewards
         batch = build_train_batch(rollout, torch.zeros(len(rewards)), tok.pad_token_id)
-        loss_mask = batch.response_mask_BT
 
         # step 4: shaping: soft overlong punishment on the reward, truncated responses
         # out of the loss
-        lengths = torch.tensor([len(r) for r in rollout.response_ids])
-        penalty = overlong_penalty(
-            lengths, cfg.rollout.max_new_tokens, a.overlong.buffer, a.overlong.penalty
-        )
-        shaped = rewards + penalty if a.overlong.buffer else rewards
-        if a.overlong.filter:
-            finished = torch.tensor(rollout.finished)
-            batch.loss_mask_BT = loss_mask = truncated_keep_mask(finished, loss_mask)
+        shaped, penalty = shape_rewards(a, cfg.rollout.max_new_tokens, batch, rollout, rewards)
+        loss_mask = batch.loss_mask_BT if batch.loss_mask_BT is not None else batch.response_mask_BT
 
         # step 5: train-side logprobs before the update (and reference logprobs for KL).
         # On-policy with one optimizer step, the training forward computes them.
         kl_BT = old_and_reference_logprobs(ctx, batch, loss_mask, not fuse_old_logprobs, timer)
 
         # step 6: advantages (group-normalised for GRPO; docs/objectives.md for the others)
-        advantages = outcome_advantages(
-            cast(AdvantageEstimator, a.adv_estimator),
-            shaped,
-            a.samples_per_prompt,
-            loss_mask,
-            None if kl_BT is None else a.kl_coef * kl_BT,
-            a.normalize_adv_by_std,
-            a.adv_eps,
-        )
-        if advantages.dim() == 2:
-            batch.advantages_BT = advantages
-            adv_abs_mean = float(
-                (advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-            )
-        else:
-            batch.advantages_B = advantages
-            adv_abs_mean = float(advantages.abs().mean())
+        adv_abs_mean = set_advantages(a, batch, shaped, loss_mask, kl_BT)
 
         # step 7: policy update
         train_metrics = train_policy(ctx, batch, timer)
