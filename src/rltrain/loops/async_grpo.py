@@ -67,13 +67,26 @@ class AsyncState:
     waiting: list[Group] = field(default_factory=list)
     next_call: int = 0
     dropped_total: int = 0
+    # Calls in flight when a checkpoint was saved: (call index, its prompts). Their prompts
+    # are already out of the data order the checkpoint keeps, so a resumed run submits them
+    # again first (same call index, same seed) instead of skipping them.
+    resubmit: list[tuple[int, list[PromptItem]]] = field(default_factory=list)
     # Engine busy intervals (time.time()) of calls that returned since the last step's end.
     gen_intervals: list[tuple[float, float]] = field(default_factory=list)
 
-    def dump(self) -> dict[str, Any]:
+    def dump(self, in_flight: list[Call]) -> dict[str, Any]:
+        """The buffer, counters and the prompts of ``in_flight`` calls, as plain values."""
         return {
             "next_call": self.next_call,
             "dropped_total": self.dropped_total,
+            "in_flight": [
+                {
+                    "call": c.index,
+                    "prompts": [i.prompt for i in c.items],
+                    "answers": [i.answer for i in c.items],
+                }
+                for c in in_flight
+            ],
             "waiting": [
                 {
                     "prompt_ids": g.rollout.prompt_ids,
@@ -109,7 +122,11 @@ class AsyncState:
             )
             for w in state["waiting"]
         ]
-        return cls(waiting, state["next_call"], state["dropped_total"])
+        resubmit = [
+            (c["call"], [PromptItem(p, a) for p, a in zip(c["prompts"], c["answers"], strict=True)])
+            for c in state["in_flight"]
+        ]
+        return cls(waiting, state["next_call"], state["dropped_total"], resubmit)
 
 
 def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -206,13 +223,16 @@ class AsyncController:
             self.submit()
 
     def submit(self) -> None:
-        c = self.state.next_call
-        self.state.next_call += 1
+        if self.state.resubmit:  # a resumed run's calls that were in flight at its checkpoint
+            c, items = self.state.resubmit.pop(0)
+        else:
+            c = self.state.next_call
+            self.state.next_call += 1
+            items = self.ctx.task.sample(self.per_call)
         step, j = c // self.calls_per_step + 1, c % self.calls_per_step
         # The synchronous loop's seeds: with one call per replica per step, call j of a
         # step gets what replica j gets there (RolloutPool.generate).
         seed = step_seed(self.ctx.cfg.seed, step) * self.calls_per_step + j
-        items = self.ctx.task.sample(self.per_call)
         prompt_ids = encode_groups(self.ctx.tokenizer, items, self.G)
         busy = [0] * self.replicas
         for call in self.in_flight:
@@ -305,10 +325,10 @@ def train_grpo_async(ctx: RunContext, on_step: Callable[[int, dict[str, float]],
     version = ctx.weight_version
 
     def checkpoint_state() -> dict[str, Any]:
-        # Calls in flight finish first: their groups are saved with the buffer, and their
-        # prompts are already counted in the data order the checkpoint saves.
-        gen.drain()
-        return state.dump()
+        # The groups that returned join the buffer first; calls still in flight are saved as
+        # their prompts (a resumed run generates them again with its restored weights).
+        gen.collect(0.0)
+        return state.dump(gen.in_flight)
 
     # Every checkpoint from here on (the runner's final one included) saves the buffer.
     ctx.loop_state = checkpoint_state
