@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-TIMING_PREFIXES = ("time/", "throughput/", "overhead/")
+TIMING_PREFIXES = ("time/", "throughput/", "overhead/", "wall_time")
 
 
 def differences(a: Path, b: Path) -> list[str]:

@@ -22,7 +22,15 @@ from rltrain.rollout.base import RolloutBatch
 from tests.conftest import tiny_config
 
 RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
-TIMING_PREFIXES = ("time/", "throughput/", "overhead/", "compile/", "async/overlap", "async/train")
+TIMING_PREFIXES = (
+    "time/",
+    "throughput/",
+    "overhead/",
+    "compile/",
+    "wall_time",
+    "async/overlap",
+    "async/train",
+)
 ASYNC = ["algorithm.async_rollout.enabled=true"]
 QUIET = ["logger.progress=false", "logger.tensorboard=false"]
 

@@ -22,7 +22,7 @@ from tests.fixtures.gate import write_gate_reward
 from tests.test_e2e import RLTRAIN, _metrics, _run_cli
 
 # Wall-clock values differ between runs; everything else of a row must match.
-TIMING_PREFIXES = ("time/", "overhead/", "throughput/")
+TIMING_PREFIXES = ("time/", "overhead/", "throughput/", "wall_time")
 
 
 def test_checkpoint_folders_and_partial_saves(tmp_path):

@@ -242,6 +242,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             with RunProgress(cfg.max_steps, cfg.logger.progress, console) as progress:
 
                 def on_step(step: int, metrics: dict[str, float]) -> None:
+                    # When the step was logged (time.time()): seconds-to-a-reward figures.
+                    metrics["wall_time"] = time.time()
                     logger.log(step, metrics)
                     progress.update(step, metrics)
 
