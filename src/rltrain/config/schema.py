@@ -87,7 +87,7 @@ class AsyncRolloutConfig:
     groups_per_call: int | None = None
     # Seconds a generate call may take from its submission: past it, its groups are dropped
     # and counted and the run fails naming the replica (a stuck replica cannot take the next
-    # refit); cluster.max_restarts then resumes from the last checkpoint, buffer included.
+    # refit); cluster.restarts then resumes from the last checkpoint, buffer included.
     group_timeout_s: float = 600.0
 
 
