@@ -305,7 +305,12 @@ def make_plan(
     threads = cfg.cluster.torch_threads
     if device == "cuda":
         trainer_threads = rollout_threads = threads or 0
+    elif cfg.algorithm.async_rollout.enabled:
+        # Trainers and engines run at the same time: the cores are split between them.
+        share = max(1, resources.num_cpus // (trainer_world + ro.replicas))
+        trainer_threads = rollout_threads = threads or share
     else:
+        # Trainers and engines take turns: each gets every core while it runs.
         trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 

@@ -28,6 +28,7 @@ def plan_tree(plan: RunPlan) -> Tree:
     for r in plan.roles:
         node = roles.add(
             f"[bold]{r.name}[/]: {r.world_size} process(es), mesh {r.mesh}, {r.backend}, {r.dtype}"
+            + (f", {r.threads} torch thread(s) each" if r.threads else "")
         )
         node.add(f"resources per process: {r.bundle}")
         for note in r.notes:
