@@ -53,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     # cuda: the shapes of scripts/bench_e2e.py
     p.add_argument("--model-dir", default="/tmp/rltrain-bench-qwen1.5b")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"))
+    p.add_argument(
+        "--data", default=str(ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl")
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -97,6 +99,7 @@ def cuda_overrides(args: argparse.Namespace) -> list[str]:
         "rollout.colocated=false",
         "rollout.replicas=1",
         "dtensor.dp=1",
+        "rollout.vllm.enforce_eager=false",  # CUDA graphs: the engine has a GPU of its own
         f"rollout.vllm.max_model_len={prompt_tokens + args.max_new_tokens}",
         "cluster.device=cuda",
         "cluster.startup_timeout_s=900",
