@@ -40,6 +40,10 @@ class RolloutBatch:
     # (partial rollouts) are older than ``weight_version`` says. None = every row is
     # ``weight_version``.
     row_versions: list[int] | None = None
+    # Per token, the weight version of the forward that produced it (partial rollouts;
+    # ``response_versions[i][j]`` belongs to ``response_ids[i][j]``). None = every token is
+    # its row's version.
+    response_versions: list[list[int]] | None = None
 
     def versions(self) -> list[int]:
         """The weight version of each row's oldest token."""
@@ -57,6 +61,15 @@ class Engine(Protocol):
     refit; ``wake_up`` is a no-op when awake. What sleeping frees is the
     engine's own business (vLLM: weights to host memory and the KV cache; the
     torch engine: its cached allocator blocks).
+
+    Concurrency: one call at a time, except with partial rollouts
+    (``algorithm.async_rollout.partial_rollouts=true``, engines that support it: the
+    torch engine), where ``refit_receive`` may run on a second thread while
+    ``generate`` runs; the weights then change between two decode steps and the
+    tokens after the swap carry the new version (``RolloutBatch.response_versions``).
+    Nothing else may overlap: not two ``generate`` calls (the torch engine queues
+    the second), nor ``init_refit``, ``sleep``, ``wake_up`` or ``shutdown`` with
+    anything.
     """
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...

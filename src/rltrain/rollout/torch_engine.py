@@ -2,12 +2,21 @@
 
 Runs anywhere torch runs (CPU and GPU). Plain Python: ``cluster/`` wraps it as
 a Ray actor. Weights arrive through a refit receiver (see ``refit/``).
+
+Partial rollouts (``algorithm.async_rollout.partial_rollouts=true``): a refit may
+land while ``generate`` runs, called from a second thread of the same process.
+Each decode step holds ``_swap_lock`` for its forward pass, and the landing holds
+it for the swap, so the weights change only between two decode steps; the KV
+cache built with the older weights is kept (as AReaL's and verl's partial
+rollouts do). The bytes are received into staging tensors outside the lock: a
+decode step waits for the pointer swap only, never for the network.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,6 +66,21 @@ class TorchEngine:
         self.refit_receiver: RefitReceiver | None = None
         self.refit_in_place = False  # True: the weights are views into the receiver's buckets
         self.asleep = False
+        ar = cfg.algorithm.async_rollout
+        # A refit may land while generate runs (from a second thread, see the module doc).
+        self.partial_rollouts = ar.enabled and ar.partial_rollouts
+        # Held by each decode step's forward and by the landing of a refit: a swap happens
+        # only between decode steps.
+        self._swap_lock = threading.Lock()
+        # One generate at a time: a second call waits for the first (the pool keeps one in
+        # flight per replica, leaving the actor's second thread to a refit).
+        self._generate_lock = threading.Lock()
+        # Partial rollouts: per parameter, the tensor the next refit is received into (the
+        # weights of two versions ago after a swap), outside the lock.
+        self._staging: dict[str, torch.Tensor] = {}
+        # Called with the step index before each decode step takes the lock (tests pace a
+        # refit against the decode loop with it); None in runs.
+        self.on_decode_step: Callable[[int], None] | None = None
 
     # -- engine interface -------------------------------------------------
     def weight_version(self) -> int:
@@ -94,7 +118,17 @@ class TorchEngine:
 
         Prompts are left-padded into one batch; each step feeds the last token
         with the KV cache. A row stops at EOS; the batch stops when all rows did.
+
+        With partial rollouts a refit may land between two decode steps (see the module
+        doc): each token carries the version of the forward that produced it
+        (``response_versions``), ``row_versions`` is each row's oldest and
+        ``weight_version`` the first step's (the minimum: versions only grow). Without,
+        the version cannot change during the call and those per-row fields stay None.
         """
+        with self._generate_lock:
+            return self._generate(prompt_ids, sampling)
+
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         t0, started_at = time.perf_counter(), time.time()
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
@@ -118,15 +152,21 @@ class TorchEngine:
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         past = None
         step_ids, step_pos = ids, position_ids
+        step_versions: list[int] = []  # the weight version of each decode step's forward
         for t in range(sampling.max_new_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                past_key_values=past,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            if self.on_decode_step is not None:
+                self.on_decode_step(t)
+            # The forward reads the weights: a refit's swap waits for it, or it for the swap.
+            with self._swap_lock:
+                step_versions.append(self._version)
+                out = self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    past_key_values=past,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             past = out.past_key_values
             # temperature 0 = greedy (evaluation): argmax, logprobs of the unscaled distribution.
             greedy = sampling.temperature == 0
@@ -156,14 +196,22 @@ class TorchEngine:
 
         tokens, logprobs, n = out_tokens.tolist(), out_logprobs.tolist(), lengths.tolist()
         finished = done.tolist()
+        start_version = step_versions[0] if step_versions else self._version
+        response_versions = row_versions = None
+        if self.partial_rollouts:
+            response_versions = [step_versions[: n[i]] for i in range(B)]
+            # Versions only grow, so a row's oldest token is its first (an empty row: the start).
+            row_versions = [v[0] if v else start_version for v in response_versions]
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids],
             response_ids=[tokens[i][: n[i]] for i in range(B)],
             response_logprobs=[logprobs[i][: n[i]] for i in range(B)],
             finished=finished,
-            weight_version=self._version,
+            weight_version=start_version,
             engine_seconds=time.perf_counter() - t0,
             started_at=started_at,
+            row_versions=row_versions,
+            response_versions=response_versions,
         )
 
     # -- refit --------------------------------------------------------------
@@ -172,7 +220,7 @@ class TorchEngine:
     ) -> int:
         """Copy (name, tensor) pairs into the model; returns the number of tensors loaded."""
         n = 0
-        with torch.no_grad():
+        with torch.no_grad(), self._swap_lock:
             for name, tensor in named_tensors:
                 param = self._params.get(name)
                 if param is None:
@@ -206,26 +254,64 @@ class TorchEngine:
             self.device,
             r.verify,
         )
-        self.refit_in_place = self.refit_receiver.bind(self._params)
+        if self.partial_rollouts:
+            # Received into staging tensors (outside the swap lock), then swapped in between
+            # two decode steps: landing in place would change the weights under a forward.
+            self._staging = {
+                name: torch.empty_like(self._params[name])
+                for b in manifest.buckets
+                for name in (s.name for s in b.slots)
+            }
+        else:
+            self.refit_in_place = self.refit_receiver.bind(self._params)
 
     def refit_receive(self) -> RefitStats:
-        """Receive one refit and load it; the weight version comes from the sender."""
+        """Receive one refit and load it; the weight version comes from the sender.
+
+        Without partial rollouts the whole receive holds the swap lock (nothing generates
+        meanwhile: the actor runs one call at a time) and the bytes land in place. With
+        them it may run while ``generate`` runs on another thread: the bytes go into staging
+        tensors without the lock, then, holding it between two decode steps, every
+        parameter is re-pointed at its staged tensor and the version changes (``land_s``:
+        the wait for the lock and the swap).
+        """
         if self.refit_receiver is None:
             raise RuntimeError("refit_receive before init_refit")
         t0 = time.perf_counter()
+        if self.partial_rollouts:
+            version, n = self._receive(self._staging)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # staged bytes complete before the swap
+            t_land = time.perf_counter()
+            with self._swap_lock:
+                for name, staged in list(self._staging.items()):
+                    param = self._params[name]
+                    # Re-pointed, not copied: modules sharing the parameter (tied embeddings)
+                    # see the new tensor, and the old one receives the next refit.
+                    self._staging[name], param.data = param.data, staged
+                self._version = version
+            extra = {"tensors": float(n), "land_s": time.perf_counter() - t_land}
+        else:
+            with self._swap_lock:
+                version, n = self._receive(None if self.refit_in_place else self._params)
+                self._version = version
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the stats' time covers the landing
+            extra = {"tensors": float(n)}
+        m = self.refit_receiver.manifest
+        return RefitStats(version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), extra)
+
+    def _receive(self, into: dict[str, torch.Tensor] | None) -> tuple[int, int]:
+        """One refit's tensors copied into ``into`` (None: bound, the bytes already are the
+        weights); returns (the sender's weight version, tensors received)."""
+        assert self.refit_receiver is not None
         versions = set()
         n = 0
         with torch.no_grad():
             for sent_version, name, tensor in self.refit_receiver.receive():
-                if not self.refit_in_place:  # in place: the bytes already are the weights
-                    self._params[name].copy_(tensor)
+                if into is not None:
+                    into[name].copy_(tensor)
                 versions.add(sent_version)
                 n += 1
         (version,) = versions  # one header per refit: every tensor carries the same version
-        self._version = version
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the stats' time covers the landing
-        m = self.refit_receiver.manifest
-        return RefitStats(
-            version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), {"tensors": float(n)}
-        )
+        return version, n
