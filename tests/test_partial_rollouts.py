@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from rltrain.algorithms.logprobs import scale_logits
@@ -21,6 +22,8 @@ from rltrain.refit.gloo import GlooRefitSender
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 from rltrain.rollout.torch_engine import TorchEngine
 from rltrain.train.distributed import free_port
+
+pytestmark = pytest.mark.dist
 
 HOST = "127.0.0.1"
 WAIT_S = 120.0  # a bound on every wait; none is expected to come near it

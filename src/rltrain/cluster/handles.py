@@ -319,6 +319,22 @@ class RolloutPool:
             finished=[f for b in parts for f in b.finished],
             weight_version=min(b.weight_version for b in parts),
             engine_seconds=max(b.engine_seconds for b in parts),
+            started_at=min(b.started_at for b in parts),
+            # Partial rollouts: versions per row and per token (None when no part has them).
+            row_versions=[v for b in parts for v in b.versions()]
+            if any(b.row_versions is not None for b in parts)
+            else None,
+            response_versions=[
+                v
+                for b in parts
+                for v in (
+                    b.response_versions
+                    if b.response_versions is not None
+                    else [[b.weight_version] * len(r) for r in b.response_ids]
+                )
+            ]
+            if any(b.response_versions is not None for b in parts)
+            else None,
         )
 
     def submit(

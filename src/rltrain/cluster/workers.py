@@ -55,6 +55,20 @@ def refit_summary(sent: RefitStats, received: list[RefitStats]) -> RefitStats:
     return replace(sent, extra=extra)
 
 
+def rollout_threads(cfg: RunConfig, colocated: bool) -> int:
+    """Calls a rollout actor may run at once: 2 with partial rollouts (a refit's
+    ``refit_receive`` lands while ``generate`` runs, see ``rollout/base.py``), else 1.
+
+    With 1, Ray runs an actor's calls one at a time in submission order, which the pool
+    relies on (a colocated engine's sleep queued behind its generate). Partial rollouts
+    need async mode, which refuses colocated engines, so that order is never needed on a
+    threaded actor; the controller keeps one generate per replica in flight, so the second
+    thread is free for the refit.
+    """
+    ar = cfg.algorithm.async_rollout
+    return 2 if ar.enabled and ar.partial_rollouts and not colocated else 1
+
+
 class Workers:
     """Every actor of a run: the policy gang, the rollout pool and (PPO) the value gang as
     typed handles, plus the refit wiring between policy and pool."""
@@ -92,12 +106,14 @@ class Workers:
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         groups = role_bundles(plan, cfg.cluster)
         actors: dict[str, dict[int, Any]] = {"policy": {}, "rollout": {}, "value": {}}
+        threads = {"rollout": rollout_threads(cfg, plan.colocated)}
         t0 = time.perf_counter()
         for rb in groups:
             pg = self._placement_group(rb)
             for slot in rb.processes():
                 # A share of a bundle's GPU (roles that share it) or the whole bundle.
                 actors[slot.role][slot.rank] = RemoteHost.options(
+                    max_concurrency=threads.get(slot.role, 1),
                     num_cpus=slot.resources.get("CPU", 0),
                     num_gpus=slot.resources.get("GPU", 0),
                     resources={k: v for k, v in slot.resources.items() if k not in ("CPU", "GPU")}
