@@ -215,3 +215,50 @@ def test_without_partial_rollouts_nothing_changes():
     assert out.weight_version == 1
     assert out.row_versions is None and out.response_versions is None
     assert out.versions() == [1, 1, 1]
+
+
+class _Replica:
+    """Stands in for an engine in a Ray actor: ``generate`` waits for a refit to land while
+    it runs, and the refit waits for a generate to be running, so both finish only if the
+    refit runs beside the generate."""
+
+    def __init__(self) -> None:
+        self.generating, self.landed = threading.Event(), threading.Event()
+        self.log: list[str] = []
+
+    def generate(self, tag: int) -> bool:
+        self.log.append(f"start {tag}")
+        self.generating.set()
+        landed = self.landed.wait(WAIT_S)
+        self.log.append(f"end {tag}")
+        return landed
+
+    def refit_receive(self) -> bool:
+        running = self.generating.wait(WAIT_S)
+        self.log.append("refit")
+        self.landed.set()
+        return running
+
+    def events(self) -> list[str]:
+        return list(self.log)
+
+
+def test_a_refit_runs_beside_a_generate_on_the_actor(ray_session):
+    """BesideHost: the refit takes its own thread while a generate runs and another one
+    waits its turn; the generates still run one after the other, in order."""
+    import sys
+
+    from rltrain.cluster.actors import Actor, BesideHost, wait_all
+
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor: Actor[_Replica] = Actor(BesideHost.options(num_cpus=0).remote(), "rollout rank 0")
+    try:
+        wait_all([actor.build(_Replica)], WAIT_S, "build")
+        first = actor.call(_Replica.generate, 1)
+        second = actor.call(_Replica.generate, 2)  # queued behind the first, not on the refit's
+        refit = actor.call_beside(_Replica.refit_receive)
+        assert wait_all([first, second, refit], WAIT_S, "calls") == [True, True, True]
+        events = wait_all([actor.call(_Replica.events)], WAIT_S, "events")[0]
+        assert events == ["start 1", "refit", "end 1", "start 2", "end 2"]
+    finally:
+        actor.kill()

@@ -137,6 +137,13 @@ class WorkerHost:
 
 RemoteHost = ray.remote(WorkerHost)
 
+# Rollout replicas with partial rollouts: besides the default group (one thread, calls in
+# submission order, as on RemoteHost) a "refit" group with a thread of its own, so that a
+# refit's receive runs while a generate runs (Actor.call_beside). Several generate calls
+# queued on a replica still run one after the other and never take the refit's thread.
+REFIT_GROUP = "refit"
+BesideHost = ray.remote(concurrency_groups={REFIT_GROUP: 1})(WorkerHost)
+
 
 @dataclass(frozen=True)
 class Pending(Generic[R_co]):
@@ -176,6 +183,14 @@ class Actor(Generic[W]):
         names = tuple(m.__name__ for m in before)
         ref = self.handle.call_between.remote(names, method.__name__, args, (), kwargs)
         return Pending(ref, self.name)
+
+    def call_beside(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
+        """Like :meth:`call`, on the actor's refit thread: it runs while a call of the
+        default group is in progress. Only on actors created from :data:`BesideHost`."""
+        call = self.handle.call.options(concurrency_group=REFIT_GROUP)
+        return Pending(call.remote(method.__name__, *args, **kwargs), self.name)
 
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rltrain.cluster.actors import (
     Actor,
+    BesideHost,
     Pending,
     RemoteHost,
     WorkerError,
@@ -55,18 +56,18 @@ def refit_summary(sent: RefitStats, received: list[RefitStats]) -> RefitStats:
     return replace(sent, extra=extra)
 
 
-def rollout_threads(cfg: RunConfig, colocated: bool) -> int:
-    """Calls a rollout actor may run at once: 2 with partial rollouts (a refit's
-    ``refit_receive`` lands while ``generate`` runs, see ``rollout/base.py``), else 1.
+def refit_beside_generate(cfg: RunConfig, colocated: bool) -> bool:
+    """Whether refits land while a replica generates (partial rollouts): the rollout actors
+    then come from :data:`BesideHost` and the refit's receive runs on their refit thread
+    (``Actor.call_beside``, see the concurrency contract in ``rollout/base.py``).
 
-    With 1, Ray runs an actor's calls one at a time in submission order, which the pool
-    relies on (a colocated engine's sleep queued behind its generate). Partial rollouts
-    need async mode, which refuses colocated engines, so that order is never needed on a
-    threaded actor; the controller keeps one generate per replica in flight, so the second
-    thread is free for the refit.
+    Otherwise an actor runs its calls one at a time in submission order, which the pool
+    relies on (a colocated engine's sleep queued behind its generate); async mode refuses
+    colocated engines, so that order is never needed beside a refit. Only the torch engine
+    lands a refit between decode steps (config/validate.py refuses vLLM).
     """
     ar = cfg.algorithm.async_rollout
-    return 2 if ar.enabled and ar.partial_rollouts and not colocated else 1
+    return ar.enabled and ar.partial_rollouts and not colocated
 
 
 class Workers:
@@ -106,14 +107,14 @@ class Workers:
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         groups = role_bundles(plan, cfg.cluster)
         actors: dict[str, dict[int, Any]] = {"policy": {}, "rollout": {}, "value": {}}
-        threads = {"rollout": rollout_threads(cfg, plan.colocated)}
+        beside = refit_beside_generate(cfg, plan.colocated)
         t0 = time.perf_counter()
         for rb in groups:
             pg = self._placement_group(rb)
             for slot in rb.processes():
                 # A share of a bundle's GPU (roles that share it) or the whole bundle.
-                actors[slot.role][slot.rank] = RemoteHost.options(
-                    max_concurrency=threads.get(slot.role, 1),
+                host = BesideHost if beside and slot.role == "rollout" else RemoteHost
+                actors[slot.role][slot.rank] = host.options(
                     num_cpus=slot.resources.get("CPU", 0),
                     num_gpus=slot.resources.get("GPU", 0),
                     resources={k: v for k, v in slot.resources.items() if k not in ("CPU", "GPU")}
@@ -264,7 +265,11 @@ class Workers:
         self.rollout.settle()
         send = [a.call(PolicyWorker.refit_send, weight_version) for a in self.policy.actors]
         wake = (Engine.wake_up,) if self.plan.colocated else ()
-        recv = [a.call_after(wake, Engine.refit_receive) for a in self.rollout.actors]
+        if refit_beside_generate(self.cfg, self.plan.colocated):
+            # Partial rollouts: lands between two decode steps of a generate in progress.
+            recv = [a.call_beside(Engine.refit_receive) for a in self.rollout.actors]
+        else:
+            recv = [a.call_after(wake, Engine.refit_receive) for a in self.rollout.actors]
         self.rollout.awake = [True] * len(self.rollout.actors)
         out = self.calls.wait(
             [*send, *recv], f"refit v{weight_version}", self.cfg.refit.timeout_s * 2
