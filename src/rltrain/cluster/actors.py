@@ -142,7 +142,8 @@ RemoteHost = ray.remote(WorkerHost)
 # refit's receive runs while a generate runs (Actor.call_beside). Several generate calls
 # queued on a replica still run one after the other and never take the refit's thread.
 REFIT_GROUP = "refit"
-BesideHost = ray.remote(concurrency_groups={REFIT_GROUP: 1})(WorkerHost)
+# (ray's type stubs do not list concurrency_groups among ray.remote's keywords)
+BesideHost = ray.remote(concurrency_groups={REFIT_GROUP: 1})(WorkerHost)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
