@@ -32,16 +32,17 @@ SWAP_STEP = 5  # the refit lands before decode step 5: tokens 0-4 old, 5.. new
 NEW_TOKENS = 12
 
 
-def _engine(partial: bool) -> TorchEngine:
+def _engine(partial: bool, device: str = "cpu") -> TorchEngine:
     cfg = RunConfig()
     cfg.model.blocked_tokens = list(BLOCKED)
     cfg.refit.bucket_bytes = 2**16  # several buckets through the two buffers
     cfg.refit.verify = True
     cfg.algorithm.async_rollout.enabled = True
     cfg.algorithm.async_rollout.partial_rollouts = partial
-    engine = TorchEngine(cfg)
+    engine = TorchEngine(cfg, device)
     # EOS blocked too: every row runs the full NEW_TOKENS, across the swap.
-    engine.blocked = torch.cat([engine.blocked, torch.tensor([engine.eos_id])])
+    eos = torch.tensor([engine.eos_id], device=engine.device)
+    engine.blocked = torch.cat([engine.blocked, eos])
     return engine
 
 
@@ -51,7 +52,7 @@ def _weights(engine: TorchEngine) -> dict[str, torch.Tensor]:
 
 def _perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: w + 0.5 * torch.randn(w.shape, generator=g) for n, w in weights.items()}
+    return {n: w + 0.5 * torch.randn(w.shape, generator=g).to(w.device) for n, w in weights.items()}
 
 
 def _thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -105,12 +106,13 @@ def _teacher_forced(
 ) -> torch.Tensor:
     """The logprobs of ``out``'s tokens replayed through the decode loop with ``before``'s
     weights up to ``swap_step`` and ``after``'s from there, the KV cache kept across."""
-    ref = TorchEngine(engine.cfg)
+    device = engine.device
+    ref = TorchEngine(engine.cfg, device.type)
     B = len(out.prompt_ids)
-    ids = torch.tensor(out.prompt_ids)
+    ids = torch.tensor(out.prompt_ids, device=device)
     mask = torch.ones_like(ids)
-    pos = torch.arange(ids.shape[1]).expand(B, -1)
-    tokens = torch.tensor(out.response_ids)
+    pos = torch.arange(ids.shape[1], device=device).expand(B, -1)
+    tokens = torch.tensor(out.response_ids, device=device)
     got = torch.zeros(tokens.shape)
     ref.load_weights(before.items(), 0)
     past, step_ids = None, ids
@@ -128,14 +130,17 @@ def _teacher_forced(
             )
             past = o.past_key_values
             logp = torch.log_softmax(scale_logits(o.logits[:, -1], 1.0, engine.blocked), dim=-1)
-            got[:, t] = logp.gather(-1, tokens[:, t : t + 1]).squeeze(-1)
+            got[:, t] = logp.gather(-1, tokens[:, t : t + 1]).squeeze(-1).cpu()
             step_ids, pos = tokens[:, t : t + 1], pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return got
 
 
-def test_refit_lands_between_decode_steps_and_versions_follow():
-    engine = _engine(partial=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_refit_lands_between_decode_steps_and_versions_follow(device):
+    """On CUDA the bytes still come over gloo (into host buffers, copied to the GPU's
+    staging tensors): the swap and the decode loop are what this checks there."""
+    engine = _engine(partial=True, device=device)
     sender = _connect(engine)
     assert not engine.refit_in_place  # staged, then swapped: never written under a forward
     old = _weights(engine)
