@@ -185,7 +185,9 @@ def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):
     gen.timeout_s = 0.0
     monkeypatch.setattr(async_grpo, "ready", lambda pending, timeout: [])
     gen.submit()
-    with pytest.raises(Exception, match=r"rollout rank 0 did not return call 0 .*\(4 samples dropped\)"):
+    with pytest.raises(
+        Exception, match=r"rollout rank 0 did not return call 0 .*\(4 samples dropped\)"
+    ):
         gen.collect(None)
     assert gen.state.dropped_total == 2 * 2
 
@@ -218,15 +220,24 @@ def test_max_staleness_0_gives_the_synchronous_loops_metrics(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(900)
-def test_async_run_learns_and_never_trains_past_the_bound(tmp_path):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-calls", "partial-rollouts"])
+def test_async_run_learns_and_never_trains_past_the_bound(tmp_path, partial):
     out = tmp_path / "learn"
+    steps = 250
     proc = _run_cli(
-        "grpo", *ASYNC, "max_steps=150", f"output_dir={out}", *QUIET, "checkpoint.save_final=false"
+        "grpo",
+        *ASYNC,
+        f"algorithm.async_rollout.partial_rollouts={str(partial).lower()}",
+        f"max_steps={steps}",
+        f"output_dir={out}",
+        *QUIET,
+        "checkpoint.save_final=false",
+        timeout=1100,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _metrics(out)
-    assert len(rows) == 150
+    assert len(rows) == steps
     # The bound holds for every trained sample: staleness_max is the max over them.
     assert max(r["async/staleness_max"] for r in rows) <= 1.0
     assert sum(r["async/staleness_mean"] for r in rows) > 0  # really asynchronous

@@ -57,6 +57,7 @@ class Call:
     index: int
     items: list[PromptItem]
     submitted: float  # time.monotonic()
+    submitted_wall: float  # time.time()
 
 
 @dataclass
@@ -204,6 +205,8 @@ class AsyncController:
         self.partial = ar.partial_rollouts
         self.sampling: SamplingParams = sampling_params(cfg)
         self.in_flight: list[Call] = []
+        # When each replica's last returned call ended (time.time()).
+        self.last_end = [0.0] * self.replicas
 
     # -- generation --------------------------------------------------------------------
     def queued(self) -> int:
@@ -239,7 +242,7 @@ class AsyncController:
             busy[call.replica] += 1
         replica = min(range(self.replicas), key=lambda r: (busy[r], r))
         pending = self.ctx.rollout.submit(replica, prompt_ids, replace(self.sampling, seed=seed))
-        self.in_flight.append(Call(pending, replica, c, items, time.monotonic()))
+        self.in_flight.append(Call(pending, replica, c, items, time.monotonic(), time.time()))
 
     def collect(self, timeout_s: float | None) -> int:
         """Wait up to ``timeout_s`` (None: until one returns or a deadline passes) for calls in
@@ -273,9 +276,9 @@ class AsyncController:
         self.in_flight = [c for i, c in enumerate(self.in_flight) if i not in set(done)]
         rollouts = wait_all([c.pending for c in calls], None, "generate")
         for call, rollout in zip(calls, rollouts, strict=True):
-            self.state.gen_intervals.append(
-                (rollout.started_at, rollout.started_at + rollout.engine_seconds)
-            )
+            end = rollout.started_at + rollout.engine_seconds
+            self.state.gen_intervals.append((rollout.started_at, end))
+            self.last_end[call.replica] = max(self.last_end[call.replica], end)
             scored = score_groups(
                 self.ctx.task,
                 self.ctx.tokenizer,
@@ -288,6 +291,19 @@ class AsyncController:
             exact = torch.tensor([s.exact_match for s in scored])
             self.state.waiting += split_groups(rollout, rewards, exact, self.G, call.index)
         return len(calls)
+
+    def busy_intervals(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The replicas' generating time within [start, end] (time.time()): the calls that
+        returned (as the engines timed them) and, for each replica with calls still in
+        flight, from when its current call can have started (its submission, or the end of
+        the replica's previous call) to ``end``. Clears the returned calls' intervals."""
+        out = [(max(s, start), min(e, end)) for s, e in self.state.gen_intervals]
+        self.state.gen_intervals = []
+        for r in range(self.replicas):
+            submitted = [c.submitted_wall for c in self.in_flight if c.replica == r]
+            if submitted:
+                out.append((max(min(submitted), self.last_end[r], start), end))
+        return [(s, e) for s, e in out if e > s]
 
     def drain(self) -> None:
         """Wait for every call in flight (its groups join the buffer)."""
@@ -407,8 +423,7 @@ def _step(
 
     step_s = time.perf_counter() - t_step
     wall1 = time.time()
-    gen_iv = [(max(s, wall0), min(e, wall1)) for s, e in gen.state.gen_intervals]
-    gen.state.gen_intervals = [iv for iv in gen.state.gen_intervals if iv[1] > wall1]
+    gen_iv = gen.busy_intervals(wall0, wall1)
     train_s = sum(e - s for s, e in train_intervals)
     both = overlap_seconds(gen_iv, train_intervals)
     staleness = torch.tensor(
