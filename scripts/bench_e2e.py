@@ -39,8 +39,10 @@ rewards are 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 DATA = ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl"
+# Seconds an interrupted run gets to shut its workers down before it is killed.
+INTERRUPT_GRACE_S = 45.0
 SMOKE_SHAPE = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -86,7 +90,47 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="run folder (default: a temp folder)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for the run")
     p.add_argument("--standalone-worker", default=None, help=argparse.SUPPRESS)
+    g = p.add_argument_group("two GPUs (--gpus 2)")
+    g.add_argument("--gpus", type=int, choices=(1, 2), default=1)
+    g.add_argument("--recipe", default="qwen1.5b-gsm8k")
+    g.add_argument("--algos", default="grpo,ppo", help="comma list of grpo, ppo")
+    g.add_argument("--layouts", default="split,dp2", help="comma list of split, dp2, critic")
+    g.add_argument("--only", default=None, help="comma list of <algo>_<layout> (grpo_split, ...)")
+    g.add_argument("--mini-batch", type=int, default=None, help="default: the whole rollout")
+    g.add_argument(
+        "--split-gpu-memory-utilization",
+        type=float,
+        default=0.8,
+        help="vLLM on a GPU of its own (--gpu-memory-utilization: colocated)",
+    )
+    g.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall seconds for the whole command (default 540 with --gpus 2): a run is "
+        "interrupted at the budget and later layouts are skipped, all recorded",
+    )
+    g.add_argument("--min-run-s", type=float, default=None, help="skip a layout with less left")
+    g.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, torch engine")
+    g.add_argument("--no-ray-stop", action="store_true", help="no `ray stop` after a failed run")
+    g.add_argument("--merge", nargs="+", default=None, help="merge --gpus 2 result files")
     args = p.parse_args()
+    if args.gpus == 2 or args.merge:
+        if "--steps" not in sys.argv:
+            args.steps = 2 if args.dry_run else 50
+        if args.budget_s is None and not args.dry_run:
+            args.budget_s = 540.0
+        if args.min_run_s is None:
+            args.min_run_s = 0.0 if args.dry_run else 150.0
+        if args.dry_run:
+            for flag, attr, value in (
+                ("--max-new-tokens", "max_new_tokens", 8),
+                ("--prompts", "prompts", 2),
+                ("--samples", "samples", 2),
+            ):
+                if flag not in sys.argv:
+                    setattr(args, attr, value)
+        return args
     if args.smoke:
         if "--steps" not in sys.argv:
             args.steps = 2
@@ -200,24 +244,45 @@ def recompile_reasons(log: str) -> list[str]:
 
 
 def run_loop(
-    overrides: list[str], run_dir: Path, timeout_s: float, explain_recompiles: bool = False
+    overrides: list[str],
+    run_dir: Path,
+    timeout_s: float,
+    explain_recompiles: bool = False,
+    algo: str = "grpo",
 ) -> dict:
-    """`rltrain grpo <overrides>` in a subprocess; its output goes to run_dir/run.log."""
+    """`rltrain <algo> <overrides>` in a subprocess; its output goes to run_dir/run.log.
+
+    Past ``timeout_s`` the run gets SIGINT (it shuts its workers down and keeps the
+    metrics rows it logged), then SIGKILL after INTERRUPT_GRACE_S; ``returncode`` is None
+    and ``timed_out`` true.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "rltrain.cli", "grpo", *overrides]
+    command = [sys.executable, "-m", "rltrain.cli", algo, *overrides]
     t0 = time.perf_counter()
+    timed_out = False
     with open(run_dir / "run.log", "w") as log:
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(explain_recompiles),
+            start_new_session=True,  # its own process group: an interrupt reaches it alone
+        )
         try:
-            rc: int | None = subprocess.run(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env(explain_recompiles),
-                timeout=timeout_s,
-            ).returncode
+            rc: int | None = proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
-            rc = None
+            timed_out, rc = True, None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     out: dict = {"returncode": rc, "wall_s": round(time.perf_counter() - t0, 1)}
+    if timed_out:
+        out["timed_out"] = True
     metrics = run_dir / "metrics.jsonl"
     out["rows"] = (
         [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -401,10 +466,401 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
     }
 
 
+# -- two GPUs: `rltrain grpo|ppo recipe=qwen1.5b-gsm8k` in several layouts ------------------
+
+# The layouts of the two-GPU benchmark: the overrides that express them on a 2-GPU node, and
+# what the plan must show for them (plan.json's gpu_layout), else the layout is not run.
+# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan_gpus.py),
+# so `dp2` is dp=2 trainers with one colocated vLLM replica on GPU 0 (CUDA IPC refit);
+# GPU 1 holds policy rank 1 (and PPO's value rank 1) only.
+LAYOUTS: dict[str, dict] = {
+    "split": {
+        "about": "1 trainer GPU + 1 vLLM replica on the other GPU (NCCL refit)",
+        "overrides": ["dtensor.dp=1", "rollout.replicas=1", "rollout.colocated=false"],
+        "expect": {"rollout_colocated": False, "refit": "nccl"},
+        # PPO: the critic cannot have a GPU of its own next to the policy's and the
+        # engine's, so the plan puts value rank 0 on policy rank 0's GPU.
+        "expect_ppo": {"value_colocated": True},
+        "colocated": False,
+    },
+    "dp2": {
+        "about": "dp=2 trainers, one vLLM replica colocated on policy rank 0's GPU (IPC refit)",
+        "overrides": ["dtensor.dp=2", "rollout.replicas=1", "rollout.colocated=true"],
+        "expect": {"rollout_colocated": True, "refit": "ipc"},
+        # PPO: value.dtensor.dp follows dtensor.dp; value rank i on policy rank i's GPU.
+        "expect_ppo": {"value_colocated": True},
+        "colocated": True,
+    },
+    "critic": {
+        "about": "PPO: policy + colocated vLLM on GPU 0 (IPC refit), the critic alone on GPU 1",
+        "overrides": ["dtensor.dp=1", "rollout.replicas=1", "rollout.colocated=true"],
+        "expect": {"rollout_colocated": True, "refit": "ipc"},
+        "expect_ppo": {"value_colocated": False},
+        "colocated": True,
+        "algos": ("ppo",),
+    },
+}
+ALGOS = ("grpo", "ppo")
+# Stage keys of the loops' metrics (time/<stage>) that the summary reports.
+STAGES = ("generate", "reward", "values", "logprobs", "train_value", "train", "refit")
+PROMPT_TOKENS = 512
+
+
+def two_gpu_overrides(
+    args: argparse.Namespace, algo: str, layout: str, model_dir: Path, run_dir: Path
+) -> tuple[list[str], list[str]]:
+    """(plan overrides, run overrides) of one layout: the plan's are always the GPU form
+    (checked on a 2-GPU cluster from anywhere, cluster.num_gpus=2); the run's are the same
+    on GPUs, and in --dry-run the CPU form (torch engine, fp32, no colocation: CPU runs
+    cannot colocate) at the same dp and replica counts."""
+    rollout_rows = args.prompts * args.samples
+    common = [
+        f"recipe={args.recipe}",
+        f"model.path={model_dir}",
+        "model.name=random-qwen2.5-1.5b-shape",
+        f"data.path={Path(args.data).resolve()}",
+        f"data.max_prompt_tokens={PROMPT_TOKENS}",
+        "data.val_fraction=0.0",
+        "eval.every_n_steps=0",
+        f"algorithm.prompts_per_step={args.prompts}",
+        f"algorithm.samples_per_prompt={args.samples}",
+        f"train.mini_batch_size={args.mini_batch or rollout_rows}",
+        f"train.max_tokens_per_micro_batch={args.micro_tokens}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"max_steps={args.steps}",
+        f"output_dir={run_dir}",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+        "checkpoint.every_n_steps=0",
+        "checkpoint.save_final=false",
+        "cluster.startup_timeout_s=900",
+    ]
+    spec = LAYOUTS[layout]
+    gpu = [
+        *common,
+        *spec["overrides"],
+        "rollout=vllm",
+        f"rollout.vllm.max_model_len={PROMPT_TOKENS + args.max_new_tokens}",
+        f"rollout.vllm.enforce_eager={str(not args.cuda_graphs).lower()}",
+        *(
+            [f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"]
+            if spec["colocated"]
+            else [f"rollout.vllm.gpu_memory_utilization={args.split_gpu_memory_utilization}"]
+        ),
+        "precision=bf16",
+        "cluster.device=cuda",
+        "cluster.num_gpus=2",
+        *args.overrides,
+    ]
+    if not args.dry_run:
+        return gpu, gpu
+    cpu_layout = [o for o in spec["overrides"] if not o.startswith("rollout.colocated")]
+    cpu = [
+        *common,
+        *cpu_layout,
+        "rollout=torch",
+        "precision=fp32",
+        "cluster.device=cpu",
+        *args.overrides,
+    ]
+    return gpu, cpu
+
+
+def check_plan(algo: str, layout: str, overrides: list[str], timeout_s: float = 300.0) -> dict:
+    """`rltrain plan <algo> <overrides> --json` in a subprocess, reduced to what places the
+    roles, and whether it shows the layout's expected GPU sharing and refit; ``ok`` False
+    with ``error`` when it does not (or the overrides do not compose or validate)."""
+    command = [sys.executable, "-m", "rltrain.cli", "plan", algo, *overrides, "--json"]
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, env=child_env(), timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"rltrain plan did not finish within {timeout_s}s"}
+    if proc.returncode != 0:
+        return {"ok": False, "error": (proc.stdout + proc.stderr)[-3000:]}
+    try:
+        plan = json.loads(proc.stdout[proc.stdout.index("{") :])
+    except ValueError as exc:
+        return {"ok": False, "error": f"rltrain plan printed no JSON plan ({exc})"}
+    gl = plan.get("gpu_layout") or {}
+    got = {
+        "rollout_colocated": gl.get("rollout_colocated"),
+        "value_colocated": gl.get("value_colocated"),
+        "refit": (plan.get("refit") or {}).get("transport"),
+    }
+    spec = LAYOUTS[layout]
+    expect = {**spec["expect"], **(spec.get("expect_ppo", {}) if algo == "ppo" else {})}
+    wrong = {k: {"expected": v, "plan": got[k]} for k, v in expect.items() if got[k] != v}
+    out = {
+        "ok": not wrong,
+        "roles": {
+            r["name"]: {"processes": r.get("world_size"), "resources": r.get("resources")}
+            for r in plan.get("roles", [])
+            if isinstance(r, dict) and "name" in r
+        },
+        "gpu_layout": gl,
+        "refit": got["refit"],
+        "batch": plan.get("batch"),
+        "value_batch": plan.get("value_batch"),
+    }
+    if wrong:
+        out["error"] = f"the plan does not place {algo} {layout} as intended: {wrong}"
+    return out
+
+
+def summarize_two_gpu(rows: list[dict], gpu_memory: dict | None) -> dict:
+    """One run's figures: medians over the steps after the first (compilation, warm-up) of
+    the step and each stage, ``other_s`` (step - generate - train(s) - refit: reward,
+    values, logprobs, sleep/wake, Ray calls, the controller), response tokens per second
+    of the step (trained tokens / step time) and of the engine's generate, the refit's
+    share of the step (median of time/refit / time/step), and the peak GPU memory per role
+    (GiB; the largest over the role's processes) from the run's gpu_memory."""
+    steady = after_first(rows)
+
+    def med(key: str) -> float | None:
+        return median([r[key] for r in steady if key in r])
+
+    def other(r: dict) -> float:
+        return r["time/step"] - sum(
+            r.get(f"time/{k}", 0.0) for k in ("generate", "train", "train_value", "refit")
+        )
+
+    def generated(r: dict) -> float:
+        return r["response/length_mean"] * r["num_sequences"]
+
+    out: dict = {
+        "steps_logged": len(rows),
+        "step_s": med("time/step"),
+        **{f"{k}_s": med(f"time/{k}") for k in STAGES},
+        "other_s": median([other(r) for r in steady if "time/step" in r]),
+        "tokens_per_s": med("throughput/tokens_per_s"),
+        "generate_tokens_per_s": median(
+            [
+                generated(r) / r["time/generate"]
+                for r in steady
+                if "num_sequences" in r and r.get("time/generate")
+            ]
+        ),
+        "refit_share": median(
+            [r["time/refit"] / r["time/step"] for r in steady if "time/refit" in r]
+        ),
+        "refit_bytes": med("refit/bytes"),
+        "response_length_mean": med("response/length_mean"),
+    }
+    if gpu_memory:
+        out["peak_gpu_memory_gib"] = {
+            role: {
+                k: round(v, 3)
+                for k, v in (info.get("peak") or {}).items()
+                if k in ("peak_allocated_gib", "peak_reserved_gib", "process_used_gib")
+            }
+            for role, info in gpu_memory.items()
+        }
+    else:
+        out["peak_gpu_memory_gib"] = None
+    return out
+
+
+def stop_ray() -> None:
+    """`ray stop --force`: frees the GPUs of a run that was killed or failed (its workers
+    may outlive it). Only on the GPU machine, where the benchmark's runs are the only Ray."""
+    with contextlib.suppress(Exception):
+        subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+            capture_output=True,
+            env=child_env(),
+            timeout=60,
+        )
+
+
+def run_two_gpu_layout(
+    args: argparse.Namespace, algo: str, layout: str, model_dir: Path, work: Path, deadline: float
+) -> dict:
+    """Plan check, then the run of one ``<algo>_<layout>``; never raises: what failed is in
+    ``status`` and ``error``."""
+    run_dir = work / f"{algo}_{layout}"
+    plan_ov, run_ov = two_gpu_overrides(args, algo, layout, model_dir, run_dir)
+    entry: dict = {
+        "algo": algo,
+        "layout": layout,
+        "about": LAYOUTS[layout]["about"],
+        "command": ["rltrain", algo, *run_ov],
+    }
+    print(f"[{algo}_{layout}] plan check: rltrain plan {algo} " + " ".join(plan_ov), flush=True)
+    entry["plan"] = check_plan(algo, layout, plan_ov)
+    if not entry["plan"]["ok"]:
+        entry.update(status="plan_failed", error=entry["plan"].get("error"))
+        return entry
+    left = deadline - time.monotonic()
+    if left < args.min_run_s:
+        entry.update(
+            status="skipped",
+            error=f"{left:.0f} s left of --budget-s, under --min-run-s={args.min_run_s}",
+        )
+        return entry
+    timeout_s = min(args.timeout, left - 10.0)
+    print(f"[{algo}_{layout}] run (timeout {timeout_s:.0f} s): rltrain {algo} " + " ".join(run_ov))
+    loop = run_loop(run_ov, run_dir, timeout_s, algo=algo)
+    gpu_memory = (loop.get("run_summary") or {}).get("gpu_memory")
+    if gpu_memory is None and (run_dir / "memory.json").is_file():
+        gpu_memory = json.loads((run_dir / "memory.json").read_text())
+    entry["returncode"] = loop["returncode"]
+    entry["wall_s"] = loop["wall_s"]
+    rs = loop.get("run_summary") or {}
+    entry["startup_s"] = rs.get("startup_s")
+    entry["startup_phases"] = rs.get("startup_phases")
+    entry["gpu_memory"] = gpu_memory
+    entry["steps"] = [
+        {
+            "step": r["step"],
+            **{k: v for k, v in r.items() if k.startswith(STEP_KEYS)},
+            **{k: r[k] for k in STEP_FIELDS if k in r},
+        }
+        for r in loop["rows"]
+    ]
+    if loop.get("timed_out"):
+        entry["status"] = "timeout"
+        entry["error"] = f"stopped after {timeout_s:.0f} s (--budget-s / --timeout)"
+    elif loop["returncode"] != 0:
+        entry["status"] = "failed"
+        tail = loop.get("log_tail") or ""
+        oom = "out of memory" in tail.lower() or "OutOfMemoryError" in tail
+        entry["error"] = ("CUDA out of memory: " if oom else "") + tail[-4000:]
+    else:
+        entry["status"] = "ok"
+    if entry["status"] != "ok" and not args.dry_run and not args.no_ray_stop:
+        stop_ray()
+    entry["figures"] = summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else None
+    return entry
+
+
+def two_gpu_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (algo, layout) pairs to run, in order: --only, else --algos x --layouts (a
+    layout limited to some algorithms is left out for the others)."""
+    if args.only:
+        pairs = []
+        for name in args.only.split(","):
+            algo, _, layout = name.strip().partition("_")
+            if algo not in ALGOS or layout not in LAYOUTS:
+                sys.exit(
+                    f"error: --only {name!r}: expected <algo>_<layout> with algo in {ALGOS} "
+                    f"and layout in {tuple(LAYOUTS)}"
+                )
+            pairs.append((algo, layout))
+        return pairs
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    for a in algos:
+        if a not in ALGOS:
+            sys.exit(f"error: --algos: {a!r} is not one of {ALGOS}")
+    for x in layouts:
+        if x not in LAYOUTS:
+            sys.exit(f"error: --layouts: {x!r} is not one of {tuple(LAYOUTS)}")
+    return [(a, x) for a in algos for x in layouts if a in LAYOUTS[x].get("algos", ALGOS)]
+
+
+def merge_results(paths: list[str]) -> dict:
+    """One result from several runs' files (--only per command): their runs and summaries
+    side by side, a later file's entry replacing an earlier one's of the same key."""
+    merged: dict = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        if merged and part.get("device") != merged.get("device"):
+            sys.exit(f"error: --merge: {path} is from {part.get('device')}, not {merged['device']}")
+        runs, summary = merged.get("runs", {}), merged.get("summary", {})
+        merged = {**merged, **part}
+        merged["runs"] = {**runs, **part.get("runs", {})}
+        merged["summary"] = {**summary, **part.get("summary", {})}
+        merged.setdefault("merged_from", []).append(str(path))
+    return merged
+
+
+def two_gpu_main(args: argparse.Namespace) -> None:
+    """--gpus 2: every (algo, layout) in turn, the result file rewritten after each."""
+    import tempfile
+
+    import torch
+
+    t_start = time.monotonic()
+    deadline = t_start + (args.budget_s if args.budget_s else float("inf"))
+    if args.merge:
+        result = merge_results(args.merge)
+        name = f"bench_e2e-{result['device']}-2gpu.json"
+        path = ROOT / "scripts" / "results" / name
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["summary"], indent=2))
+        print(f"wrote {path}")
+        return
+    device, device_name = device_slug()
+    if args.dry_run:
+        device = "cpu-dryrun"
+    elif device == "cpu":
+        sys.exit("error: --gpus 2 needs two CUDA devices; use --dry-run on CPU.")
+    elif torch.cuda.device_count() < 2:
+        sys.exit(f"error: --gpus 2 needs two CUDA devices, {torch.cuda.device_count()} visible.")
+    pairs = two_gpu_runs(args)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rltrain-bench-e2e-2gpu-"))
+    model_dir = Path(
+        args.model_dir
+        or Path(tempfile.gettempdir())
+        / f"rltrain-bench-e2e-model{'-smoke' if args.dry_run else ''}"
+    )
+    result: dict = {
+        "script": "scripts/bench_e2e.py --gpus 2",
+        "device": device,
+        "device_name": device_name,
+        "gpus": 2,
+        "torch": torch.__version__,
+        "args": {k: v for k, v in vars(args).items() if k not in ("standalone_worker", "merge")},
+        "layouts": {k: v["about"] for k, v in LAYOUTS.items()},
+        "runs": {},
+        "summary": {},
+    }
+    name = f"bench_e2e-{device}-2gpu.json"
+    paths = [work / name] + ([Path(args.out) / name] if args.out else [])
+    if not args.dry_run:
+        paths.insert(0, ROOT / "scripts" / "results" / name)
+
+    def save() -> None:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"model: {model_dir}", flush=True)
+    result["model"] = ensure_model(model_dir, args.dry_run)
+    result["model"]["shape"] = SMOKE_SHAPE if args.dry_run else "Qwen2.5-1.5B"
+    if not args.dry_run:
+        torch.cuda.empty_cache()
+    save()
+    for algo, layout in pairs:
+        key = f"{algo}_{layout}"
+        entry = run_two_gpu_layout(args, algo, layout, model_dir, work, deadline)
+        result["runs"][key] = entry
+        result["summary"][key] = {
+            "status": entry["status"],
+            "about": entry["about"],
+            **({"error": str(entry["error"])[:600]} if entry.get("error") else {}),
+            **(entry.get("figures") or {}),
+            "startup_s": entry.get("startup_s"),
+            "wall_s": entry.get("wall_s"),
+        }
+        print(f"[{key}] {json.dumps(result['summary'][key])}", flush=True)
+        result["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        save()
+    print(json.dumps(result["summary"], indent=2))
+    print("wrote " + ", ".join(map(str, paths)))
+    if any(e["status"] != "ok" for e in result["runs"].values()):
+        sys.exit(1)
+
+
 def main() -> None:
     args = parse_args()
     if args.standalone_worker:
         standalone_worker(json.loads(args.standalone_worker))
+        return
+    if args.gpus == 2 or args.merge:
+        two_gpu_main(args)
         return
     import tempfile
 

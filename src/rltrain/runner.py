@@ -256,11 +256,14 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 outputs["tensorboard"] = str(out / "tensorboard")
         finally:
             logger.close()
+            gpu_memory = _gpu_memory(workers, out)
             workers.shutdown()
     wall_s = time.perf_counter() - t0
     console.print(summary_table(logger.history, startup_s, wall_s, outputs))
     summary = _summary(logger.history, startup_s, wall_s, outputs)
     summary["startup_phases"] = {k: round(v, 3) for k, v in phases.items()}
+    if gpu_memory is not None:
+        summary["gpu_memory"] = gpu_memory
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _write_report(out, console)
     return summary
@@ -295,6 +298,20 @@ def run_with_restarts(cfg: RunConfig, choices: dict[str, str], console: Console)
                 highlight=False,
             )
             cfg.resume = "auto"
+
+
+def _gpu_memory(workers: Workers, out: Path) -> dict | None:
+    """Every worker process's GPU memory by role (:meth:`Workers.gpu_memory`: peaks since
+    the process started), asked for as the run ends, successful or not, and written to
+    ``<out>/memory.json``; None if it could not be had. After a failed call the ranks
+    may be stuck in a collective, so they get a few seconds only."""
+    timeout_s = 5.0 if workers.failed else min(30.0, workers.cfg.cluster.failure_timeout_s)
+    try:
+        memory = workers.gpu_memory(timeout_s)
+        (out / "memory.json").write_text(json.dumps(memory, indent=2))
+    except Exception:  # best effort: the run's own outcome decides its exit
+        return None
+    return memory
 
 
 def _report_placement(placement: list[dict], nodes: list, console: Console) -> dict[str, list[str]]:

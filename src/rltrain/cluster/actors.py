@@ -96,6 +96,13 @@ class WorkerHost:
             "gpus": [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])],
         }
 
+    def gpu_memory(self) -> dict[str, float]:
+        """This process's GPU memory (:func:`rltrain.logging.gpu_memory.process_gpu_memory`):
+        whatever worker it hosts, trainer rank or rollout replica; ``{}`` off CUDA."""
+        from rltrain.logging.gpu_memory import process_gpu_memory
+
+        return process_gpu_memory()
+
     def preload(self, modules: tuple[str, ...]) -> float:
         """Import ``modules`` ahead of :meth:`build` (start-up overlaps them with other roles'
         builds); returns the seconds it took."""
@@ -206,6 +213,10 @@ class Actor(Generic[W]):
     def endpoint(self) -> Pending[tuple[str, int]]:
         """A free (host, port) on the actor's node, for a rendezvous it hosts."""
         return Pending(self.handle.endpoint.remote(), self.name)
+
+    def gpu_memory(self) -> Pending[dict[str, float]]:
+        """The hosting process's GPU memory (:meth:`WorkerHost.gpu_memory`)."""
+        return Pending(self.handle.gpu_memory.remote(), self.name)
 
     def preload(self, modules: tuple[str, ...]) -> Pending[float]:
         return Pending(self.handle.preload.remote(modules), self.name)

@@ -312,6 +312,37 @@ class Workers:
             pending += gang.load_state(f"{path}/{gang.role}")
         self.calls.wait(pending, f"loading trainer state from {path}")
 
+    def gpu_memory(self, timeout_s: float) -> dict[str, Any]:
+        """Every process's GPU memory (:meth:`WorkerHost.gpu_memory`), by role: ``ranks``
+        (one dict per rank, ``{}`` off CUDA) and ``peak`` (the largest of each figure over
+        the role's ranks). Best effort within ``timeout_s`` for all roles: a rank that
+        does not answer in time (busy in a stuck call, dead) gets ``{"error": ...}``,
+        and the role's peak is over the ranks that answered."""
+        from rltrain.logging.gpu_memory import role_peaks
+
+        roles: dict[str, list[Actor[Any]]] = {
+            "policy": self.policy.actors,
+            "rollout": self.rollout.actors,
+        }
+        if self.value is not None:
+            roles["value"] = self.value.actors
+        pending = {role: [a.gpu_memory() for a in actors] for role, actors in roles.items()}
+        deadline = time.monotonic() + timeout_s
+        out: dict[str, Any] = {}
+        for role, calls in pending.items():
+            ranks: list[dict[str, Any]] = []
+            for p in calls:
+                try:
+                    left = max(0.0, deadline - time.monotonic())
+                    ranks.append(wait_all([p], left, "gpu memory")[0])
+                except Exception as exc:  # best effort: report, never fail the run for it
+                    ranks.append({"error": f"{type(exc).__name__}: {exc}"})
+            out[role] = {
+                "ranks": ranks,
+                "peak": role_peaks([r for r in ranks if "error" not in r]),
+            }
+        return out
+
     def shutdown(self) -> None:
         """Tear the process groups down, then kill the actors and free the placement groups.
 

@@ -1,0 +1,77 @@
+"""GPU memory of one process: the figures a run keeps per role in ``memory.json`` and
+``summary.json`` (``memory``).
+
+:func:`process_gpu_memory` is called in every worker process (trainer ranks and rollout
+replicas alike, through the worker host) at the end of a run. On a process that never
+touched CUDA (CPU runs, or a process that did not use its GPU) it returns ``{}``: it never
+initialises CUDA itself, so calling it costs nothing there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GIB = float(1 << 30)
+
+
+def _nvml_process_bytes(device: int) -> int | None:
+    """Device memory NVML sees this process use on ``device`` (torch index): its CUDA
+    context, NCCL buffers and allocations outside torch's allocator included. None where
+    NVML (the ``pynvml`` module) is missing or does not list the process (another PID
+    namespace)."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(device)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:  # optional: any failure means "not known"
+        return None
+    return None
+
+
+def process_gpu_memory() -> dict[str, float]:
+    """This process's GPU memory on its current CUDA device, in GiB; ``{}`` when the
+    process has not initialised CUDA.
+
+    Keys: ``peak_allocated_gib`` and ``peak_reserved_gib`` (torch's caching allocator
+    since the process started: tensors, and the blocks it holds; vLLM's KV cache and
+    weights in a replica's process count, as they are torch allocations),
+    ``allocated_gib`` and ``reserved_gib`` now, ``device_used_gib`` (the whole GPU now,
+    every process on it), ``device_total_gib``, ``device`` (the torch index) and, where
+    NVML lists the process, ``process_used_gib`` (this process now, its CUDA context
+    included).
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    out = {
+        "device": float(device),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        "device_used_gib": (total - free) / GIB,
+        "device_total_gib": total / GIB,
+    }
+    used = _nvml_process_bytes(device)
+    if used is not None:
+        out["process_used_gib"] = used / GIB
+    return out
+
+
+def role_peaks(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """One role's figures over its processes: the largest of each key (the rank that needs
+    the most sets what a GPU must hold); ``{}`` when no process reported any."""
+    out: dict[str, float] = {}
+    for rank in ranks:
+        for key, value in rank.items():
+            if key != "device" and isinstance(value, (int, float)):
+                out[key] = max(out.get(key, value), value)
+    return out
