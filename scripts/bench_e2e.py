@@ -125,8 +125,8 @@ def parse_args() -> argparse.Namespace:
         if args.dry_run:
             for flag, attr, value in (
                 ("--max-new-tokens", "max_new_tokens", 8),
-                ("--prompts", "prompts", 2),
-                ("--samples", "samples", 2),
+                ("--prompts", "prompts", 4),
+                ("--samples", "samples", 4),  # recipe: micro batch 8 x dp 2
             ):
                 if flag not in sys.argv:
                     setattr(args, attr, value)
