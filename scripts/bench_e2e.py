@@ -595,7 +595,7 @@ def check_plan(algo: str, layout: str, overrides: list[str], timeout_s: float = 
     out = {
         "ok": not wrong,
         "roles": {
-            r["name"]: {"processes": r.get("world_size"), "resources": r.get("resources")}
+            r["name"]: {"processes": r.get("world_size"), "resources": r.get("bundle")}
             for r in plan.get("roles", [])
             if isinstance(r, dict) and "name" in r
         },

@@ -92,6 +92,16 @@ def test_ppo_dp2_both_workers_warmup_and_checkpoints(tmp_path):
     assert [r["weight_version"] for r in rows] == [0.0, 1.0, 2.0]
     assert all(r["value/grad_norm"] > 0 for r in rows)
     assert abs(rows[-1]["token_mult_prob_error"] - 1.0) < 1e-3
+    # GPU memory per role and rank, gathered from every worker process as the run ends
+    # (nothing to report off CUDA: each process answers {}).
+    memory = json.loads((out / "summary.json").read_text())["gpu_memory"]
+    assert memory == json.loads((out / "memory.json").read_text())
+    assert {role: len(m["ranks"]) for role, m in memory.items()} == {
+        "policy": 2,
+        "value": 2,
+        "rollout": 1,
+    }
+    assert all(m["ranks"] == [{}] * len(m["ranks"]) and m["peak"] == {} for m in memory.values())
     ckpt = out / "checkpoints" / "step_000003"
     assert (ckpt / "model.safetensors").is_file()
     meta = json.loads((ckpt / "value" / "rltrain_meta.json").read_text())
