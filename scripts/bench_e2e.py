@@ -34,6 +34,23 @@ rewards are 0).
     python scripts/bench_e2e.py --out $OUT
     python scripts/bench_e2e.py --model-dir /tmp/bench-model --steps 4 --out $OUT
     python scripts/bench_e2e.py --smoke     # CPU: tiny shapes, torch engine, 2 steps
+
+Two GPUs (``--gpus 2``): ``rltrain grpo|ppo recipe=qwen1.5b-gsm8k`` at the same shapes in
+each layout of ``LAYOUTS`` (``split``: trainer on one GPU, a vLLM replica on the other,
+NCCL refit; ``dp2``: dp=2 trainers, vLLM colocated on policy rank 0's GPU, IPC refit;
+``critic``, PPO only: policy + vLLM on one GPU, the critic on the other). Each layout's
+overrides are first checked with ``rltrain plan ... cluster.num_gpus=2`` (composed,
+validated, placed as intended), then run; a layout that fails (plan, out of memory, a
+crash, the budget) is recorded with its error and the next one runs. Writes
+``scripts/results/bench_e2e-<device>-2gpu.json``: ``runs`` (per ``<algo>_<layout>``: the
+command, the plan check, per-step stage times, GPU memory per role and rank) and
+``summary`` (per ``<algo>_<layout>``: medians of the step and its stages, ``other_s``,
+tokens/s, the refit's share of the step, peak GPU memory per role in GiB).
+
+    python scripts/bench_e2e.py --gpus 2 --steps 12 --max-new-tokens 256 --out $OUT
+    python scripts/bench_e2e.py --gpus 2 --only grpo_split,grpo_dp2 --out $OUT
+    python scripts/bench_e2e.py --gpus 2 --merge a.json b.json   # join --only files
+    python scripts/bench_e2e.py --gpus 2 --dry-run    # CPU: tiny shapes, torch engine, 2 steps
 """
 
 from __future__ import annotations
