@@ -716,8 +716,12 @@ def run_two_gpu_layout(
             error=f"{left:.0f} s left of --budget-s, under --min-run-s={args.min_run_s}",
         )
         return entry
-    timeout_s = min(args.timeout, left - 10.0)
-    print(f"[{algo}_{layout}] run (timeout {timeout_s:.0f} s): rltrain {algo} " + " ".join(run_ov))
+    # An interrupted run gets INTERRUPT_GRACE_S more to shut down: stay within the budget.
+    timeout_s = min(args.timeout, left - 30.0)
+    print(
+        f"[{algo}_{layout}] run (timeout {timeout_s:.0f} s): rltrain {algo} " + " ".join(run_ov),
+        flush=True,
+    )
     loop = run_loop(run_ov, run_dir, timeout_s, algo=algo)
     gpu_memory = (loop.get("run_summary") or {}).get("gpu_memory")
     if gpu_memory is None and (run_dir / "memory.json").is_file():
