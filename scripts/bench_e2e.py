@@ -709,15 +709,16 @@ def run_two_gpu_layout(
     if not entry["plan"]["ok"]:
         entry.update(status="plan_failed", error=entry["plan"].get("error"))
         return entry
-    left = deadline - time.monotonic()
-    if left < args.min_run_s:
+    # An interrupted run gets INTERRUPT_GRACE_S more to shut down: stay within the budget.
+    left = deadline - time.monotonic() - 30.0
+    if left < max(args.min_run_s, 10.0):
         entry.update(
             status="skipped",
-            error=f"{left:.0f} s left of --budget-s, under --min-run-s={args.min_run_s}",
+            error=f"{left + 30:.0f} s left of --budget-s, under --min-run-s={args.min_run_s} "
+            "+ 30 s to shut down",
         )
         return entry
-    # An interrupted run gets INTERRUPT_GRACE_S more to shut down: stay within the budget.
-    timeout_s = min(args.timeout, left - 30.0)
+    timeout_s = min(args.timeout, left)
     print(
         f"[{algo}_{layout}] run (timeout {timeout_s:.0f} s): rltrain {algo} " + " ".join(run_ov),
         flush=True,
