@@ -166,8 +166,8 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         nargs="+",
-        default=["tests/gpu", "tests/test_compile.py"],
-        help="where pytest looks (default: tests/gpu and the compile tests' gpu cases)",
+        default=["tests/gpu", "tests/test_compile.py", "tests/test_partial_rollouts.py"],
+        help="where pytest looks (default: tests/gpu and the gpu cases of the compile and partial-rollout tests)",
     )
     parser.add_argument(
         "--merge",
