@@ -285,7 +285,7 @@ class FSDPTrainer:
         # computes every query x key pair of a row, so there rows hold at most
         # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
         one_row = t.packing and self.attention in ("flex", "varlen")
-        lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
+        lengths = batch.attention_mask_BT[rows].sum(dim=1).tolist() if rows else []
         longest = max(lengths, default=2)
         if one_row and self.causal_rows and len(set(lengths)) == 1:
             # Equal lengths (full rows, or one sequence alone): one sequence per row,
