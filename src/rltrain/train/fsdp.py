@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -159,6 +158,9 @@ class FSDPTrainer:
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
             # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
             return self._shard(load_model(self.cfg, "float32"), trainable)
+        # imported here: ~2 s the driver (which imports this module) does not need
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         full_sd: dict[str, Any] = {}
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
