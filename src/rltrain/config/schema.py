@@ -407,7 +407,8 @@ class ClusterConfig:
     # Local mode: Ray's object store size (Ray's own default takes gigabytes).
     object_store_bytes: int = 200 * 2**20
     # Intra-op threads per worker process on CPU; null = the machine's cores
-    # divided among the trainer ranks (roles take turns, so they do not compete).
+    # divided among the trainer ranks (roles take turns, so they do not compete),
+    # or among all worker processes on a machine with under 2 cores per process.
     torch_threads: int | None = None
     startup_timeout_s: float = 120.0  # placement-group reservation and worker start-up
     # mode=ray: how long to try reaching cluster.address before giving up.

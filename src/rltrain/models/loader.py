@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+
+if TYPE_CHECKING:
+    # transformers' model classes are imported where a model is built (~2 s of imports
+    # a process that only needs the tokenizer, the driver, does not pay).
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RunConfig, TinyModelConfig
@@ -34,6 +34,8 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
     else:
         name = cfg.model.tokenizer or cfg.model.path
         try:
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(name)
         except OSError as exc:
             raise ConfigError(
@@ -67,6 +69,8 @@ def load_model(cfg: RunConfig, dtype: str = "float32") -> PreTrainedModel:
 
         model = build_tiny_model(tiny_shape(cfg), load_tokenizer(cfg), seed=cfg.seed)
         return model.to(TORCH_DTYPES[dtype])  # type: ignore[arg-type]
+    from transformers import AutoModelForCausalLM
+
     try:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=TORCH_DTYPES[dtype])
     except OSError as exc:
@@ -89,7 +93,7 @@ def build_empty_model(cfg: RunConfig) -> PreTrainedModel:
         config = tiny_qwen2_config(tiny_shape(cfg), load_tokenizer(cfg))
         config._attn_implementation = "sdpa"
         return Qwen2ForCausalLM(config)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(cfg.model.path)

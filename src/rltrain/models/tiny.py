@@ -6,18 +6,20 @@ serve the same model.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
-from transformers import (
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from rltrain.config.schema import TinyModelConfig
 from rltrain.models.vocab import vocabulary
+
+if TYPE_CHECKING:
+    # The model classes load transformers' modeling code (~2 s): imported where a model
+    # is built, so a process that only needs the tokenizer (the driver) skips them.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
 
 def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
@@ -44,6 +46,8 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
 
 def tiny_qwen2_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
     """Qwen2 architecture config for the embedded model."""
+    from transformers import Qwen2Config
+
     return Qwen2Config(
         vocab_size=shape.vocab_size or len(tokenizer),
         hidden_size=shape.hidden_size,
@@ -63,6 +67,8 @@ def build_tiny_model(
     shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> Qwen2ForCausalLM:
     """Randomly initialised tiny Qwen2; the same seed gives the same weights everywhere."""
+    from transformers import Qwen2ForCausalLM
+
     config = tiny_qwen2_config(shape, tokenizer)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):

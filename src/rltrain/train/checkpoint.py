@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TMP_SUFFIX = ".tmp"
 
@@ -70,6 +68,10 @@ def save_trainer_state(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()  # the temp folder exists (and is empty) before anyone writes into it
+    # imported here: ~2 s of imports the driver (which imports this module) does not need
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -108,6 +110,9 @@ def load_trainer_state(
     path = Path(path)
     if not (path / "trainer.pt").is_file():
         raise FileNotFoundError(f"{path} is not a trainer checkpoint (no trainer.pt)")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -159,6 +158,9 @@ class FSDPTrainer:
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
             # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
             return self._shard(load_model(self.cfg, "float32"), trainable)
+        # imported here: ~2 s the driver (which imports this module) does not need
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         full_sd: dict[str, Any] = {}
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
@@ -285,7 +287,7 @@ class FSDPTrainer:
         # computes every query x key pair of a row, so there rows hold at most
         # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
         one_row = t.packing and self.attention in ("flex", "varlen")
-        lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
+        lengths = batch.attention_mask_BT[rows].sum(dim=1).tolist() if rows else []
         longest = max(lengths, default=2)
         if one_row and self.causal_rows and len(set(lengths)) == 1:
             # Equal lengths (full rows, or one sequence alone): one sequence per row,

@@ -335,7 +335,7 @@ def resolve_causal_rows(cfg: RunConfig, compiled: bool) -> bool:
 
 
 def use_fused_adamw(o: OptimConfig, params: list[torch.nn.Parameter]) -> bool:
-    """``optim.fused``: null = fused when every parameter is on CUDA, else foreach."""
+    """``optim.fused``: null = fused when every parameter is on CUDA, else foreach (CPU too)."""
     if o.fused is not None:
         return o.fused
     return bool(params) and all(p.device.type == "cuda" for p in params)
@@ -350,8 +350,10 @@ def make_adamw(params: list[torch.nn.Parameter], o: OptimConfig) -> torch.optim.
         betas=(o.beta1, o.beta2),
         eps=o.eps,
         weight_decay=o.weight_decay,
-        # Not fused: torch's own choice (foreach on CUDA, the per-tensor loop on CPU).
         fused=fused or None,
+        # Not fused: the foreach path, on CPU too (torch's own CPU choice is the
+        # per-tensor loop, slower on the embedded model's DTensor shards).
+        foreach=None if fused else True,
     )
 
 

@@ -124,16 +124,24 @@ def plan_micro_batches(
         step = max_rows or max(n, 1)
         return [list(range(i, min(i + step, n))) for i in range(0, n, step)]
     bins: list[list[int]] = []
-    loads: list[int] = []
+    # First fit = the lowest-numbered bin with room. Open bins are kept in heaps by
+    # their free room, so a row looks at the distinct free-room values, not at every bin.
+    by_room: dict[int, list[int]] = {}
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        for b, load in enumerate(loads):
-            if load + lengths[i] <= max_tokens:
-                bins[b].append(i)
-                loads[b] += lengths[i]
-                break
+        need = lengths[i]
+        best, best_room = len(bins), -1
+        for room, heap in by_room.items():
+            if room >= need and heap and heap[0] < best:
+                best, best_room = heap[0], room
+        if best_room >= 0:
+            heapq.heappop(by_room[best_room])
+            bins[best].append(i)
+            room = best_room - need
         else:
             bins.append([i])
-            loads.append(lengths[i])
+            room = max_tokens - need
+        if room > 0:
+            heapq.heappush(by_room.setdefault(room, []), best)
     return [sorted(b) for b in bins]
 
 
@@ -159,7 +167,7 @@ def pack(
     padding tokens, no valid target). ``with_engine_logprobs`` lays out the
     engine's logprobs too.
     """
-    lengths = [int(batch.attention_mask_BT[r].sum()) for r in rows]
+    lengths = [int(n) for n in batch.attention_mask_BT[rows].sum(dim=1).tolist()] if rows else []
     if packed:
         capacity = row_tokens if row_tokens is not None else max(sum(lengths), 1)
         bins = plan_micro_batches(lengths, capacity, None) if rows else [[]]
@@ -178,25 +186,33 @@ def pack(
         seq_row = list(range(len(rows)))
         seq_start = [0] * len(rows)
 
+    # One gather/scatter index over every token of every sequence (not a copy per
+    # sequence): token j of sequence i sits at [rows[i], j] in the batch and at
+    # [seq_row[i], seq_start[i] + j] here.
+    seq_of_tok, pos_of_tok = _token_index(lengths)
+    src_row = torch.tensor(rows, dtype=torch.long)[seq_of_tok]
+    dst_row = torch.tensor(seq_row, dtype=torch.long)[seq_of_tok]
+    dst_col = torch.tensor(seq_start, dtype=torch.long)[seq_of_tok] + pos_of_tok
+
+    def scatter(values: torch.Tensor, fill: float | int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((R, S), fill, dtype=dtype)
+        out[dst_row, dst_col] = values.to(dtype)
+        return out
+
     def layout(src_BT: torch.Tensor | None, fill: float | int = 0) -> torch.Tensor | None:
         if src_BT is None:
             return None
-        out = torch.full((R, S), fill, dtype=src_BT.dtype)
-        for r, row, start, n in zip(rows, seq_row, seq_start, lengths, strict=True):
-            out[row, start : start + n] = src_BT[r, :n]
-        return out
+        d = src_BT.device
+        return scatter(src_BT[src_row.to(d), pos_of_tok.to(d)].cpu(), fill, src_BT.dtype)
 
     ids = cast(torch.Tensor, layout(batch.input_ids_BT, pad_id))  # a tensor in, a tensor out
-    seq_id = torch.full((R, S), -1, dtype=torch.long)
-    pos = torch.zeros((R, S), dtype=torch.long)
-    adv = torch.zeros((R, S), dtype=torch.float32)
-    for i, (r, row, start, n) in enumerate(zip(rows, seq_row, seq_start, lengths, strict=True)):
-        seq_id[row, start : start + n] = i
-        pos[row, start : start + n] = torch.arange(n)
-        if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
-            adv[row, start : start + n] = batch.advantages_BT[r, :n].float()
-        else:
-            adv[row, start : start + n] = batch.advantages_B[r].float()
+    seq_id = scatter(seq_of_tok, -1, torch.long)
+    pos = scatter(pos_of_tok, 0, torch.long)
+    if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
+        adv = scatter(cast(torch.Tensor, layout(batch.advantages_BT)).float(), 0, torch.float32)
+    else:
+        adv_B = batch.advantages_B.cpu().float()
+        adv = scatter(adv_B[src_row], 0, torch.float32)
     if not rows:
         # Two padding tokens in one causal "sequence": one predicted position, so the
         # backward reaches every parameter (with zero gradients) like a real micro batch.
@@ -227,11 +243,22 @@ def unpack(values_RS: torch.Tensor, micro: MicroBatch, out_BT: torch.Tensor) -> 
     Positions of ``out_BT`` outside the micro batch's sequences are left as they are.
     """
     values = values_RS.detach().to(out_BT.device, out_BT.dtype)
-    for r, row, start, n in zip(
-        micro.rows, micro.seq_row, micro.seq_start, micro.seq_len, strict=True
-    ):
-        out_BT[r, :n] = values[row, start : start + n]
+    seq_of_tok, pos_of_tok = _token_index(micro.seq_len)
+    out_row = torch.tensor(micro.rows, dtype=torch.long)[seq_of_tok]
+    in_row = torch.tensor(micro.seq_row, dtype=torch.long)[seq_of_tok]
+    in_col = torch.tensor(micro.seq_start, dtype=torch.long)[seq_of_tok] + pos_of_tok
+    d = out_BT.device
+    out_BT[out_row.to(d), pos_of_tok.to(d)] = values[in_row.to(d), in_col.to(d)]
     return out_BT
+
+
+def _token_index(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sequences of ``lengths`` laid end to end: each token's sequence number and
+    its position inside its sequence (two long tensors of ``sum(lengths)``)."""
+    n = torch.tensor(lengths, dtype=torch.long)
+    seq_of_tok = torch.repeat_interleave(torch.arange(len(lengths)), n, output_size=sum(lengths))
+    first = torch.cumsum(n, 0) - n
+    return seq_of_tok, torch.arange(len(seq_of_tok)) - first[seq_of_tok]
 
 
 def per_sequence_sum(values_RS: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
