@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -80,6 +81,17 @@ def test_pack_unpack_round_trip_is_exact(layout):
     assert torch.equal(adv[rows], batch.advantages_B[rows, None] * batch.attention_mask_BT[rows])
     per_seq = per_sequence_sum(micro.response_mask_RS, micro)
     assert per_seq.tolist() == batch.response_mask_BT[rows].sum(1).tolist()
+    # Per-token advantages (PPO's GAE) take the place of the per-row ones.
+    adv_BT = torch.randn(batch.input_ids_BT.shape) * batch.response_mask_BT
+    micro = pack(
+        dataclasses.replace(batch, advantages_BT=adv_BT),
+        rows,
+        packed,
+        pad_id=0,
+        row_tokens=longest if layout == "rows_of_longest" else None,
+    )
+    adv = unpack(micro.advantages_RS, micro, torch.zeros(adv_BT.shape))
+    assert torch.equal(adv[rows], adv_BT[rows])
 
 
 def test_empty_micro_batch_is_neutral():

@@ -209,7 +209,7 @@ def pack(
     seq_id = scatter(seq_of_tok, -1, torch.long)
     pos = scatter(pos_of_tok, 0, torch.long)
     if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
-        adv = scatter(cast(torch.Tensor, layout(batch.advantages_BT)).float(), 0, torch.float32)
+        adv = cast(torch.Tensor, layout(batch.advantages_BT)).float()
     else:
         adv_B = batch.advantages_B.cpu().float()
         adv = scatter(adv_B[src_row], 0, torch.float32)
