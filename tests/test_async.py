@@ -223,8 +223,10 @@ def test_max_staleness_0_gives_the_synchronous_loops_metrics(tmp_path):
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("partial", [False, True], ids=["whole-calls", "partial-rollouts"])
 def test_async_run_learns_and_never_trains_past_the_bound(tmp_path, partial):
+    # One step off-policy learns this task more slowly per step than the synchronous loop
+    # (docs/async.md: 0.8 near step 260-300 against 140-170), so the run is longer.
     out = tmp_path / "learn"
-    steps = 250
+    steps = 400
     proc = _run_cli(
         "grpo",
         *ASYNC,
