@@ -325,3 +325,26 @@ def test_a_killed_replica_ends_the_run_naming_it(tmp_path):
     message = " ".join(stderr.split())
     assert "Traceback" not in stderr
     assert re.search(r"rollout rank 0 died", message), message
+
+
+def test_weights_auto_corrects_only_off_policy_samples():
+    from rltrain.config.schema import is_level
+    from rltrain.plan import objective_summary
+
+    cfg = tiny_config()
+    a = cfg.algorithm
+    assert a.rollout_correction.weights == "auto" and is_level(cfg) is None  # synchronous
+    a.async_rollout.enabled = True
+    assert is_level(cfg) == "token"
+    a.async_rollout.max_staleness = 0  # on-policy: the synchronous loop's numbers
+    assert is_level(cfg) is None
+    a.async_rollout.max_staleness, a.ratio_level = 2, "sequence"
+    assert is_level(cfg) == "sequence"
+    a.rollout_correction.weights = None  # off, asynchronous or not
+    assert is_level(cfg) is None
+    a.async_rollout.enabled, a.rollout_correction.weights, a.ratio_level = False, "token", "token"
+    assert is_level(cfg) == "token"
+    a.async_rollout.enabled, a.rollout_correction.weights = True, "auto"
+    view = objective_summary(cfg)
+    assert "token-level importance weights" in view["rollout correction"]
+    assert "auto" in view["rollout correction"]

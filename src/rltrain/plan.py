@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig, value_run_config
+from rltrain.config.schema import RunConfig, is_level, value_run_config
 from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -485,13 +485,16 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
         out["overlong"] = "; ".join(parts)
     rc = a.rollout_correction
     parts = []
-    if rc.weights is not None:
+    level = is_level(cfg)
+    if level is not None:
         if rc.over_cap == "mask":
             parts.append(
-                f"{rc.weights}-level importance weights pi_train/pi_engine, masked above {rc.cap}"
+                f"{level}-level importance weights pi_train/pi_engine, masked above {rc.cap}"
             )
         else:
-            parts.append(f"{rc.weights}-level importance weights min(pi_train/pi_engine, {rc.cap})")
+            parts.append(f"{level}-level importance weights min(pi_train/pi_engine, {rc.cap})")
+        if rc.weights == "auto":
+            parts[-1] += " (auto: asynchronous, max_staleness >= 1)"
     if rc.mask_bound is not None:
         parts.append(
             f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked"

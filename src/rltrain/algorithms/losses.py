@@ -28,6 +28,7 @@ from rltrain.config.schema import (
     OverCap,
     RatioLevel,
     RunConfig,
+    is_level,
 )
 
 
@@ -233,7 +234,7 @@ class Objective:
             max_response_tokens=cfg.rollout.max_new_tokens,
             kl_coef=0.0 if a.kl_in_reward else a.kl_coef,
             kl_estimator=cast(KLEstimator, a.kl_estimator),
-            is_level=cast("ISLevel | None", rc.weights),
+            is_level=is_level(cfg),
             is_cap=rc.cap,
             mask_bound=rc.mask_bound,
             over_cap=cast(OverCap, rc.over_cap),

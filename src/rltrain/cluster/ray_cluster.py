@@ -112,6 +112,11 @@ def ray_cluster(cfg: ClusterConfig, resources: Resources | None = None) -> Itera
                 object_store_memory=cfg.object_store_bytes,
                 log_to_driver=cfg.ray_logs,
                 configure_logging=False,
+                # Ray nices its worker processes to 15 so that its own daemons come first on
+                # a shared node. Here the workers are the run's compute (trainer, engines)
+                # and the driver only steers them: at 15 any other process on the machine,
+                # the driver included, takes their cores first. They run at the driver's.
+                _system_config={"worker_niceness": 0},
             )
         else:
             address = cfg.address or "auto"

@@ -8,7 +8,7 @@ Hydra, Ray or vLLM so GPU scripts and workers can use it anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 # The choices of the objective's config keys: each defined once, here; validation
 # reads its allowed values from these (typing.get_args), and the math functions take them
@@ -20,6 +20,8 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 ISLevel = Literal["token", "sequence"]
+# What algorithm.rollout_correction.weights accepts: an ISLevel or auto (see is_level).
+IS_WEIGHTS = ("auto", "token", "sequence")
 OverCap = Literal["truncate", "mask"]
 
 
@@ -54,8 +56,10 @@ class RolloutCorrectionConfig:
     rho = pi_train_old / pi_engine of the sampled tokens (1 when both sides agree)."""
 
     # Truncated importance weights min(rho, cap) on the policy-gradient term (ISLevel):
-    # token, or sequence (the product of the sequence's token ratios). null = off.
-    weights: str | None = None
+    # token, or sequence (the product of the sequence's token ratios). null = off. auto =
+    # off in the synchronous loop; in the asynchronous one with max_staleness >= 1 (samples
+    # a version or more behind) token, or sequence with ratio_level=sequence.
+    weights: str | None = "auto"
     # Truncation of the weights (>= 1).
     cap: float = 2.0
     # Mask tokens whose rho lies outside [1 / mask_bound, mask_bound] out of the loss. null = off.
@@ -546,3 +550,16 @@ def value_run_config(cfg: RunConfig) -> RunConfig:
     dtensor = replace(cfg.dtensor, **{k: x for k, x in overrides.items() if x is not None})
     optim = replace(cfg.optim, lr=v.lr)
     return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim)
+
+
+def is_level(cfg: RunConfig) -> ISLevel | None:
+    """The importance-weight level ``algorithm.rollout_correction.weights`` resolves to:
+    ``auto`` is token (sequence with ``ratio_level=sequence``) when the asynchronous loop
+    trains samples a version or more behind (``max_staleness >= 1``), else off."""
+    a = cfg.algorithm
+    w = a.rollout_correction.weights
+    if w != "auto":
+        return cast("ISLevel | None", w)
+    if a.async_rollout.enabled and a.async_rollout.max_staleness >= 1:
+        return "sequence" if a.ratio_level == "sequence" else "token"
+    return None

@@ -15,9 +15,9 @@ from typing import get_args
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import (
     DTYPES,
+    IS_WEIGHTS,
     PRECISION_PRESETS,
     AdvantageEstimator,
-    ISLevel,
     KLEstimator,
     LossAggregation,
     OverCap,
@@ -37,7 +37,6 @@ OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
-IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 OVER_CAP: tuple[str, ...] = get_args(OverCap)
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
@@ -325,7 +324,7 @@ def validate_objective(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.overlong.penalty={ol.penalty} must be >= 0.")
     rc = a.rollout_correction
     if rc.weights is not None:
-        _choice("algorithm.rollout_correction.weights", rc.weights, IS_LEVELS)
+        _choice("algorithm.rollout_correction.weights", rc.weights, IS_WEIGHTS)
         if rc.weights == "token" and a.ratio_level == "sequence":
             raise ConfigError(
                 "algorithm.rollout_correction.weights=token with algorithm.ratio_level=sequence: "

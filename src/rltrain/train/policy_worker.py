@@ -37,7 +37,9 @@ class PolicyWorker(FSDPTrainer):
         self.temperature = cfg.rollout.temperature
         self.objective = Objective.from_config(cfg)
         rc = cfg.algorithm.rollout_correction
-        self.needs_engine_logprobs = rc.weights is not None or rc.mask_bound is not None
+        self.needs_engine_logprobs = (
+            self.objective.is_level is not None or rc.mask_bound is not None
+        )
         self.manifest: RefitManifest | None = None
         self.sender: RefitSender | None = None
         self.gatherer: BucketGatherer | None = None
