@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from rltrain.config.schema import ALGORITHMS
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -18,7 +20,6 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-ALGORITHMS = ("grpo", "ppo")
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),

@@ -11,10 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import DTensorConfig, RunConfig, value_run_config
+from rltrain.config.schema import DTYPE_BYTES, DTensorConfig, RunConfig, value_run_config
+from rltrain.config.validate import check_liger_device
 from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -380,11 +379,7 @@ def make_plan(
         )
     if ro.engine == "vllm" and device == "cpu":
         _check_vllm_on_cpu(cfg)
-    if cfg.train.liger and device == "cpu":
-        raise ConfigError(
-            "train.liger=true needs CUDA (liger-kernel's kernels are Triton) but this run "
-            "trains on CPU; set train.liger=false."
-        )
+    check_liger_device(cfg, device, resolved=True)
     model_parallel = d.tp * d.cp
     # PPO's critic: the policy's config with the value.* fields substituted, derived once.
     vcfg = value_run_config(cfg) if cfg.algorithm.name == "ppo" else None

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+from rltrain.config.schema import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class RefitManifest:
 
     @property
     def total_bytes(self) -> int:
-        return self.total_numel * DTYPE_BYTES[self.torch_dtype]
+        return self.total_numel * DTYPE_BYTES[self.dtype]
 
 
 def plan_buckets(
@@ -80,7 +80,7 @@ def plan_buckets(
     first buckets (the embedding) move to the end, where their long pack hides
     behind full buckets on the wire instead of stalling an early one.
     """
-    elem = DTYPE_BYTES[getattr(torch, dtype)]
+    elem = DTYPE_BYTES[dtype]
     cap = max(1, bucket_bytes // elem)
     buckets: list[Bucket] = []
     cur: list[TensorSlot] = []
