@@ -107,7 +107,7 @@ def test_explicit_colocation_is_honoured_and_refusals_name_the_fixing_keys():
     with pytest.raises(ConfigError) as exc:
         _plan("grpo", "rollout.colocated=false")
     msg = str(exc.value)
-    assert msg.startswith("dtensor.dp=auto x dtensor.tp=1 x dtensor.cp=1 needs 1 GPU(s)")
+    assert msg.startswith("dtensor.dp=auto x dtensor.tp=1 needs 1 GPU(s)")
     assert "1 GPU(s) leave 0 after the engines' 1" in msg
     assert "set rollout.colocated=true or null" in msg and "cluster.num_gpus" in msg
     # PPO with a critic of 2 ranks: neither its own GPUs nor one per policy GPU.

@@ -81,7 +81,7 @@ def test_batch_math(prompts, samples, mini, micro, epochs, dp):
     assert b.sequences_per_rank == rollout // dp
     assert b.epochs == epochs
     assert plan.role("policy").world_size == dp
-    assert plan.role("policy").mesh == {"dp": dp, "tp": 1, "cp": 1}
+    assert plan.role("policy").mesh == {"dp": dp, "tp": 1}
 
 
 def test_batch_math_numbers():
@@ -114,7 +114,7 @@ def test_gpu_dp_auto_uses_gpus_left_after_rollout():
     policy = plan.role("policy")
     assert plan.batch.dp == 3
     assert policy.world_size == 3
-    assert policy.mesh == {"dp": 3, "tp": 1, "cp": 1}
+    assert policy.mesh == {"dp": 3, "tp": 1}
     assert policy.backend == "nccl"
     assert policy.bundle == {"CPU": 1.0, "GPU": 1.0}
     assert plan.role("rollout").bundle == {"CPU": 1.0, "GPU": 1.0}
@@ -125,7 +125,7 @@ def test_gpu_dp_auto_uses_gpus_left_after_rollout():
 def test_gpu_tp2_with_two_free_gpus():
     plan = make_plan(_cfg(tp=2, replicas=2), GPU4)
     policy = plan.role("policy")
-    assert policy.mesh == {"dp": 1, "tp": 2, "cp": 1}
+    assert policy.mesh == {"dp": 1, "tp": 2}
     assert policy.world_size == 2
     assert plan.role("rollout").world_size == 2
     assert plan.memory.policy_bytes_per_rank == 16 * plan.memory.num_params // 2

@@ -380,7 +380,6 @@ def make_plan(
     if ro.engine == "vllm" and device == "cpu":
         _check_vllm_on_cpu(cfg)
     check_liger_device(cfg, device, resolved=True)
-    model_parallel = d.tp * d.cp
     # PPO's critic: the policy's config with the value.* fields substituted, derived once.
     vcfg = value_run_config(cfg) if cfg.algorithm.name == "ppo" else None
     vd = vcfg.dtensor if vcfg is not None else None
@@ -406,9 +405,9 @@ def make_plan(
             value_batch = _batch_plan(cfg, value_dp)
         except ConfigError as exc:
             raise ConfigError(f"value model (value.dtensor.dp={value_dp}): {exc}") from exc
-    value_world = value_dp * vd.tp * vd.cp if vd is not None else 0
+    value_world = value_dp * vd.tp if vd is not None else 0
 
-    trainer_world = dp * model_parallel
+    trainer_world = dp * d.tp
     backend = "nccl" if device == "cuda" else "gloo"
     n_actors = trainer_world + ro.replicas + value_world
     # Fractional CPUs pack every process onto a small machine; the workers
@@ -447,7 +446,7 @@ def make_plan(
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
     transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, colocated)
-    mesh = {"dp": dp, "tp": d.tp, "cp": d.cp}
+    mesh = {"dp": dp, "tp": d.tp}
     trainer_notes = [
         f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
         f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
@@ -704,7 +703,7 @@ def _value_role(
     ]
     if vp.grad_scaler.enabled:
         notes.append(f"sharded grad scaler (growth_interval={vp.grad_scaler.growth_interval})")
-    mesh = {"dp": dp, "tp": vd.tp, "cp": vd.cp}
+    mesh = {"dp": dp, "tp": vd.tp}
     return RolePlan(
         "value",
         world,

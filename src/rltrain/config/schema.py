@@ -265,12 +265,11 @@ class PrecisionConfig:
 
 @dataclass
 class DTensorConfig:
-    """Trainer mesh: dp x tp x cp ranks (written by the ``parallelism`` group)."""
+    """Trainer mesh: dp x tp ranks, FSDP2 over dp and DTensor tensor parallelism over tp
+    (written by the ``parallelism`` group)."""
 
-    strategy: str = "fsdp2"  # the parallelism group's option (FSDP2 + DTensor)
-    dp: int | None = None  # null = auto: the trainer devices left after tp x cp
+    dp: int | None = None  # null = auto: the trainer devices left after tp
     tp: int = 1  # tensor-parallel degree; must divide the model's heads, kv heads and MLP width
-    cp: int = 1  # context parallelism: not available yet, keep 1
     # Norms and residual stream on sequence shards between the TP matmuls (needs tp > 1).
     sequence_parallel: bool = False
     activation_checkpointing: bool = False  # recompute each decoder block in backward

@@ -142,15 +142,9 @@ def validate(cfg: RunConfig) -> None:
         )
 
     d = cfg.dtensor
-    _choice("dtensor.strategy", d.strategy, ("fsdp2",))
     if d.dp is not None:
         _positive("dtensor.dp", d.dp)
     _positive("dtensor.tp", d.tp)
-    _positive("dtensor.cp", d.cp)
-    if d.cp > 1:
-        raise ConfigError(
-            "dtensor.cp>1 (context parallelism) is not available yet; set dtensor.cp=1."
-        )
     if d.sequence_parallel and d.tp == 1:
         raise ConfigError(
             "dtensor.sequence_parallel=true needs dtensor.tp>1; set dtensor.tp or turn it off."

@@ -101,7 +101,7 @@ class FSDPTrainer:
         self.device = init_distributed(env)
         d = cfg.dtensor
         self.tp = d.tp
-        self.dp = env.world_size // (d.tp * d.cp)
+        self.dp = env.world_size // d.tp
         self.mesh = init_device_mesh(self.device.type, (self.dp, d.tp), mesh_dim_names=("dp", "tp"))
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
