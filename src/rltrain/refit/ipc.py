@@ -202,7 +202,6 @@ class IpcRefitReceiver:
         self.device = cuda_device(device)
         self.store = _store(host, port, world_size, False, timeout_s)
         self.landing: list[torch.Tensor] | None = None  # per bucket, slices of one allocation
-        self.bound = False
         self._views: list[list[tuple[str, torch.Tensor]]] = []
         self.count = 0
 
@@ -221,7 +220,6 @@ class IpcRefitReceiver:
         landing = bind_bucket_storage(self.manifest, params)
         if landing is None:
             return False
-        self.bound = True
         self._publish(landing)
         return True
 
