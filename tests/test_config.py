@@ -19,6 +19,7 @@ from rltrain.config.compose import (
     conf_dir,
     group_options,
     list_recipes,
+    load_run_config,
     load_yaml,
     to_yaml,
 )
@@ -115,7 +116,7 @@ def test_compose_specific_values_landed():
     cfg, _ = compose(["refit=gloo"])
     assert cfg.refit.transport == "gloo"
     cfg, choices = compose([])
-    assert cfg.dtensor.strategy == "fsdp2" and choices["parallelism"] == "fsdp2"
+    assert choices["parallelism"] == "fsdp2"
     assert cfg.precision.name == "fp32" and choices["precision"] == "fp32"
     assert cfg.model.blocked_tokens == ["<pad>", "<bos>", "<unk>"]
 
@@ -341,6 +342,21 @@ def test_load_yaml_rejects_unknown_key(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("dtensor:\n  tpp: 2\n")
     with pytest.raises(ConfigError, match="tpp"):
+        load_yaml(path)
+
+
+def test_load_yaml_reads_an_older_runs_retired_keys(tmp_path):
+    # Runs before dtensor.strategy and dtensor.cp were removed wrote their only values.
+    cfg, _ = compose([])
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        to_yaml(cfg).replace("\ndtensor:\n", "\ndtensor:\n  strategy: fsdp2\n  cp: 1\n")
+    )
+    assert "cp: 1" in path.read_text()
+    assert load_yaml(path) == cfg
+    assert load_run_config(path) == cfg
+    path.write_text("dtensor:\n  cp: 2\n")  # a value no run could have written
+    with pytest.raises(ConfigError, match="cp"):
         load_yaml(path)
 
 

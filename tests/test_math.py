@@ -254,7 +254,7 @@ def test_refit_buckets_round_trip(dtype):
     ]
     tensors = {n: torch.randn(*s, generator=gen) for n, s in shapes}
     torch_dtype = getattr(torch, dtype)
-    elem = DTYPE_BYTES[torch_dtype]
+    elem = DTYPE_BYTES[dtype]
     bucket_bytes = 32 * elem  # 32 elements per bucket
     manifest = plan_buckets(shapes, dtype, bucket_bytes)
 

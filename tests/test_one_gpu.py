@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_one_gpu_plans(algorithm, engine):
         assert role.world_size == 1 and role.device == "cuda" and role.backend == "nccl"
         assert role.bundle == {"CPU": 1.0, "GPU": share}
     assert plan.batch.dp == 1 and plan.colocated
-    assert plan.refit["transport"] == "ipc" and "auto" in str(plan.refit["reason"])
+    assert plan.refit.transport == "ipc" and "auto" in plan.refit.reason
     lay = plan.gpu_layout
     assert lay is not None and lay.rollout_colocated and lay.value_colocated == ppo
     on_gpu = ["policy rank 0"] + (["value rank 0"] if ppo else []) + ["rollout rank 0"]
@@ -84,10 +85,10 @@ def test_one_gpu_plans(algorithm, engine):
     assert any(sleeps in n for n in roles["rollout"].notes)
     if ppo:
         assert plan.value_batch is not None and plan.value_batch.dp == 1
-        assert plan.memory["shared_gpu_bytes"] == (
-            plan.memory["policy_bytes_per_rank"]
-            + plan.memory["value_bytes_per_rank"]
-            + plan.memory["rollout_weight_bytes_per_replica"]
+        assert plan.memory.shared_gpu_bytes == (
+            plan.memory.policy_bytes_per_rank
+            + plan.memory.value_bytes_per_rank
+            + plan.memory.rollout_weight_bytes_per_replica
         )
     # One placement group with one whole-GPU bundle; each process asks for its share.
     (group,) = role_bundles(plan, cfg.cluster)
@@ -106,7 +107,7 @@ def test_explicit_colocation_is_honoured_and_refusals_name_the_fixing_keys():
     with pytest.raises(ConfigError) as exc:
         _plan("grpo", "rollout.colocated=false")
     msg = str(exc.value)
-    assert msg.startswith("dtensor.dp=auto x dtensor.tp=1 x dtensor.cp=1 needs 1 GPU(s)")
+    assert msg.startswith("dtensor.dp=auto x dtensor.tp=1 needs 1 GPU(s)")
     assert "1 GPU(s) leave 0 after the engines' 1" in msg
     assert "set rollout.colocated=true or null" in msg and "cluster.num_gpus" in msg
     # PPO with a critic of 2 ranks: neither its own GPUs nor one per policy GPU.
@@ -159,20 +160,20 @@ def test_refusals_exit_2_before_any_cluster(overrides, needles):
 def test_two_gpus_keep_roles_apart_where_they_fit():
     # GRPO: the engine on its own GPU, NCCL refit (as before).
     cfg, plan = _plan("grpo", resources=GPU2)
-    assert not plan.colocated and plan.refit["transport"] == "nccl"
+    assert not plan.colocated and plan.refit.transport == "nccl"
     assert plan.role("policy").bundle == plan.role("rollout").bundle == {"CPU": 1.0, "GPU": 1.0}
     assert plan.gpu_layout is not None and plan.gpu_layout.shared == []
     assert [g.role for g in role_bundles(plan, cfg.cluster)] == ["policy", "rollout"]
     # PPO: policy + critic need both GPUs, so the engine joins policy rank 0.
     cfg, plan = _plan("ppo", resources=GPU2)
-    assert plan.colocated and plan.refit["transport"] == "ipc"
+    assert plan.colocated and plan.refit.transport == "ipc"
     assert plan.role("policy").bundle["GPU"] == plan.role("rollout").bundle["GPU"] == 0.5
     assert plan.role("value").bundle["GPU"] == 1.0
     groups = role_bundles(plan, cfg.cluster)
     assert [g.role for g in groups] == ["policy+rollout", "value"]
     # rollout.colocated=false: the engine keeps its GPU, the critic joins the policy's.
     cfg, plan = _plan("ppo", "rollout.colocated=false", resources=GPU2)
-    assert not plan.colocated and plan.refit["transport"] == "nccl"
+    assert not plan.colocated and plan.refit.transport == "nccl"
     assert plan.gpu_layout is not None and plan.gpu_layout.value_colocated
     assert plan.role("policy").bundle["GPU"] == plan.role("value").bundle["GPU"] == 0.5
     assert plan.role("rollout").bundle["GPU"] == 1.0
@@ -277,8 +278,8 @@ def test_workers_colocated_path_through_ray_actors(ray_session):
     from tests.conftest import tiny_config
 
     cfg = tiny_config(**{"rollout.replicas": 2, "algorithm.prompts_per_step": 4})
-    plan = make_plan(cfg, Resources(num_cpus=2, num_gpus=0))
-    plan.colocated = True  # what a GPU plan says (a CPU plan refuses rollout.colocated=true)
+    # What a GPU plan says (a CPU plan refuses rollout.colocated=true).
+    plan = replace(make_plan(cfg, Resources(num_cpus=2, num_gpus=0)), colocated=True)
     workers = Workers(cfg, plan)
 
     def asleep() -> list[bool]:

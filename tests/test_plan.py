@@ -50,7 +50,7 @@ def test_defaults_on_cpu():
     assert plan.role("policy").world_size == 1
     assert plan.role("policy").backend == "gloo"
     assert plan.role("rollout").world_size == 1
-    assert plan.refit["transport"] == "gloo"
+    assert plan.refit.transport == "gloo"
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_batch_math(prompts, samples, mini, micro, epochs, dp):
     assert b.sequences_per_rank == rollout // dp
     assert b.epochs == epochs
     assert plan.role("policy").world_size == dp
-    assert plan.role("policy").mesh == {"dp": dp, "tp": 1, "cp": 1}
+    assert plan.role("policy").mesh == {"dp": dp, "tp": 1}
 
 
 def test_batch_math_numbers():
@@ -114,7 +114,7 @@ def test_gpu_dp_auto_uses_gpus_left_after_rollout():
     policy = plan.role("policy")
     assert plan.batch.dp == 3
     assert policy.world_size == 3
-    assert policy.mesh == {"dp": 3, "tp": 1, "cp": 1}
+    assert policy.mesh == {"dp": 3, "tp": 1}
     assert policy.backend == "nccl"
     assert policy.bundle == {"CPU": 1.0, "GPU": 1.0}
     assert plan.role("rollout").bundle == {"CPU": 1.0, "GPU": 1.0}
@@ -125,10 +125,10 @@ def test_gpu_dp_auto_uses_gpus_left_after_rollout():
 def test_gpu_tp2_with_two_free_gpus():
     plan = make_plan(_cfg(tp=2, replicas=2), GPU4)
     policy = plan.role("policy")
-    assert policy.mesh == {"dp": 1, "tp": 2, "cp": 1}
+    assert policy.mesh == {"dp": 1, "tp": 2}
     assert policy.world_size == 2
     assert plan.role("rollout").world_size == 2
-    assert plan.memory["policy_bytes_per_rank"] == 16 * plan.memory["num_params"] // 2
+    assert plan.memory.policy_bytes_per_rank == 16 * plan.memory.num_params // 2
 
 
 def test_gpu_tp_not_dividing_free_gpus_is_an_error():
@@ -140,7 +140,7 @@ def test_gpu_tp_not_dividing_free_gpus_is_an_error():
 def test_gpu_too_many_ranks_is_an_error():
     # dp=4 on 4 GPUs: the engine moves onto policy rank 0's GPU (rollout.colocated=null).
     plan = make_plan(_cfg(dp=4), GPU4)
-    assert plan.colocated and plan.batch.dp == 4 and plan.refit["transport"] == "ipc"
+    assert plan.colocated and plan.batch.dp == 4 and plan.refit.transport == "ipc"
     cfg = _cfg(dp=4)
     cfg.rollout.colocated = False  # set explicitly: honoured, so 3 GPUs are left
     with pytest.raises(ConfigError, match=r"dtensor\.dp=4 x dtensor\.tp=1") as exc:
@@ -203,10 +203,10 @@ def test_precision_memory_and_json():
     cfg.precision.name = "bf16"
     cfg.precision.param_dtype = cfg.precision.rollout_dtype = cfg.precision.refit_dtype = "bfloat16"
     plan = make_plan(cfg, CPU2, {"precision": "bf16"})
-    n = plan.memory["num_params"]
-    assert plan.memory["policy_bytes_per_rank"] == 16 * n // 2
-    assert plan.memory["rollout_weight_bytes_per_replica"] == 2 * n
-    assert plan.memory["refit_bytes_per_step"] == 2 * n
+    n = plan.memory.num_params
+    assert plan.memory.policy_bytes_per_rank == 16 * n // 2
+    assert plan.memory.rollout_weight_bytes_per_replica == 2 * n
+    assert plan.memory.refit_bytes_per_step == 2 * n
     assert plan.role("policy").dtype == "bfloat16"
     d = json.loads(plan.to_json())
     assert d["batch"]["dp"] == 2 and d["choices"] == {"precision": "bf16"}

@@ -46,7 +46,7 @@ def test_cli_plan_json_shows_value_role_fp16_scaler_tp2():
     roles = {r["name"]: r for r in plan["roles"]}
     assert set(roles) == {"policy", "rollout", "value"}
     value = roles["value"]
-    assert value["mesh"] == {"dp": 1, "tp": 2, "cp": 1} and value["world_size"] == 2
+    assert value["mesh"] == {"dp": 1, "tp": 2} and value["world_size"] == 2
     assert value["dtype"] == "float16" and value["backend"] == "gloo"
     assert value["bundle"]["CPU"] > 0 and value["threads"] >= 1
     assert any("grad scaler" in n for n in value["notes"])
@@ -78,7 +78,7 @@ def test_plan_value_mesh_on_cpu_and_gpu():
     # GPUs: 8 - 2 rollout = 6; dp auto splits them between policy (tp 2) and value (tp 1).
     plan = make_plan(_ppo("dtensor.tp=2", "value.dtensor.tp=1", "rollout.replicas=2"), GPU8)
     assert plan.batch.dp == 2 and plan.role("policy").world_size == 4
-    assert plan.role("value").mesh == {"dp": 2, "tp": 1, "cp": 1}
+    assert plan.role("value").mesh == {"dp": 2, "tp": 1}
     assert plan.role("value").bundle == {"CPU": 1.0, "GPU": 1.0}
     plan = make_plan(_ppo("value.dtensor.dp=3", "algorithm.prompts_per_step=24"), GPU8)
     assert plan.role("value").world_size == 3 and plan.batch.dp == 4

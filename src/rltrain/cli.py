@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from rltrain.config.schema import ALGORITHMS
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -18,7 +20,6 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-ALGORITHMS = ("grpo", "ppo")
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Config overrides, e.g. precision=fp16 dtensor.tp=2 optim.lr=3e-4."),
@@ -84,6 +85,8 @@ def plan(
     if algorithm not in ALGORITHMS:
         _fail(f"unknown algorithm '{algorithm}'; available: {', '.join(ALGORITHMS)}.", 2)
     cfg, choices = _compose(algorithm, overrides)
+    from dataclasses import replace
+
     from rltrain.cluster.placement import place, placement_rows, role_bundles
     from rltrain.cluster.ray_cluster import local_nodes, local_resources, read_cluster_nodes
     from rltrain.config.errors import ConfigError
@@ -103,7 +106,8 @@ def plan(
                 num_gpus=int(sum(n.resources.get("GPU", 0) for n in nodes)),
             )
         run_plan = make_plan(cfg, resources, choices)
-        run_plan.placement = placement_rows(place(role_bundles(run_plan, c), nodes))
+        forecast = placement_rows(place(role_bundles(run_plan, c), nodes))
+        run_plan = replace(run_plan, placement=forecast)
     except ConfigError as exc:
         _fail(str(exc), 2)
     if as_json:

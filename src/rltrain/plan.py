@@ -11,10 +11,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig, is_level, value_run_config
+from rltrain.config.schema import (
+    DTYPE_BYTES,
+    DTensorConfig,
+    RunConfig,
+    is_level,
+    value_run_config,
+)
+from rltrain.config.validate import check_liger_device
 from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class Resources:
     num_gpus: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolePlan:
     """One role: how many processes, their mesh, and the resources each takes."""
 
@@ -40,7 +45,7 @@ class RolePlan:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchPlan:
     """Batch math of one step. Sizes count sequences (prompt + response)."""
 
@@ -56,24 +61,150 @@ class BatchPlan:
     sequences_per_rank: int  # rollout_batch / dp
 
 
-@dataclass
+@dataclass(frozen=True)
+class RefitPlan:
+    """How weights reach the rollout pool after each optimizer step."""
+
+    transport: str  # resolved: gloo | nccl | ipc (never auto)
+    bucket_bytes: int
+    num_buffers: int  # buckets in flight
+    dtype: str  # what the weights are cast to on the wire
+    timeout_s: float
+    reason: str  # why this transport (auto's pick, or set explicitly)
+    verify: bool  # a checksum per bucket compared on both sides
+
+
+@dataclass(frozen=True)
+class TrainerPrecision:
+    """Dtypes of one trainer role (policy or value)."""
+
+    master: str  # the optimizer's copy of the weights (always float32)
+    param: str  # compute dtype of forward/backward
+    reduce: str  # gradient reduce-scatter dtype
+    grad_scaler: bool
+    growth_interval: int
+
+
+@dataclass(frozen=True)
+class ValuePrecision(TrainerPrecision):
+    """The critic's dtypes: a trainer's, plus its scalar head's."""
+
+    head: str = "float32"
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The precision switch resolved for every role and the refit cast."""
+
+    name: str  # fp32 | bf16 | fp16
+    policy: TrainerPrecision
+    rollout: str  # dtype the engines hold the weights in
+    refit: str  # dtype the weights travel in
+    value: ValuePrecision | None = None  # PPO's critic
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form: no ``value`` key without a critic."""
+        out = asdict(self)
+        if self.value is None:
+            del out["value"]
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory estimate in bytes; None where it does not apply or cannot be known.
+
+    Weights and optimizer state only: no activations, no KV cache.
+    """
+
+    num_params: int | None  # None: the model's size is unknown before it is loaded
+    policy_bytes_per_rank: int | None = None  # fp32 master + grads + AdamW moments
+    rollout_weight_bytes_per_replica: int | None = None
+    refit_bytes_per_step: int | None = None
+    value_bytes_per_rank: int | None = None  # PPO
+    shared_gpu_bytes: int | None = None  # what policy rank 0's GPU holds when it is shared
+
+    def to_dict(self) -> dict[str, int | None]:
+        """The JSON form: ``num_params`` always, the other figures where known."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "num_params"}
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    name: str
+    path: str
+    tokenizer: str
+
+
+@dataclass(frozen=True)
+class CopyTaskInputs:
+    """The embedded copy task: prompts drawn from an alphabet, nothing read from disk."""
+
+    name: str
+    task: str
+    alphabet: str
+
+
+@dataclass(frozen=True)
+class DataFields:
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class DatasetInputs:
+    """A dataset read from a local file or the HF hub."""
+
+    name: str
+    task: str
+    source: str  # local path, or "hf_name:split"
+    fields: DataFields
+    max_prompt_tokens: int | None  # None: no limit
+    validation: str  # where validation prompts come from
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    fn: str  # import path "module:function"
+    timeout_s: float
+    on_error: str
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    every_n_steps: int
+    samples_per_prompt: int
+
+
+@dataclass(frozen=True)
+class InputsPlan:
+    """What the run reads: model, tokenizer, data source, reward (see plan_inputs)."""
+
+    model: ModelInputs
+    data: CopyTaskInputs | DatasetInputs
+    reward: RewardInputs
+    eval: EvalInputs
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    """Everything the launcher needs to start and run the job."""
+    """Everything the launcher needs to start and run the job. Built once by
+    :func:`make_plan`; a fact learned later (the nodes Ray chose) makes a new
+    plan through ``dataclasses.replace``."""
 
     algorithm: str
     device: str
     resources: Resources
     roles: list[RolePlan]
     batch: BatchPlan
-    refit: dict[str, object]
-    precision: dict[str, object]
+    refit: RefitPlan
+    precision: PrecisionPlan
     colocated: bool
-    memory: dict[str, object]
+    memory: MemoryPlan
     choices: dict[str, str]
-    value_batch: BatchPlan | None = None  # PPO: the critic's batch math over its own dp
-    gpu_layout: GpuLayout | None = None  # CUDA runs: who shares a GPU with whom
-    # What the run reads: model, tokenizer, data source, reward (see plan_inputs).
-    inputs: dict[str, object] = field(default_factory=dict)
+    value_batch: BatchPlan | None  # PPO: the critic's batch math over its own dp
+    gpu_layout: GpuLayout | None  # CUDA runs: who shares a GPU with whom
+    inputs: InputsPlan
     # role -> node of each rank ("ip (node id)"): forecast by `rltrain plan`,
     # then what Ray actually chose once a run has started.
     placement: dict[str, list[str]] = field(default_factory=dict)
@@ -84,7 +215,10 @@ class RunPlan:
         return next(r for r in self.roles if r.name == name)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["precision"] = self.precision.to_dict()
+        out["memory"] = self.memory.to_dict()
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -251,14 +385,10 @@ def make_plan(
         )
     if ro.engine == "vllm" and device == "cpu":
         _check_vllm_on_cpu(cfg)
-    if cfg.train.liger and device == "cpu":
-        raise ConfigError(
-            "train.liger=true needs CUDA (liger-kernel's kernels are Triton) but this run "
-            "trains on CPU; set train.liger=false."
-        )
-    model_parallel = d.tp * d.cp
-    ppo = cfg.algorithm.name == "ppo"
-    vd = value_run_config(cfg).dtensor if ppo else None
+    check_liger_device(cfg, device, resolved=True)
+    # PPO's critic: the policy's config with the value.* fields substituted, derived once.
+    vcfg = value_run_config(cfg) if cfg.algorithm.name == "ppo" else None
+    vd = vcfg.dtensor if vcfg is not None else None
     layout: GpuLayout | None = None
     if device == "cuda":
         layout, dp = gpu_layout(cfg, vd, resources.num_gpus)
@@ -281,9 +411,9 @@ def make_plan(
             value_batch = _batch_plan(cfg, value_dp)
         except ConfigError as exc:
             raise ConfigError(f"value model (value.dtensor.dp={value_dp}): {exc}") from exc
-    value_world = value_dp * vd.tp * vd.cp if vd is not None else 0
+    value_world = value_dp * vd.tp if vd is not None else 0
 
-    trainer_world = dp * model_parallel
+    trainer_world = dp * d.tp
     backend = "nccl" if device == "cuda" else "gloo"
     n_actors = trainer_world + ro.replicas + value_world
     # Fractional CPUs pack every process onto a small machine; the workers
@@ -322,7 +452,7 @@ def make_plan(
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
     transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, colocated)
-    mesh = {"dp": dp, "tp": d.tp, "cp": d.cp}
+    mesh = {"dp": dp, "tp": d.tp}
     trainer_notes = [
         f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
         f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
@@ -358,66 +488,59 @@ def make_plan(
             + (colocated_engine_notes(cfg, rollout_bundle["GPU"]) if colocated else []),
         ),
     ]
-    if vd is not None:
-        roles.append(_value_role(cfg, vd, value_world, value_dp, value_bundle, device, backend))
-        if layout is not None and layout.value_colocated:
-            roles[-1].notes.append(
-                f"value rank i on policy rank i's GPU ({value_bundle['GPU']:g} of it each)"
-            )
-        roles[-1].threads = (
+    if vcfg is not None:
+        value_threads = (
             (threads or 0)
             if device == "cuda"
             else threads or max(1, resources.num_cpus // value_world)
         )
-    n_params = estimate_num_params(cfg)
-    memory: dict[str, object] = {"num_params": n_params}
-    if n_params is not None:
-        shard = dp * d.tp
-        # fp32 master params + fp32 grads + AdamW's two fp32 moments, sharded over dp x tp.
-        memory["policy_bytes_per_rank"] = 16 * n_params // shard
-        memory["rollout_weight_bytes_per_replica"] = (
-            DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp
+        value_notes = (
+            [f"value rank i on policy rank i's GPU ({value_bundle['GPU']:g} of it each)"]
+            if layout is not None and layout.value_colocated
+            else []
         )
-        memory["refit_bytes_per_step"] = DTYPE_BYTES[p.refit_dtype] * n_params
-        if vd is not None:
-            # Same estimate for the critic's backbone (its LM head is dropped; the 1-wide head is noise).
-            memory["value_bytes_per_rank"] = 16 * n_params // (value_dp * vd.tp)
-        if layout is not None and layout.shared:
-            # What policy rank 0's GPU holds when it is shared (no activations, no KV cache).
-            on_gpu0 = [16 * n_params // shard]
-            if layout.value_colocated and vd is not None:
-                on_gpu0.append(16 * n_params // (value_dp * vd.tp))
-            if colocated:
-                on_gpu0.append(ro.replicas * DTYPE_BYTES[p.rollout_dtype] * n_params)
-            memory["shared_gpu_bytes"] = sum(on_gpu0)
+        roles.append(
+            _value_role(
+                cfg,
+                vcfg,
+                value_world,
+                value_dp,
+                value_bundle,
+                device,
+                backend,
+                value_threads,
+                value_notes,
+            )
+        )
+    memory = _memory_plan(cfg, vd, dp, value_dp, layout, colocated)
     return RunPlan(
         algorithm=cfg.algorithm.name,
         device=device,
         resources=resources,
         roles=roles,
         batch=batch,
-        refit={
-            "transport": transport,
-            "bucket_bytes": cfg.refit.bucket_bytes,
-            "num_buffers": cfg.refit.num_buffers,
-            "dtype": p.refit_dtype,
-            "timeout_s": cfg.refit.timeout_s,
-            "reason": transport_reason,
-            "verify": cfg.refit.verify,
-        },
-        precision={
-            "name": p.name,
-            "policy": {
-                "master": "float32",
-                "param": p.param_dtype,
-                "reduce": p.reduce_dtype,
-                "grad_scaler": p.grad_scaler.enabled,
-                "growth_interval": p.grad_scaler.growth_interval,
-            },
-            "rollout": p.rollout_dtype,
-            "refit": p.refit_dtype,
-            **({"value": _value_precision(cfg)} if vd is not None else {}),
-        },
+        refit=RefitPlan(
+            transport=transport,
+            bucket_bytes=cfg.refit.bucket_bytes,
+            num_buffers=cfg.refit.num_buffers,
+            dtype=p.refit_dtype,
+            timeout_s=cfg.refit.timeout_s,
+            reason=transport_reason,
+            verify=cfg.refit.verify,
+        ),
+        precision=PrecisionPlan(
+            name=p.name,
+            policy=TrainerPrecision(
+                master="float32",
+                param=p.param_dtype,
+                reduce=p.reduce_dtype,
+                grad_scaler=p.grad_scaler.enabled,
+                growth_interval=p.grad_scaler.growth_interval,
+            ),
+            rollout=p.rollout_dtype,
+            refit=p.refit_dtype,
+            value=_value_precision(vcfg) if vcfg is not None else None,
+        ),
         colocated=colocated,
         memory=memory,
         choices=dict(choices or {}),
@@ -514,23 +637,70 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
     return out
 
 
-def _value_precision(cfg: RunConfig) -> dict[str, object]:
-    vp = value_run_config(cfg).precision
-    return {
-        "master": "float32",
-        "param": vp.param_dtype,
-        "reduce": vp.reduce_dtype,
-        "grad_scaler": vp.grad_scaler.enabled,
-        "growth_interval": vp.grad_scaler.growth_interval,
-        "head": "float32",
-    }
+def _memory_plan(
+    cfg: RunConfig,
+    vd: DTensorConfig | None,
+    dp: int,
+    value_dp: int,
+    layout: GpuLayout | None,
+    colocated: bool,
+) -> MemoryPlan:
+    """Weights and optimizer state per process; only the parameter count when it is unknown."""
+    n_params = estimate_num_params(cfg)
+    if n_params is None:
+        return MemoryPlan(num_params=None)
+    p, ro = cfg.precision, cfg.rollout
+    # fp32 master params + fp32 grads + AdamW's two fp32 moments, sharded over dp x tp.
+    policy_bytes = 16 * n_params // (dp * cfg.dtensor.tp)
+    # Same estimate for the critic's backbone (its LM head is dropped; the 1-wide head is noise).
+    value_bytes = 16 * n_params // (value_dp * vd.tp) if vd is not None else None
+    shared_gpu_bytes = None
+    if layout is not None and layout.shared:
+        # What policy rank 0's GPU holds when it is shared (no activations, no KV cache).
+        on_gpu0 = [policy_bytes]
+        if layout.value_colocated and value_bytes is not None:
+            on_gpu0.append(value_bytes)
+        if colocated:
+            on_gpu0.append(ro.replicas * DTYPE_BYTES[p.rollout_dtype] * n_params)
+        shared_gpu_bytes = sum(on_gpu0)
+    return MemoryPlan(
+        num_params=n_params,
+        policy_bytes_per_rank=policy_bytes,
+        rollout_weight_bytes_per_replica=DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp,
+        refit_bytes_per_step=DTYPE_BYTES[p.refit_dtype] * n_params,
+        value_bytes_per_rank=value_bytes,
+        shared_gpu_bytes=shared_gpu_bytes,
+    )
+
+
+def _value_precision(vcfg: RunConfig) -> ValuePrecision:
+    vp = vcfg.precision
+    return ValuePrecision(
+        master="float32",
+        param=vp.param_dtype,
+        reduce=vp.reduce_dtype,
+        grad_scaler=vp.grad_scaler.enabled,
+        growth_interval=vp.grad_scaler.growth_interval,
+        head="float32",
+    )
 
 
 def _value_role(
-    cfg: RunConfig, vd, world: int, dp: int, bundle: dict[str, float], device: str, backend: str
+    cfg: RunConfig,
+    vcfg: RunConfig,
+    world: int,
+    dp: int,
+    bundle: dict[str, float],
+    device: str,
+    backend: str,
+    threads: int,
+    placement_notes: list[str],
 ) -> RolePlan:
-    """PPO's critic: its own gang (placement bundles, process group) on its own mesh."""
-    vp = value_run_config(cfg).precision
+    """PPO's critic: its own gang (placement bundles, process group) on its own mesh.
+
+    ``vcfg`` is :func:`value_run_config` of ``cfg``.
+    """
+    vp, vd = vcfg.precision, vcfg.dtensor
     v = cfg.value
     notes = [
         f"backbone of {v.model_path or cfg.model.path or 'the tiny model'} + fresh scalar head, lr {v.lr}",
@@ -542,43 +712,52 @@ def _value_role(
     ]
     if vp.grad_scaler.enabled:
         notes.append(f"sharded grad scaler (growth_interval={vp.grad_scaler.growth_interval})")
-    mesh = {"dp": dp, "tp": vd.tp, "cp": vd.cp}
-    return RolePlan("value", world, mesh, dict(bundle), device, vp.param_dtype, backend, 0, notes)
+    mesh = {"dp": dp, "tp": vd.tp}
+    return RolePlan(
+        "value",
+        world,
+        mesh,
+        dict(bundle),
+        device,
+        vp.param_dtype,
+        backend,
+        threads,
+        notes + placement_notes,
+    )
 
 
-def plan_inputs(cfg: RunConfig) -> dict[str, object]:
+def plan_inputs(cfg: RunConfig) -> InputsPlan:
     """Model, data and reward the run will read (not checked here: planning needs no local files)."""
     m, da, ev = cfg.model, cfg.data, cfg.eval
-    model = {
-        "name": m.name,
-        "path": m.path or "embedded tiny model",
-        "tokenizer": m.tokenizer or m.path or "embedded",
-    }
+    model = ModelInputs(
+        name=m.name,
+        path=m.path or "embedded tiny model",
+        tokenizer=m.tokenizer or m.path or "embedded",
+    )
+    data: CopyTaskInputs | DatasetInputs
     if da.task == "copy":
-        data: dict[str, object] = {"name": da.name, "task": "copy", "alphabet": da.alphabet}
+        data = CopyTaskInputs(name=da.name, task="copy", alphabet=da.alphabet)
         reward = cfg.reward.fn or "rltrain.rewards.copy:score"
     else:
-        data = {
-            "name": da.name,
-            "task": da.task,
-            "source": da.path or f"{da.hf_name}:{da.split}",
-            "fields": {"prompt": da.prompt_field, "answer": da.answer_field},
-            "max_prompt_tokens": da.max_prompt_tokens,
-            "validation": da.val_path
+        data = DatasetInputs(
+            name=da.name,
+            task=da.task,
+            source=da.path or f"{da.hf_name}:{da.split}",
+            fields=DataFields(prompt=da.prompt_field, answer=da.answer_field),
+            max_prompt_tokens=da.max_prompt_tokens,
+            validation=da.val_path
             or (
                 f"{da.hf_name}:{da.val_split}"
                 if da.val_split
                 else f"{da.val_fraction:.0%} of train"
             ),
-        }
+        )
         reward = cfg.reward.fn or "rltrain.rewards.math:score"
-    return {
-        "model": model,
-        "data": data,
-        "reward": {
-            "fn": reward,
-            "timeout_s": cfg.reward.timeout_s,
-            "on_error": cfg.reward.on_error,
-        },
-        "eval": {"every_n_steps": ev.every_n_steps, "samples_per_prompt": ev.samples_per_prompt},
-    }
+    return InputsPlan(
+        model=model,
+        data=data,
+        reward=RewardInputs(
+            fn=reward, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error
+        ),
+        eval=EvalInputs(every_n_steps=ev.every_n_steps, samples_per_prompt=ev.samples_per_prompt),
+    )

@@ -4,7 +4,7 @@ Pure (no cluster, no torch), part of :func:`rltrain.plan.make_plan`. The
 order of preference, for a user with few GPUs:
 
 1. every role on GPUs of its own (rollout: ``rollout.replicas x rollout.tp``;
-   the policy: ``dtensor.dp x tp x cp``; PPO's critic: its own mesh);
+   the policy: ``dtensor.dp x tp``; PPO's critic: its own mesh);
 2. ``rollout.colocated`` null (auto): when the GPUs cannot hold the engines next
    to the trainer, the engines share policy rank 0's GPU (refit over CUDA IPC);
 3. PPO: when the GPUs left for training cannot hold the critic next to the
@@ -51,8 +51,8 @@ def _critic_gpus(vd: DTensorConfig | None) -> tuple[int, int]:
     if vd is None:
         return 0, 0
     if vd.dp is not None:  # value.dtensor.dp, or dtensor.dp which it inherits
-        return vd.dp * vd.tp * vd.cp, 0
-    return 0, vd.tp * vd.cp
+        return vd.dp * vd.tp, 0
+    return 0, vd.tp
 
 
 def _rollout_fixes(cfg: RunConfig, colocated: bool) -> list[str]:
@@ -92,7 +92,7 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
     naming the keys that would make it fit, when no layout fits.
     """
     d, ro = cfg.dtensor, cfg.rollout
-    mp = d.tp * d.cp
+    mp = d.tp
     rollout_gpus = ro.replicas * ro.tp
     value_fixed, value_per_dp = _critic_gpus(vd)
     trainer_min = value_fixed + (d.dp or 1) * (mp + value_per_dp)
@@ -130,7 +130,7 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
         dp_s = d.dp if d.dp is not None else "auto"
         fixes = _rollout_fixes(cfg, colocated) + _policy_fixes(cfg) + [MORE_GPUS]
         return ConfigError(
-            f"dtensor.dp={dp_s} x dtensor.tp={d.tp} x dtensor.cp={d.cp} needs {need} GPU(s) for "
+            f"dtensor.dp={dp_s} x dtensor.tp={d.tp} needs {need} GPU(s) for "
             f"the policy but {where}; {_or(fixes)}."
         )
 
@@ -148,22 +148,22 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
     if d.dp is None and train_free % per_dp:
         extra = f" + value.dtensor.tp={value_per_dp}" if separate and value_per_dp else ""
         fixes = [
-            f"use a tp x cp that divides {train_free}",
+            f"use a dtensor.tp that divides {train_free}",
             f"set dtensor.dp={dp} (leaves {train_free - dp * per_dp} GPU(s) idle)",
         ]
         if not colocated and can_colocate and num_gpus % per_dp == 0:
             fixes.append(f"set rollout.colocated=true to train on all {num_gpus}")
         raise ConfigError(
-            f"dtensor.tp={d.tp} x dtensor.cp={d.cp}{extra} does not divide the {train_free} "
+            f"dtensor.tp={d.tp}{extra} does not divide the {train_free} "
             f"training GPUs; {_or(fixes)}."
         )
     value_world = 0
     if vd is not None:
         value_dp = cfg.value.dtensor.dp or dp
-        value_world = value_dp * vd.tp * vd.cp
+        value_world = value_dp * vd.tp
         if not separate:
             if value_world > dp * mp:
-                max_dp = max(1, dp * mp // (vd.tp * vd.cp))
+                max_dp = max(1, dp * mp // vd.tp)
                 fixes = [f"set value.dtensor.dp<={max_dp} (or null)"] if value_dp > max_dp else []
                 if vd.tp > 1:
                     fixes.append(f"lower value.dtensor.tp (now {vd.tp})")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from rich.tree import Tree
 
-from rltrain.plan import RunPlan
+from rltrain.plan import CopyTaskInputs, InputsPlan, RunPlan
 
 
 def _fmt_bytes(n: object) -> str:
@@ -69,46 +71,44 @@ def plan_tree(plan: RunPlan) -> Tree:
         for part, text in plan.objective.items():
             objective.add(f"{part}: {text}")
     p = plan.precision
-    prec = tree.add(f"precision {p['name']}")
-    prec.add(f"policy: {p['policy']}")
-    if "value" in p:
-        prec.add(f"value: {p['value']}")
-    prec.add(f"rollout: {p['rollout']}, refit: {p['refit']}")
+    prec = tree.add(f"precision {p.name}")
+    prec.add(f"policy: {asdict(p.policy)}")
+    if p.value is not None:
+        prec.add(f"value: {asdict(p.value)}")
+    prec.add(f"rollout: {p.rollout}, refit: {p.refit}")
     rf = plan.refit
     refit = tree.add(
-        f"refit: {rf['transport']}, buckets of {_fmt_bytes(rf['bucket_bytes'])}, {rf['num_buffers']} buffers in flight, {rf['dtype']}"
+        f"refit: {rf.transport}, buckets of {_fmt_bytes(rf.bucket_bytes)}, {rf.num_buffers} buffers in flight, {rf.dtype}"
     )
-    if rf.get("reason"):
-        refit.add(str(rf["reason"]))
-    if rf.get("verify"):
+    if rf.reason:
+        refit.add(rf.reason)
+    if rf.verify:
         refit.add("checksum of every bucket compared on both sides (refit.verify=true)")
     if plan.placement:
         nodes = tree.add("placement (node of each rank)")
         for role, labels in plan.placement.items():
             nodes.add(f"{role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(labels)))
     mem = tree.add("memory estimate")
-    for k, v in plan.memory.items():
+    for k, v in plan.memory.to_dict().items():
         mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")
     _add_inputs(tree, plan.inputs)
     return tree
 
 
-def _add_inputs(tree: Tree, inputs: dict) -> None:
+def _add_inputs(tree: Tree, inputs: InputsPlan) -> None:
     """Model, data, reward and eval the run reads (RunPlan.inputs)."""
-    if not inputs:
-        return
     node = tree.add("inputs")
-    m, d, r, e = inputs["model"], inputs["data"], inputs["reward"], inputs["eval"]
-    node.add(f"model: {m['path']} (tokenizer {m['tokenizer']})")
-    if d["task"] == "copy":
-        node.add(f"data: copy task over '{d['alphabet']}'")
+    m, d, r, e = inputs.model, inputs.data, inputs.reward, inputs.eval
+    node.add(f"model: {m.path} (tokenizer {m.tokenizer})")
+    if isinstance(d, CopyTaskInputs):
+        node.add(f"data: copy task over '{d.alphabet}'")
     else:
         node.add(
-            f"data: {d['name']} from {d['source']}, max {d['max_prompt_tokens']} prompt tokens, "
-            f"validation {d['validation']}"
+            f"data: {d.name} from {d.source}, max {d.max_prompt_tokens} prompt tokens, "
+            f"validation {d.validation}"
         )
-    node.add(f"reward: {r['fn']} (timeout {r['timeout_s']} s, on error: {r['on_error']})")
-    if e["every_n_steps"]:
+    node.add(f"reward: {r.fn} (timeout {r.timeout_s} s, on error: {r.on_error})")
+    if e.every_n_steps:
         node.add(
-            f"eval: every {e['every_n_steps']} steps, {e['samples_per_prompt']} sample(s) per prompt"
+            f"eval: every {e.every_n_steps} steps, {e.samples_per_prompt} sample(s) per prompt"
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -188,7 +189,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         if plan is None:
             plan = make_plan(cfg, cluster_res, choices)
         # Fail fast on a shortfall (what is missing, named) instead of pending on a reservation.
-        plan.placement = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
+        forecast = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
+        plan = replace(plan, placement=forecast)
         (out / "plan.json").write_text(plan.to_json())
         console.print(
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
@@ -210,7 +212,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         phases["workers_s"] = time.perf_counter() - t_workers
         phases.update(workers.startup)
         try:
-            plan.placement = _report_placement(workers.placement, cluster_nodes(), console)
+            # Where Ray actually put each rank replaces the forecast in plan.json.
+            landed = _report_placement(workers.placement, cluster_nodes(), console)
+            plan = replace(plan, placement=landed)
             (out / "plan.json").write_text(plan.to_json())
             ctx = RunContext(
                 cfg,

@@ -247,7 +247,7 @@ class Workers:
         host, port = self.calls.wait(
             [rank0.call(PolicyWorker.refit_endpoint)], "refit set-up", self.timeout
         )[0]
-        transport = str(self.plan.refit["transport"])  # auto already resolved by the plan
+        transport = self.plan.refit.transport  # auto already resolved by the plan
         group = RefitGroup(manifest, host, port, 1 + len(self.rollout.actors), transport)
         pending = [a.call(PolicyWorker.init_refit, group, 0) for a in self.policy.actors]
         pending += [

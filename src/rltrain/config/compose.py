@@ -277,10 +277,26 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+# Keys that runs wrote into config.yaml before the key was removed, with the one value
+# they could hold there: dropped on reading, so an older run's config still loads.
+RETIRED_KEYS: dict[str, object] = {"dtensor.strategy": "fsdp2", "dtensor.cp": 1}
+
+
+def _load_run_yaml(path: str | Path) -> Any:
+    """A run's config.yaml as written, less the retired keys that hold their only value."""
+    conf = OmegaConf.load(path)
+    for key, value in RETIRED_KEYS.items():
+        node, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(conf, node)
+        if isinstance(parent, DictConfig) and leaf in parent and parent[leaf] == value:
+            del parent[leaf]
+    return conf
+
+
 def load_yaml(path: str | Path) -> RunConfig:
     """Read a config.yaml written by a run back into a validated RunConfig."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), _load_run_yaml(path))
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from exc
     from rltrain.config.validate import validate
@@ -306,7 +322,7 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     try:
         merged = OmegaConf.merge(
             OmegaConf.structured(RunConfig),
-            OmegaConf.load(path),
+            _load_run_yaml(path),
             OmegaConf.from_dotlist(list(overrides)),
         )
     except Exception as exc:  # noqa: BLE001 - unknown keys and bad values are the user's input

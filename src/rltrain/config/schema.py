@@ -8,11 +8,12 @@ Hydra, Ray or vLLM so GPU scripts and workers can use it anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
-# The choices of the objective's config keys: each defined once, here; validation
-# reads its allowed values from these (typing.get_args), and the math functions take them
-# as parameter types. (OmegaConf cannot type a field as a Literal, so the fields are str.)
+# The choices of the config keys: each defined once, here, as a Literal, with the tuple of
+# its values (typing.get_args) that validation, the CLI and the plan read; the math
+# functions take the Literals as parameter types. OmegaConf (2.3) rejects a Literal
+# field annotation ("Unexpected type annotation"), so the fields themselves are str.
 AdvantageEstimator = Literal[
     "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
 ]
@@ -20,9 +21,47 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 ISLevel = Literal["token", "sequence"]
-# What algorithm.rollout_correction.weights accepts: an ISLevel or auto (see is_level).
-IS_WEIGHTS = ("auto", "token", "sequence")
 OverCap = Literal["truncate", "mask"]
+Algorithm = Literal["grpo", "ppo"]  # the CLI's training commands
+PrecisionName = Literal["fp32", "bf16", "fp16"]  # the precision group's options
+Dtype = Literal["float32", "bfloat16", "float16"]
+RefitTransport = Literal["auto", "gloo", "nccl", "ipc"]
+Engine = Literal["torch", "vllm"]
+Task = Literal["copy", "dataset"]
+LRSchedule = Literal["constant", "linear_warmup", "cosine"]
+Attention = Literal["auto", "sdpa", "flex", "varlen"]
+GradSync = Literal["micro_batch", "step"]
+ClusterMode = Literal["local", "ray"]
+Device = Literal["auto", "cpu", "cuda"]
+PlacementStrategy = Literal["pack", "spread"]
+WandbMode = Literal["offline", "online", "disabled"]
+RewardOnError = Literal["zero", "fail"]
+
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+# What algorithm.rollout_correction.weights accepts: an ISLevel or auto (see is_level).
+IS_WEIGHTS: tuple[str, ...] = ("auto", *IS_LEVELS)
+OVER_CAP: tuple[str, ...] = get_args(OverCap)
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+REFIT_TRANSPORTS: tuple[str, ...] = get_args(RefitTransport)
+ENGINES: tuple[str, ...] = get_args(Engine)
+TASKS: tuple[str, ...] = get_args(Task)
+LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+GRAD_SYNCS: tuple[str, ...] = get_args(GradSync)
+CLUSTER_MODES: tuple[str, ...] = get_args(ClusterMode)
+DEVICES: tuple[str, ...] = get_args(Device)
+PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+REWARD_ON_ERROR: tuple[str, ...] = get_args(RewardOnError)
+
+# Bytes per element of each Dtype (memory estimates, refit bucket sizes).
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -230,12 +269,11 @@ class PrecisionConfig:
 
 @dataclass
 class DTensorConfig:
-    """Trainer mesh: dp x tp x cp ranks (written by the ``parallelism`` group)."""
+    """Trainer mesh: dp x tp ranks, FSDP2 over dp and DTensor tensor parallelism over tp
+    (written by the ``parallelism`` group)."""
 
-    strategy: str = "fsdp2"  # the parallelism group's option (FSDP2 + DTensor)
-    dp: int | None = None  # null = auto: the trainer devices left after tp x cp
+    dp: int | None = None  # null = auto: the trainer devices left after tp
     tp: int = 1  # tensor-parallel degree; must divide the model's heads, kv heads and MLP width
-    cp: int = 1  # context parallelism: not available yet, keep 1
     # Norms and residual stream on sequence shards between the TP matmuls (needs tp > 1).
     sequence_parallel: bool = False
     activation_checkpointing: bool = False  # recompute each decoder block in backward
@@ -515,11 +553,9 @@ class RunConfig:
     resume: str | None = None
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-# The precision group's options as (compute dtype, grad scaler on): what
+# The precision group's options (PrecisionName) as (compute dtype, grad scaler on): what
 # value.precision=<name> selects for the critic's backbone.
-PRECISION_PRESETS = {
+PRECISION_PRESETS: dict[str, tuple[str, bool]] = {
     "fp32": ("float32", False),
     "bf16": ("bfloat16", False),
     "fp16": ("float16", True),

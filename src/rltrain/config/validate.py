@@ -10,35 +10,36 @@ import json
 import math
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import get_args
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import (
+    ADV_ESTIMATORS,
+    ALGORITHMS,
+    ATTENTIONS,
+    CLUSTER_MODES,
+    DEVICES,
     DTYPES,
+    ENGINES,
+    GRAD_SYNCS,
     IS_WEIGHTS,
-    PRECISION_PRESETS,
-    AdvantageEstimator,
-    KLEstimator,
-    LossAggregation,
-    OverCap,
-    RatioLevel,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    LR_SCHEDULES,
+    OVER_CAP,
+    PLACEMENT_STRATEGIES,
+    PRECISIONS,
+    RATIO_LEVELS,
+    REFIT_TRANSPORTS,
+    REWARD_ON_ERROR,
+    TASKS,
+    WANDB_MODES,
     RunConfig,
 )
 
-ENGINES = ("torch", "vllm")
-TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
-ALGORITHMS = ("grpo", "ppo")
-TASKS = ("copy", "dataset")
-LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
-ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 # The estimators of `rltrain grpo` (outcome rewards, no critic); PPO's is gae.
 OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
 # Estimators whose advantages depend on one prompt group alone (the asynchronous loop's).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
-KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
-OVER_CAP: tuple[str, ...] = get_args(OverCap)
-LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -74,8 +75,8 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     if cfg.dtensor.grad_sync is not None:
-        _choice("dtensor.grad_sync", cfg.dtensor.grad_sync, ("micro_batch", "step"))
-    _choice("train.attention", t.attention, ("auto", "sdpa", "flex", "varlen"))
+        _choice("dtensor.grad_sync", cfg.dtensor.grad_sync, GRAD_SYNCS)
+    _choice("train.attention", t.attention, ATTENTIONS)
     if t.attention in ("flex", "varlen") and cfg.cluster.device == "cpu":
         raise ConfigError(
             f"train.attention={t.attention} needs CUDA (no CPU kernel or backward); "
@@ -141,22 +142,16 @@ def validate(cfg: RunConfig) -> None:
         )
 
     d = cfg.dtensor
-    _choice("dtensor.strategy", d.strategy, ("fsdp2",))
     if d.dp is not None:
         _positive("dtensor.dp", d.dp)
     _positive("dtensor.tp", d.tp)
-    _positive("dtensor.cp", d.cp)
-    if d.cp > 1:
-        raise ConfigError(
-            "dtensor.cp>1 (context parallelism) is not available yet; set dtensor.cp=1."
-        )
     if d.sequence_parallel and d.tp == 1:
         raise ConfigError(
             "dtensor.sequence_parallel=true needs dtensor.tp>1; set dtensor.tp or turn it off."
         )
 
     r = cfg.refit
-    _choice("refit.transport", r.transport, TRANSPORTS)
+    _choice("refit.transport", r.transport, REFIT_TRANSPORTS)
     if r.bucket_bytes < 2**20:
         raise ConfigError(
             f"refit.bucket_bytes={r.bucket_bytes} is below 1 MiB, which makes a refit thousands of "
@@ -249,11 +244,11 @@ def validate(cfg: RunConfig) -> None:
     validate_reward_eval(cfg)
 
     c = cfg.cluster
-    _choice("cluster.mode", c.mode, ("local", "ray"))
-    _choice("cluster.device", c.device, ("auto", "cpu", "cuda"))
+    _choice("cluster.mode", c.mode, CLUSTER_MODES)
+    _choice("cluster.device", c.device, DEVICES)
     if c.torch_threads is not None:
         _positive("cluster.torch_threads", c.torch_threads)
-    _choice("logger.wandb_mode", cfg.logger.wandb_mode, ("offline", "online", "disabled"))
+    _choice("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
     if cfg.checkpoint.keep_last < 0:
@@ -437,11 +432,7 @@ def _validate_speed(cfg: RunConfig) -> None:
 
     t = cfg.train
     if t.liger:
-        if cfg.cluster.device == "cpu":
-            raise ConfigError(
-                "train.liger=true needs CUDA (liger-kernel's kernels are Triton); "
-                "set train.liger=false on cluster.device=cpu."
-            )
+        check_liger_device(cfg, cfg.cluster.device)
         if importlib.util.find_spec("liger_kernel") is None:
             raise ConfigError(
                 "train.liger=true needs the liger-kernel package, which is not installed; "
@@ -458,6 +449,23 @@ def _validate_speed(cfg: RunConfig) -> None:
             "train.compile=true on cluster.device=cpu needs a C++ compiler for torch.compile "
             "(none of g++, c++, clang++ is on PATH); install one or set train.compile=false."
         )
+
+
+def check_liger_device(cfg: RunConfig, device: str, resolved: bool = False) -> None:
+    """train.liger=true needs CUDA. ``device`` is ``cluster.device`` as set (validate), or
+    with ``resolved`` the device the plan resolved it to (make_plan: auto on a cluster
+    without GPUs trains on CPU)."""
+    if not cfg.train.liger or device != "cpu":
+        return
+    if resolved:
+        raise ConfigError(
+            "train.liger=true needs CUDA (liger-kernel's kernels are Triton) but this run "
+            "trains on CPU; set train.liger=false."
+        )
+    raise ConfigError(
+        "train.liger=true needs CUDA (liger-kernel's kernels are Triton); "
+        "set train.liger=false on cluster.device=cpu."
+    )
 
 
 def validate_ppo(cfg: RunConfig) -> None:
@@ -477,7 +485,7 @@ def validate_ppo(cfg: RunConfig) -> None:
     if v.clip is not None and v.clip <= 0:
         raise ConfigError(f"value.clip={v.clip} must be > 0, or null for an unclipped value loss.")
     if v.precision is not None:
-        _choice("value.precision", v.precision, tuple(PRECISION_PRESETS))
+        _choice("value.precision", v.precision, PRECISIONS)
     if v.precision == "fp16" and cfg.precision.reduce_dtype != "float32":
         raise ConfigError(
             "value.precision=fp16 needs fp32 gradient reduction; set precision.reduce_dtype=float32."
@@ -582,7 +590,7 @@ def validate_reward_eval(cfg: RunConfig) -> None:
         )
     if rw.timeout_s < 0:
         raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
-    _choice("reward.on_error", rw.on_error, ("zero", "fail"))
+    _choice("reward.on_error", rw.on_error, REWARD_ON_ERROR)
     if ev.every_n_steps < 0:
         raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
     _positive("eval.samples_per_prompt", ev.samples_per_prompt)
@@ -600,7 +608,7 @@ def _validate_faults(cfg: RunConfig) -> None:
         value = getattr(c, key)
         if value <= 0:
             raise ConfigError(f"cluster.{key}={value} must be > 0 (seconds).")
-    _choice("cluster.placement", c.placement, ("pack", "spread"))
+    _choice("cluster.placement", c.placement, PLACEMENT_STRATEGIES)
     for role in ("policy", "rollout"):
         for name, amount in getattr(c, f"{role}_resources").items():
             if amount <= 0 or name in ("CPU", "GPU", "memory"):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from rltrain.config.schema import REFIT_TRANSPORTS
 from rltrain.refit.base import RefitError, RefitManifest, RefitReceiver, RefitSender
 
-TRANSPORTS = ("gloo", "nccl", "ipc")
+# What refit.transport=auto resolves to: the transports that exist.
+TRANSPORTS = tuple(t for t in REFIT_TRANSPORTS if t != "auto")
 
 __all__ = [
     "TRANSPORTS",

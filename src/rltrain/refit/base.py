@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+from rltrain.config.schema import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class RefitManifest:
 
     @property
     def total_bytes(self) -> int:
-        return self.total_numel * DTYPE_BYTES[self.torch_dtype]
+        return self.total_numel * DTYPE_BYTES[self.dtype]
 
 
 def plan_buckets(
@@ -80,7 +81,7 @@ def plan_buckets(
     first buckets (the embedding) move to the end, where their long pack hides
     behind full buckets on the wire instead of stalling an early one.
     """
-    elem = DTYPE_BYTES[getattr(torch, dtype)]
+    elem = DTYPE_BYTES[dtype]
     cap = max(1, bucket_bytes // elem)
     buckets: list[Bucket] = []
     cur: list[TensorSlot] = []
@@ -350,3 +351,206 @@ def cuda_device(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+# -- the skeleton every transport fills in -----------------------------------------------
+
+
+def timeout_error(what: str, timeout_s: float, cause: BaseException | None = None) -> RefitError:
+    """The error of a refit wait that ran past ``refit.timeout_s``; ``what`` names the side
+    and rank that waited (and for what)."""
+    detail = f" ({cause})" if cause is not None else ""
+    return RefitError(
+        f"{what} did not complete within refit.timeout_s={timeout_s}s{detail}; "
+        "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
+    )
+
+
+class RefitEnd:
+    """What both ends of every transport hold: the manifest, the end's rank in the refit
+    group (0: policy rank 0, the sender; replica i: i + 1), the bound on each wait and
+    whether buckets are checksummed on both sides."""
+
+    def __init__(
+        self, manifest: RefitManifest, rank: int, world_size: int, timeout_s: float, verify: bool
+    ):
+        self.manifest = manifest
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.verify = verify
+
+    def ring(self, device: torch.device | None = None) -> list[torch.Tensor]:
+        """``num_buffers`` reused buffers, each as large as the largest bucket."""
+        max_numel = max((b.numel for b in self.manifest.buckets), default=1)
+        return [
+            torch.empty(max_numel, dtype=self.manifest.torch_dtype, device=device)
+            for _ in range(self.manifest.num_buffers)
+        ]
+
+    def stats(self, weight_version: int, seconds: float, extra: dict[str, float]) -> RefitStats:
+        """One refit of the whole manifest, timed."""
+        m = self.manifest
+        return RefitStats(weight_version, seconds, m.total_bytes, len(m.buckets), extra)
+
+
+class SenderEnd(RefitEnd):
+    """Policy rank 0's end (group rank 0) of a transport; subclasses implement ``send``."""
+
+    def __init__(self, manifest: RefitManifest, world_size: int, timeout_s: float, verify: bool):
+        super().__init__(manifest, 0, world_size, timeout_s, verify)
+
+    @property
+    def replicas(self) -> int:
+        """Rollout replicas in the group."""
+        return self.world_size - 1
+
+    def waiting(self, stage: str) -> str:
+        """``"<stage>: policy rank 0 waiting for rollout replica(s) ..."`` for a wait's error."""
+        n = self.replicas
+        who = "rollout replica 0" if n == 1 else f"rollout replicas 0..{n - 1}"
+        return f"{stage}: policy rank 0 waiting for {who}"
+
+
+class ReceiverEnd(RefitEnd):
+    """A rollout replica's end (group rank >= 1). ``landing`` is the storage a refit lands
+    in (one flat tensor per bucket) once known: after :meth:`bind`, or for IPC after the
+    first refit; ``_views`` are fixed views of it, so a refit yields without building any.
+    Subclasses implement ``bind`` and ``receive_buckets``."""
+
+    def __init__(
+        self, manifest: RefitManifest, rank: int, world_size: int, timeout_s: float, verify: bool
+    ):
+        super().__init__(manifest, rank, world_size, timeout_s, verify)
+        self.landing: list[torch.Tensor] | None = None
+        self._views: list[list[tuple[str, torch.Tensor]]] = []
+
+    @property
+    def replica(self) -> int:
+        """This end's rollout replica index."""
+        return self.rank - 1
+
+    def waiting(self) -> str:
+        """The start of a wait's error on this side."""
+        return f"rollout replica {self.replica} waiting for policy rank 0"
+
+    def check_header(self, version: int, total: int) -> None:
+        """The sender's element count against this manifest's (a mismatch would garble the refit)."""
+        if total != self.manifest.total_numel:
+            raise RefitError(
+                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica "
+                f"{self.replica} expects {self.manifest.total_numel}; the manifests differ"
+            )
+
+    def receive_buckets(
+        self, while_in_flight: Callable[[], None] | None = None
+    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+        """See :meth:`RefitReceiver.receive_buckets`."""
+        raise NotImplementedError
+
+    def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """Yield (weight_version, name, tensor) for every tensor of one refit (see RefitReceiver)."""
+        return tensors_of(self.receive_buckets(), self._views if self.landing is not None else None)
+
+
+class BroadcastReceiver(ReceiverEnd):
+    """A receiver fed by broadcasts from group rank 0 (gloo, nccl): a header [weight
+    version, elements], every bucket, then per-bucket checksums when verifying.
+
+    Unbound, buckets land in ``num_buffers`` reused buffers and the broadcast into a
+    buffer is posted again once the consumer took the bucket before it; bound
+    (:meth:`bind`), straight into the engine's storage. A transport fills in how to
+    broadcast and wait, and (``post_before_header``) whether the first receives are
+    posted before the header is read, matching its sender's order.
+    """
+
+    post_before_header = False
+
+    def __init__(
+        self,
+        manifest: RefitManifest,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        verify: bool,
+        device: torch.device | None = None,
+    ):
+        super().__init__(manifest, rank, world_size, timeout_s, verify)
+        self.device = device
+        self.buffers = self.ring(device)
+
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        """Post the receive of a header or checksums from group rank 0."""
+        raise NotImplementedError
+
+    def _broadcast_bucket(self, k: int, flat: torch.Tensor) -> dist.Work:
+        """Post the receive of bucket ``k`` into ``flat``."""
+        return self._broadcast(flat)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` at most ``timeout_s``; a RefitError naming ``what`` otherwise."""
+        raise NotImplementedError
+
+    def _ahead(self) -> int:
+        """Bucket receives posted ahead of the one being consumed."""
+        return self.manifest.num_buffers
+
+    def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """Receive straight into ``params`` (tensors of the refit dtype); see RefitReceiver.bind."""
+        self.landing = bind_bucket_storage(self.manifest, params)
+        if self.landing is not None:
+            self.buffers = []  # the bound storage replaces the reused buffers
+            self._views = [
+                list(unpack_bucket(b, flat))
+                for b, flat in zip(self.manifest.buckets, self.landing, strict=True)
+            ]
+        return self.landing is not None
+
+    def _target(self, k: int) -> torch.Tensor:
+        if self.landing is not None:
+            return self.landing[k]
+        return self.buffers[k % len(self.buffers)][: self.manifest.buckets[k].numel]
+
+    def receive_buckets(
+        self, while_in_flight: Callable[[], None] | None = None
+    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
+        """Yield (weight_version, bucket, flat) for every bucket of one refit (see RefitReceiver)."""
+        who = self.waiting()
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        buckets = self.manifest.buckets
+        ahead = self._ahead()
+        posted: dict[int, dist.Work] = {}
+        got: list[torch.Tensor] = []
+
+        def post(k: int) -> None:
+            if k < len(buckets):
+                posted[k] = self._broadcast_bucket(k, self._target(k))
+
+        if self.post_before_header:
+            # The header travels after the first bucket (the sender's order); every first
+            # receive is posted before the header is read, so no bucket waits for this CPU.
+            post(0)
+            header_work = self._broadcast(header)
+            for k in range(1, min(ahead, len(buckets))):
+                post(k)
+        else:
+            header_work = self._broadcast(header)
+        if while_in_flight is not None:
+            while_in_flight()
+        self._wait(header_work, f"{who} (refit header)")
+        version, total = (int(x) for x in header.tolist())
+        self.check_header(version, total)
+        if not self.post_before_header:
+            for k in range(min(ahead, len(buckets))):
+                post(k)
+        for k, bucket in enumerate(buckets):
+            self._wait(posted.pop(k), f"{who} (refit v{version}, bucket {k})")
+            flat = self._target(k)
+            yield version, bucket, flat
+            if self.verify:  # what the engine now holds (bound) or has just copied
+                got.append(bucket_checksum(flat))
+            post(k + ahead)  # the buffer is free again once its tensors were consumed
+        if self.verify:
+            sent = torch.empty((len(buckets), 2), dtype=torch.int64, device=self.device)
+            self._wait(self._broadcast(sent), f"{who} (refit v{version} checksums)")
+            check_checksums(sent, torch.stack(got), version, self.replica)

@@ -33,15 +33,17 @@ import torch.distributed as dist
 from rltrain.refit.base import (
     Bucket,
     FillBucket,
+    ReceiverEnd,
     RefitError,
     RefitManifest,
     RefitStats,
+    SenderEnd,
     bind_bucket_storage,
     bucket_checksum,
     bucket_slices,
     check_checksums,
     cuda_device,
-    tensors_of,
+    timeout_error,
     unpack_bucket,
 )
 
@@ -60,20 +62,14 @@ def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, what: str) 
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # DistStoreError subclasses RuntimeError
-        raise RefitError(
-            f"{what} did not complete within refit.timeout_s={timeout_s}s ({exc}); "
-            "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
-        ) from exc
+        raise timeout_error(what, timeout_s, exc) from exc
 
 
 def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
     try:
         return store.get(key)
     except RuntimeError as exc:  # the store's timeout (refit.timeout_s) expired
-        raise RefitError(
-            f"{what} did not complete within refit.timeout_s={timeout_s}s ({exc}); "
-            "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
-        ) from exc
+        raise timeout_error(what, timeout_s, exc) from exc
 
 
 def _open_handle(handle: tuple, device: torch.device) -> torch.Tensor:
@@ -84,7 +80,7 @@ def _open_handle(handle: tuple, device: torch.device) -> torch.Tensor:
     return rebuild(*args[:6], index, *args[7:])
 
 
-class IpcRefitSender:
+class IpcRefitSender(SenderEnd):
     """Trainer rank 0's end, on the GPU it shares with the replicas."""
 
     def __init__(
@@ -97,10 +93,7 @@ class IpcRefitSender:
         device: torch.device | str,
         verify: bool = False,
     ):
-        self.manifest = manifest
-        self.timeout_s = timeout_s
-        self.verify = verify
-        self.replicas = world_size - 1
+        super().__init__(manifest, world_size, timeout_s, verify)
         self.device = cuda_device(device)
         self.store = _store(host, port, world_size, True, timeout_s)
         self.stream = torch.cuda.Stream(self.device)
@@ -172,17 +165,16 @@ class IpcRefitSender:
             "enqueue_s": t_enqueued - t_ready,
             "pack_s": t_packed - t_ready,
         }
-        return RefitStats(
-            weight_version,
-            time.perf_counter() - t0,
-            self.manifest.total_bytes,
-            len(self.manifest.buckets),
-            extra,
-        )
+        return self.stats(weight_version, time.perf_counter() - t0, extra)
 
 
-class IpcRefitReceiver:
-    """A rollout replica's end (``rank`` >= 1), on the sender's physical GPU."""
+class IpcRefitReceiver(ReceiverEnd):
+    """A rollout replica's end (``rank`` >= 1), on the sender's physical GPU.
+
+    A refit yields once the trainer wrote every bucket. Bound, the tensors are the
+    engine's parameters (nothing to copy); unbound, views into this replica's landing
+    tensor, which the consumer copies.
+    """
 
     def __init__(
         self,
@@ -195,15 +187,9 @@ class IpcRefitReceiver:
         device: torch.device | str,
         verify: bool = False,
     ):
-        self.manifest = manifest
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.verify = verify
+        super().__init__(manifest, rank, world_size, timeout_s, verify)
         self.device = cuda_device(device)
         self.store = _store(host, port, world_size, False, timeout_s)
-        self.landing: list[torch.Tensor] | None = None  # per bucket, slices of one allocation
-        self.bound = False
-        self._views: list[list[tuple[str, torch.Tensor]]] = []
         self.count = 0
 
     def _publish(self, landing: list[torch.Tensor]) -> None:
@@ -214,31 +200,22 @@ class IpcRefitReceiver:
         self._views = [
             list(unpack_bucket(b, t)) for b, t in zip(self.manifest.buckets, landing, strict=True)
         ]
-        self.store.set(f"handles/{self.rank - 1}", pickle.dumps(reduce_tensor(flat)))  # type: ignore[arg-type]
+        self.store.set(f"handles/{self.replica}", pickle.dumps(reduce_tensor(flat)))  # type: ignore[arg-type]
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Make ``params`` views into the flat tensor the trainer packs into (see RefitReceiver.bind)."""
         landing = bind_bucket_storage(self.manifest, params)
         if landing is None:
             return False
-        self.bound = True
         self._publish(landing)
         return True
-
-    def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
-        """Yield (weight_version, name, tensor) per tensor, after the trainer wrote them all.
-
-        Bound: the tensors are the engine's parameters (nothing to copy). Unbound:
-        views into this replica's landing tensor, which the consumer copies.
-        """
-        return tensors_of(self.receive_buckets(), self._views)
 
     def receive_buckets(
         self, while_in_flight: Callable[[], None] | None = None
     ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
         """Yield (weight_version, bucket, flat) per bucket, after the trainer wrote them all
         (``flat`` is this replica's landing slice of that bucket)."""
-        replica = self.rank - 1
+        replica = self.replica
         n, self.count = self.count, self.count + 1
         if self.landing is None:  # unbound: a landing tensor of its own, shared once
             flat = torch.empty(
@@ -254,14 +231,10 @@ class IpcRefitReceiver:
             self.store,
             f"{n}/done",
             self.timeout_s,
-            f"rollout replica {replica} waiting for policy rank 0 (refit #{n})",
+            f"{self.waiting()} (refit #{n})",
         )
         version, total = (int(x) for x in value.decode().split(","))
-        if total != self.manifest.total_numel:
-            raise RefitError(
-                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica "
-                f"{replica} expects {self.manifest.total_numel}; the manifests differ"
-            )
+        self.check_header(version, total)
         for bucket, flat in zip(self.manifest.buckets, self.landing, strict=True):  # type: ignore[arg-type]
             yield version, bucket, flat
         if self.verify:

@@ -27,24 +27,21 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from rltrain.refit.base import (
-    Bucket,
+    BroadcastReceiver,
     FillBucket,
     RefitError,
     RefitManifest,
     RefitStats,
-    bind_bucket_storage,
+    SenderEnd,
     bucket_checksum,
-    check_checksums,
     cuda_device,
-    tensors_of,
-    unpack_bucket,
+    timeout_error,
 )
 from rltrain.refit.gloo import broadcast
 
@@ -152,10 +149,7 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():
         if time.monotonic() > deadline:
-            raise RefitError(
-                f"{what} did not complete within refit.timeout_s={timeout_s}s; "
-                "the other side stopped or is stuck, raise refit.timeout_s if it is only slow"
-            )
+            raise timeout_error(what, timeout_s)
         time.sleep(0)  # yield the core, stay responsive
     work.wait()  # orders the current stream after it and raises a communicator error
 
@@ -188,11 +182,7 @@ def check_layout(sent: torch.Tensor, mine: torch.Tensor, replica: int) -> None:
     )
 
 
-def _replicas(world_size: int) -> str:
-    return "rollout replica 0" if world_size == 2 else f"rollout replicas 0..{world_size - 2}"
-
-
-class NcclRefitSender:
+class NcclRefitSender(SenderEnd):
     """Trainer rank 0's end; ``send`` is called once per refit (see module docstring)."""
 
     def __init__(
@@ -208,10 +198,7 @@ class NcclRefitSender:
         pack_sms: int | None = None,
         lanes: int = 1,
     ):
-        self.manifest = manifest
-        self.timeout_s = timeout_s
-        self.verify = verify
-        self.world_size = world_size
+        super().__init__(manifest, world_size, timeout_s, verify)
         self.device = cuda_device(device)
         self.groups = groups or make_nccl_groups(
             host, port, 0, world_size, timeout_s, self.device, lanes
@@ -219,17 +206,9 @@ class NcclRefitSender:
         self.group = self.groups[0]  # header and checksums
         # Once, before any refit: every replica checks its layout against this one.
         layout = _layout(manifest, len(self.groups), self.device)
-        wait(
-            broadcast(self.group, layout),
-            timeout_s,
-            f"refit setup: policy rank 0 waiting for {_replicas(world_size)}",
-        )
-        max_numel = max((b.numel for b in manifest.buckets), default=1)
-        n = manifest.num_buffers
-        self.buffers = [
-            torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device) for _ in range(n)
-        ]
-        self.streams = pack_streams(self.device, n, pack_sms)
+        wait(broadcast(self.group, layout), timeout_s, self.waiting("refit setup"))
+        self.buffers = self.ring(self.device)
+        self.streams = pack_streams(self.device, len(self.buffers), pack_sms)
         self._distinct_streams = list({id(s): s for s in self.streams}.values())
         self.header = torch.tensor([0, manifest.total_numel], dtype=torch.int64, device=self.device)
         self._version = self.header[:1]
@@ -250,7 +229,7 @@ class NcclRefitSender:
         one completed.
         """
         t0 = time.perf_counter()
-        who = f"refit v{weight_version}: policy rank 0 waiting for {_replicas(self.world_size)}"
+        who = self.waiting(f"refit v{weight_version}")
         main = torch.cuda.current_stream(self.device)
         for s in self._distinct_streams:  # the weights were last written on the main stream
             s.wait_stream(main)
@@ -285,17 +264,20 @@ class NcclRefitSender:
         if self.verify:
             wait(broadcast(self.group, torch.stack(checks)), self.timeout_s, f"{who} (checksums)")
         seconds = time.perf_counter() - t0
-        return RefitStats(
-            weight_version,
-            seconds,
-            self.manifest.total_bytes,
-            len(self.manifest.buckets),
-            {"first_enqueued_s": first, "enqueued_s": enqueued, "done_s": seconds},
-        )
+        extra = {"first_enqueued_s": first, "enqueued_s": enqueued, "done_s": seconds}
+        return self.stats(weight_version, seconds, extra)
 
 
-class NcclRefitReceiver:
-    """A rollout replica's end (group rank ``rank`` >= 1) on ``device``."""
+class NcclRefitReceiver(BroadcastReceiver):
+    """A rollout replica's end (group rank ``rank`` >= 1) on ``device``.
+
+    Bound: every bucket's broadcast is posted at once into the engine's own
+    storage. Unbound: ``num_buffers`` reused buffers; the next broadcast into
+    a buffer is issued after the consumer's copies were enqueued on the
+    current stream, and NCCL waits for them (see :class:`BroadcastReceiver`).
+    """
+
+    post_before_header = True  # the sender broadcasts the header after the first bucket
 
     def __init__(
         self,
@@ -310,98 +292,25 @@ class NcclRefitReceiver:
         groups: list[dist.ProcessGroup] | None = None,
         lanes: int = 1,
     ):
-        self.manifest = manifest
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.verify = verify
-        self.device = cuda_device(device)
+        super().__init__(manifest, rank, world_size, timeout_s, verify, cuda_device(device))
+        assert self.device is not None
         self.groups = groups or make_nccl_groups(
             host, port, rank, world_size, timeout_s, self.device, lanes
         )
         self.group = self.groups[0]  # header and checksums
-        replica = rank - 1
         mine = _layout(manifest, len(self.groups), self.device)
         sent = torch.empty_like(mine)
-        wait(
-            broadcast(self.group, sent),
-            timeout_s,
-            f"refit setup: rollout replica {replica} waiting for policy rank 0",
-        )
-        check_layout(sent, mine, replica)
-        max_numel = max((b.numel for b in manifest.buckets), default=1)
-        self.buffers = [
-            torch.empty(max_numel, dtype=manifest.torch_dtype, device=self.device)
-            for _ in range(manifest.num_buffers)
-        ]
-        self.landing: list[torch.Tensor] | None = None
-        self._views: list[list[tuple[str, torch.Tensor]]] = []
+        wait(broadcast(self.group, sent), timeout_s, f"refit setup: {self.waiting()}")
+        check_layout(sent, mine, self.replica)
 
-    def bind(self, params: Mapping[str, torch.Tensor]) -> bool:
-        """Receive straight into ``params`` (see RefitReceiver.bind)."""
-        self.landing = bind_bucket_storage(self.manifest, params)
-        if self.landing is not None:
-            self.buffers = []
-            # Fixed views of the bound storage: a refit then yields without building any.
-            self._views = [
-                list(unpack_bucket(b, flat))
-                for b, flat in zip(self.manifest.buckets, self.landing, strict=True)
-            ]
-        return self.landing is not None
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        return broadcast(self.group, tensor)
 
-    def _target(self, k: int) -> torch.Tensor:
-        if self.landing is not None:
-            return self.landing[k]
-        return self.buffers[k % len(self.buffers)][: self.manifest.buckets[k].numel]
+    def _broadcast_bucket(self, k: int, flat: torch.Tensor) -> dist.Work:
+        return broadcast(self.groups[k % len(self.groups)], flat)
 
-    def receive(self) -> Iterator[tuple[int, str, torch.Tensor]]:
-        """Yield (weight_version, name, tensor) for every tensor of one refit (see RefitReceiver)."""
-        return tensors_of(self.receive_buckets(), self._views if self.landing is not None else None)
+    def _wait(self, work: dist.Work, what: str) -> None:
+        wait(work, self.timeout_s, what)
 
-    def receive_buckets(
-        self, while_in_flight: Callable[[], None] | None = None
-    ) -> Iterator[tuple[int, Bucket, torch.Tensor]]:
-        """Yield (weight_version, bucket, flat) for every bucket of one refit.
-
-        Bound: every bucket's broadcast is posted at once into the engine's own
-        storage. Unbound: ``num_buffers`` reused buffers; the next broadcast into
-        a buffer is issued after the consumer's copies were enqueued on the
-        current stream, and NCCL waits for them.
-        """
-        replica = self.rank - 1
-        who = f"rollout replica {replica} waiting for policy rank 0"
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        buckets = self.manifest.buckets
-        ahead = len(buckets) if self.landing is not None else self.manifest.num_buffers
-        posted: dict[int, dist.Work] = {}
-        got: list[torch.Tensor] = []
-
-        def post(k: int) -> None:
-            if k < len(buckets):
-                posted[k] = broadcast(self.groups[k % len(self.groups)], self._target(k))
-
-        # The header travels after the first bucket (the sender's order); every first
-        # receive is posted before the header is read, so no bucket waits for this CPU.
-        post(0)
-        header_work = broadcast(self.group, header)
-        for k in range(1, min(ahead, len(buckets))):
-            post(k)
-        if while_in_flight is not None:
-            while_in_flight()
-        wait(header_work, self.timeout_s, f"{who} (refit header)")
-        version, total = (int(x) for x in header.tolist())
-        if total != self.manifest.total_numel:
-            raise RefitError(
-                f"refit v{version}: policy rank 0 sends {total} elements but rollout replica {replica} "
-                f"expects {self.manifest.total_numel}; the manifests differ"
-            )
-        for k, bucket in enumerate(buckets):
-            wait(posted.pop(k), self.timeout_s, f"{who} (refit v{version}, bucket {k})")
-            flat = self._target(k)
-            yield version, bucket, flat
-            if self.verify:
-                got.append(bucket_checksum(flat))
-            post(k + ahead)
-        if self.verify:
-            sent = torch.empty((len(buckets), 2), dtype=torch.int64, device=self.device)
-            wait(broadcast(self.group, sent), self.timeout_s, f"{who} (refit v{version} checksums)")
-            check_checksums(sent, torch.stack(got), version, replica)
+    def _ahead(self) -> int:
+        return len(self.manifest.buckets) if self.landing is not None else self.manifest.num_buffers

@@ -101,10 +101,8 @@ class FSDPTrainer:
         self.device = init_distributed(env)
         d = cfg.dtensor
         self.tp = d.tp
-        self.dp = env.world_size // (d.tp * d.cp)
+        self.dp = env.world_size // d.tp
         self.mesh = init_device_mesh(self.device.type, (self.dp, d.tp), mesh_dim_names=("dp", "tp"))
-        self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.tp_rank = self.mesh["tp"].get_local_rank()
         # dtensor.reshard_after_forward / grad_sync with null resolved; train.compile and
         # train.causal_rows once the model's size is known (the first _shard)
         self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(cfg, self.dp)

@@ -23,7 +23,7 @@ from rltrain.config.schema import RunConfig, value_run_config
 from rltrain.models.loader import build_empty_model, load_model
 from rltrain.train.batch import TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv
-from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.fsdp import FSDPTrainer, MicroLoss
 from rltrain.train.metrics import MetricKind
 from rltrain.train.packing import MicroBatch, unpack
 
@@ -129,7 +129,7 @@ class ValueWorker(FSDPTrainer):
         return out
 
     # -- training -------------------------------------------------------------------------
-    def microbatch_loss(self, micro: MicroBatch):
+    def microbatch_loss(self, micro: MicroBatch) -> MicroLoss:
         """Clipped value loss of one micro batch, summed over its valid tokens
         (see FSDPTrainer.microbatch_loss); metrics are local sums, including the
         explained-variance sums (kind SUM) that :meth:`train` combines exactly."""
@@ -141,16 +141,18 @@ class ValueWorker(FSDPTrainer):
         loss_sum, stats = clipped_value_loss(
             values, micro.old_values_RS, micro.returns_RS, mask, self.run_cfg.value.clip, 1.0
         )
+        # Metric values stay on the device (read back once per step, in finish), as the
+        # policy worker's do: a float() here would wait for every micro batch's kernels.
         T, S = MetricKind.TOKEN_MEAN, MetricKind.SUM
-        metrics = {
-            "value/loss": (T, float(loss_sum.detach())),
-            "value/mean": (T, float(stats["value_sum"])),
-            "value/clipfrac": (T, float(stats["vf_clip_sum"])),
+        metrics: dict[str, tuple[MetricKind, torch.Tensor]] = {
+            "value/loss": (T, loss_sum.detach()),
+            "value/mean": (T, stats["value_sum"]),
+            "value/clipfrac": (T, stats["vf_clip_sum"]),
         }
-        ev = explained_variance_sums(values, micro.returns_RS, mask).tolist()
-        for name, x in zip(EV_SUMS, ev, strict=True):
+        ev = explained_variance_sums(values, micro.returns_RS, mask)
+        for name, x in zip(EV_SUMS, ev.unbind(), strict=True):
             metrics[name] = (S, x)
-        return loss_sum, MetricKind.TOKEN_MEAN, metrics, values.detach()
+        return MicroLoss(loss_sum, MetricKind.TOKEN_MEAN, metrics, values.detach())
 
     def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
         """Clipped value regression of this rank's rows onto ``batch.returns_BT``.
