@@ -313,3 +313,24 @@ def test_report_of_a_folder_without_metrics_exits_2(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2
     assert "metrics.jsonl does not exist" in result.output
+
+
+def test_tensorboard_holds_every_scalar_of_every_step_and_resume_purges_later_ones(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rltrain.config.schema import LoggerConfig
+    from rltrain.logging.metrics import MetricsLogger
+
+    cfg = LoggerConfig(tensorboard=True)
+    log = MetricsLogger(cfg, tmp_path, "run", {})
+    for step in (1, 2, 3):
+        log.log(step, {"loss": 0.5 * step, "reward/mean": float(step)})
+    log.close()
+    log = MetricsLogger(cfg, tmp_path, "run", {}, resume_step=2)  # steps after 2 go
+    log.log(3, {"loss": 7.0, "reward/mean": 30.0})
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["loss", "reward/mean"]
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 0.5), (2, 1.0), (3, 7.0)]
+    assert [e.value for e in acc.Scalars("reward/mean")] == [1.0, 2.0, 30.0]

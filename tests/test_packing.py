@@ -177,3 +177,25 @@ def test_metric_kinds_reduce_over_micro_batches():
     assert out == {"tok": 2.0, "seq": 2.0, "count": 8.0, "lo": 0.1, "hi": 2.0}
     with pytest.raises(ValueError, match="declared"):
         m.add("lo", MetricKind.MAX, 1.0)
+
+
+def test_build_train_batch_lays_rows_out_like_the_reference():
+    from rltrain.rollout.base import RolloutBatch
+    from rltrain.train.batch import build_train_batch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [[int(x) for x in torch.randint(4, 9, (n,), generator=g)] for n in (2, 5, 3, 1)]
+    responses = [[int(x) for x in torch.randint(4, 9, (n,), generator=g)] for n in (4, 0, 6, 2)]
+    logprobs = [[-float(i + 1) / 10 for i in range(len(r))] for r in responses]
+    rollout = RolloutBatch(prompts, responses, logprobs, [True] * 4, weight_version=0)
+    batch = build_train_batch(rollout, torch.arange(4.0), pad_id=0)
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    assert batch.input_ids_BT.shape == (4, T)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, logprobs, strict=True)):
+        n, m = len(p), len(r)
+        assert batch.input_ids_BT[i].tolist() == p + r + [0] * (T - n - m)
+        assert batch.attention_mask_BT[i].tolist() == [1] * (n + m) + [0] * (T - n - m)
+        assert batch.response_mask_BT[i].tolist() == [0.0] * n + [1.0] * m + [0.0] * (T - n - m)
+        assert batch.engine_logprobs_BT[i, n : n + m].tolist() == pytest.approx(lp)
+        assert float(batch.engine_logprobs_BT[i].abs().sum()) == pytest.approx(-sum(lp))
+    assert batch.advantages_B.tolist() == [0.0, 1.0, 2.0, 3.0]

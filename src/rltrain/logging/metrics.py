@@ -78,8 +78,14 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(k, v, step)
+            # One event with every scalar of the step (add_scalar writes an event per key and
+            # converts each value through numpy: 4.7 ms per step of the embedded default).
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+            writer = self._tb.file_writer  # made by SummaryWriter's constructor
+            assert writer is not None
+            writer.add_summary(Summary(value=values), step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 

@@ -93,18 +93,25 @@ class TrainResult(NamedTuple):
 
 def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id: int) -> TrainBatch:
     """Pack prompt+response rows, right-padded to the longest row."""
-    rows = [p + r for p, r in zip(rollout.prompt_ids, rollout.response_ids, strict=True)]
-    B, T = len(rows), max(len(r) for r in rows)
+    n_p = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
+    n_r = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.long)
+    lengths = n_p + n_r
+    B, T = len(lengths), int(lengths.max())
+    # One scatter over every token (not a tensor per row): token j of row i sits at [i, j].
+    flat = [
+        t for p, r in zip(rollout.prompt_ids, rollout.response_ids, strict=True) for t in (*p, *r)
+    ]
+    row = torch.repeat_interleave(torch.arange(B), lengths)
+    col = torch.arange(len(flat)) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
     ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    resp = torch.zeros((B, T), dtype=torch.float32)
+    ids[row, col] = torch.tensor(flat, dtype=torch.long)
+    attn = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    in_resp = (torch.arange(T)[None, :] >= n_p[:, None]) & attn.bool()
+    resp = in_resp.float()
     elp = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(
-        zip(rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, strict=True)
-    ):
-        n, m = len(p), len(r)
-        ids[i, : n + m] = torch.tensor(p + r, dtype=torch.long)
-        attn[i, : n + m] = 1
-        resp[i, n : n + m] = 1.0
-        elp[i, n : n + m] = torch.tensor(lp, dtype=torch.float32)
+    elp[in_resp] = torch.tensor(
+        [x for lp in rollout.response_logprobs for x in lp], dtype=torch.float32
+    )
     return TrainBatch(ids, attn, resp, advantages_B.float(), elp)
