@@ -331,7 +331,15 @@ def test_ctrl_c_stops_trials_and_resume_continues_from_checkpoint(tmp_path):
     }
     log = tmp_path / "sweep.log"
     with log.open("w") as sink:  # a file, not a pipe: nothing blocks on a full buffer
-        proc = subprocess.Popen([*RLTRAIN, *args], stdout=sink, stderr=sink, text=True, env=env)
+        # Ctrl-C as in a terminal: a test run from a background job inherits SIGINT ignored.
+        proc = subprocess.Popen(
+            [*RLTRAIN, *args],
+            stdout=sink,
+            stderr=sink,
+            text=True,
+            env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     first_ckpt = out / "trial_000" / "checkpoints" / "step_000005" / "run_state.json"
     _wait_for(first_ckpt.is_file, proc, "step 5's checkpoint", log)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends the sweep

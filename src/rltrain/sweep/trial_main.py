@@ -16,6 +16,7 @@ by SIGINT. On failure, ``<trial_dir>/error.txt`` holds one line: the reason.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,11 @@ LOG_FILE = "trial.log"
 
 
 def main(trial_dir: str) -> int:
+    # SIGINT is how the sweep stops this trial (Ctrl-C, an Optuna prune). A sweep started in
+    # the background of a non-interactive shell (`nohup rltrain sweep ... &`, CI) runs with
+    # SIGINT ignored, and so would this process, which would then only end at the sweep's
+    # SIGKILL after its grace period, without its shutdown. The stop protocol needs it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from rich.console import Console
 
     from rltrain.config.errors import ConfigError
