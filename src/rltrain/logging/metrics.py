@@ -52,10 +52,12 @@ class MetricsLogger:
         self._jsonl = self.path.open("a", buffering=1) if cfg.jsonl else None
         self._tb = None
         if cfg.tensorboard:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
 
             purge = resume_step + 1 if resume_step is not None else None
             self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
+            self._summary = Summary  # one event per step (see log)
         self._wandb = None
         if cfg.wandb:
             try:
@@ -80,8 +82,7 @@ class MetricsLogger:
         if self._tb is not None:
             # One event with every scalar of the step (add_scalar writes an event per key and
             # converts each value through numpy: 4.7 ms per step of the embedded default).
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
+            Summary = self._summary
             values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
             writer = self._tb.file_writer  # made by SummaryWriter's constructor
             assert writer is not None
