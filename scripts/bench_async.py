@@ -1,12 +1,16 @@
 """Synchronous against asynchronous GRPO through the CLI, same seeds and step budget.
 
-Runs ``rltrain grpo`` once per seed in each mode: sync (the default loop) and async
-(``algorithm.async_rollout.enabled=true``, ``max_staleness`` k, default 1), and
-writes ``scripts/results/bench_async-<device>.json`` (and a copy under ``--out``):
+Runs ``rltrain grpo`` once per seed in each mode: sync (the synchronous loop on Ray
+worker processes, ``cluster.in_process=false``: the machinery async runs on), async
+(``algorithm.async_rollout.enabled=true``, ``max_staleness`` k, default 1) and, on the
+CPU, in_process (the synchronous loop as the embedded default runs it, every role in
+the command's process), and writes ``scripts/results/bench_async-<device>.json`` (and a
+copy under ``--out``):
 
 - ``summary.async_over_sync_steps_per_min``: median steps per minute of the async runs
   over the sync runs' (steps per minute = steps / the time from the first step's start
-  to the last step's log, start-up excluded);
+  to the last step's log, start-up excluded); ``async_over_in_process_steps_per_min``
+  the same over the in_process runs';
 - ``summary.seconds_to_0_8_sync`` / ``seconds_to_0_8_async``: median over the seeds of
   the seconds from launching the process to the first step at which the mean exact
   match of the last 10 steps reaches 0.8 (start-up included; null if a run never does);
@@ -48,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--partial", action="store_true", help="algorithm.async_rollout.partial_rollouts"
     )
-    p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    p.add_argument("--modes", nargs="+", default=None, choices=["sync", "async", "in_process"])
     p.add_argument("--out", default=os.environ.get("OUT"), help="also write the result here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     # cuda: the shapes of scripts/bench_e2e.py
@@ -64,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     cuda = args.device == "cuda"
     args.steps = args.steps or (12 if cuda else 150)
     args.seeds = args.seeds or ([0] if cuda else [0, 1, 2])
+    # One process holds one GPU's worth of roles at most: no in_process mode on CUDA.
+    args.modes = args.modes or (["sync", "async"] if cuda else ["sync", "async", "in_process"])
     return args
 
 
@@ -118,6 +124,8 @@ def first_reaching(rows: list[dict], launched: float, bound: float = 0.8) -> flo
 def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], work: Path) -> dict:
     out = work / f"{mode}-seed{seed}"
     overrides = [*base, f"seed={seed}", f"max_steps={args.steps}", f"output_dir={out}", *QUIET]
+    if mode == "sync":
+        overrides += ["cluster.in_process=false"]
     if mode == "async":
         overrides += [
             "algorithm.async_rollout.enabled=true",
@@ -182,6 +190,9 @@ def main() -> None:
     if "sync" in by and "async" in by:
         spm = {m: statistics.median(r["steps_per_min"] for r in by[m]) for m in by}
         summary["async_over_sync_steps_per_min"] = spm["async"] / spm["sync"]
+    if "in_process" in by and "async" in by:
+        spm = {m: statistics.median(r["steps_per_min"] for r in by[m]) for m in by}
+        summary["async_over_in_process_steps_per_min"] = spm["async"] / spm["in_process"]
     for m, rs in by.items():
         summary[f"seconds_to_0_8_{m}"] = median_or_none([r["seconds_to_0_8"] for r in rs])
         summary[f"steps_per_min_{m}"] = statistics.median(r["steps_per_min"] for r in rs)

@@ -1,4 +1,6 @@
-"""Does memory stay flat? RSS of the driver and every actor over a run of the embedded default.
+"""Does memory stay flat? RSS of the driver and every actor over a run of the embedded default
+(which runs in the driver's process: ``cluster.in_process``; pass overrides such as
+``cluster.in_process=false`` after the options for Ray worker processes).
 
 Runs ``rltrain grpo`` for --steps steps in a subprocess and samples, about once
 a second, the resident set size (psutil) of the driver process and of every
@@ -34,17 +36,21 @@ def _step(out: Path) -> int:
         return 0
 
 
-def _actor_pids(out: Path) -> dict[str, int]:
-    """'policy 0' -> pid, from the placement that plan.json holds once the workers are up."""
+def _actor_pids(out: Path, driver: int) -> dict[str, int] | None:
+    """'policy 0' -> pid of every worker process other than the driver, from the placement
+    that plan.json holds once the workers are up (None before). A run in one process
+    (``cluster.in_process``) has none: the driver's RSS is all of it."""
     try:
         placement = json.loads((out / "plan.json").read_text()).get("placement", {})
     except (OSError, json.JSONDecodeError):
-        return {}
+        return None
+    if not placement:
+        return None
     pids = {}
     for role, rows in placement.items():
         for rank, where in enumerate(rows):
             m = re.search(r"pid (\d+)", where)
-            if m:
+            if m and int(m.group(1)) != driver:
                 pids[f"{role} {rank}"] = int(m.group(1))
     return pids
 
@@ -57,7 +63,7 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def sample_run(
-    steps: int, out: Path, interval_s: float, max_wall_s: float
+    steps: int, out: Path, interval_s: float, max_wall_s: float, overrides: list[str]
 ) -> tuple[list[dict], float, int | None]:
     """Run the embedded default and sample RSS until it ends (or is stopped after ``max_wall_s``).
 
@@ -72,11 +78,12 @@ def sample_run(
         f"output_dir={out}",
         "logger.progress=false",
         "checkpoint.save_final=false",
+        *overrides,
     ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: list[dict] = []
-    pids: dict[str, int] = {}
+    pids: dict[str, int] | None = None
     while proc.poll() is None:
         time.sleep(interval_s)
         if time.perf_counter() - t0 > max_wall_s:  # a busy machine: keep what was sampled
@@ -84,9 +91,9 @@ def sample_run(
             proc.wait(timeout=120)
             return samples, time.perf_counter() - t0, None
         step = _step(out)
-        if not pids or len(pids) < 2:
-            pids = _actor_pids(out)
-        if step == 0 or not pids:
+        if pids is None:
+            pids = _actor_pids(out, proc.pid)
+        if step == 0 or pids is None:
             continue
         rss = {"driver": _rss_mb(proc.pid), **{name: _rss_mb(pid) for name, pid in pids.items()}}
         if any(v is None for v in rss.values()) or step >= steps:
@@ -113,13 +120,16 @@ def main() -> None:
     parser.add_argument("--out", default="scripts/results/bench_memory-cpu2.json")
     parser.add_argument("--run-dir", default="outputs/bench_memory_run")
     parser.add_argument("--max-wall-s", type=float, default=3600.0)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
-    samples, wall_s, code = sample_run(args.steps, run_dir, args.interval_s, args.max_wall_s)
+    samples, wall_s, code = sample_run(
+        args.steps, run_dir, args.interval_s, args.max_wall_s, args.overrides
+    )
     if code not in (0, None):
         raise SystemExit(f"the run failed with exit code {code}")
     steady = [s for s in samples if s["step"] >= args.from_step]

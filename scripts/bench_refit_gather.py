@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from inprocess import embedded_default  # noqa: E402
 
 
 def run(rank: int, world: int, port: int, repeats: int, out: str) -> None:
@@ -35,7 +34,9 @@ def run(rank: int, world: int, port: int, repeats: int, out: str) -> None:
     from rltrain.train.policy_worker import PolicyWorker
 
     torch.set_num_threads(1)
-    cfg = embedded_default("fp32", "cpu")
+    from rltrain.config.compose import compose
+
+    cfg, _ = compose([], algorithm="grpo")  # the embedded default
     cfg.dtensor.dp = world
     worker = PolicyWorker(cfg, DistEnv(rank, world, "127.0.0.1", port, "gloo", 60.0), 1)
     manifest = plan_refit(

@@ -1,9 +1,10 @@
-"""Per-step cost of the embedded default: Ray run vs the same workers in one process.
+"""Per-step cost of the embedded default: Ray worker processes vs one process.
 
-Runs ``rltrain grpo`` (Ray actors, gloo refit) for --steps steps, then the same
-worker classes in this process with a direct weight copy, and reports mean
-milliseconds per stage and the ratio (Ray step / in-process step): the price of
-the actor boundary. Writes JSON (with the machine) to --out.
+Runs ``rltrain grpo`` for --steps steps twice through the runner: with Ray worker
+processes (``cluster.in_process=false``, gloo refit) and with every role in this
+process (``cluster.in_process=true``, the default's layout, local refit), and
+reports mean milliseconds per stage and the ratio (Ray step / in-process step):
+the price of the actor boundary. Writes JSON (with the machine) to --out.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from statistics import mean
 
 
-def ray_run(steps: int, out_dir: Path) -> dict[str, float]:
+def runner_run(steps: int, out_dir: Path, in_process: bool) -> dict[str, float]:
     from rich.console import Console
 
     from rltrain.config.compose import compose
@@ -28,6 +29,7 @@ def ray_run(steps: int, out_dir: Path) -> dict[str, float]:
             f"output_dir={out_dir}",
             "logger.progress=false",
             "checkpoint.save_final=false",
+            f"cluster.in_process={str(in_process).lower()}",
         ],
         algorithm="grpo",
     )
@@ -37,13 +39,6 @@ def ray_run(steps: int, out_dir: Path) -> dict[str, float]:
     return {**{k: 1000 * mean(r[k] for r in rows) for k in keys}, "startup_s": summary["startup_s"]}
 
 
-def in_process(steps: int) -> dict[str, float]:
-    from inprocess import embedded_default, run_in_process
-
-    result = run_in_process(embedded_default(), steps - 5, "cpu", num_threads=os.cpu_count() or 1)
-    return {k.replace("ms/", "time/"): v for k, v in result.items() if k.startswith("ms/")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
@@ -51,8 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ray_ms = ray_run(args.steps, out.parent / "bench_step_run")
-    local_ms = in_process(args.steps)
+    ray_ms = runner_run(args.steps, out.parent / "bench_step_ray", in_process=False)
+    local_ms = runner_run(args.steps, out.parent / "bench_step_in_process", in_process=True)
     result = {
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "steps_measured": args.steps - 5,

@@ -63,7 +63,8 @@ def test_cli_run_writes_every_output(tmp_path):
         assert abs(r["token_mult_prob_error"] - 1.0) < 1e-3
     assert rows[-1]["weight_version"] == 4.0
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["batch"]["rollout_batch"] == 256 and plan["refit"]["transport"] == "gloo"
+    assert plan["batch"]["rollout_batch"] == 256 and plan["refit"]["transport"] == "local"
+    assert plan["in_process"]  # the embedded default runs in the command's process
     assert "max_steps: 4" in (out / "config.yaml").read_text()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     summary = json.loads((out / "summary.json").read_text())

@@ -22,7 +22,11 @@ from rltrain.train.policy_worker import PolicyWorker
 from rltrain.train.value_worker import ValueWorker
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "rltrain"
-CALLERS = [SRC / "cluster" / "handles.py", SRC / "cluster" / "workers.py"]
+CALLERS = [
+    SRC / "cluster" / "handles.py",
+    SRC / "cluster" / "workers.py",
+    SRC / "cluster" / "inprocess.py",
+]
 # The class a call names -> the worker classes that answer it on the actors.
 IMPLEMENTERS: dict[str, list[type]] = {
     "PolicyWorker": [PolicyWorker],
@@ -140,3 +144,42 @@ def _worker_methods() -> set[str]:
         for name, _ in inspect.getmembers(cls, inspect.isfunction)
         if not name.startswith("_")
     }
+
+
+class _Recorder:
+    """A worker that records what it was asked, and fails on request."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.log: list[str] = []
+
+    def wake_up(self) -> None:
+        self.log.append("wake_up")
+
+    def work(self, x: int, scale: int = 1) -> int:
+        self.log.append(f"work {x}")
+        return x * scale
+
+    def fail(self) -> None:
+        raise ValueError(f"{self.tag} cannot")
+
+
+def test_local_actor_runs_calls_at_once_and_names_a_failing_worker():
+    """cluster.in_process: a LocalActor's calls run in this process, in call order (a
+    before-method first), and a worker's exception becomes the WorkerError a Ray actor's
+    failure gives, naming the worker."""
+    from rltrain.cluster.actors import LocalActor, WorkerError, ready, wait_all
+
+    actor: LocalActor[_Recorder] = LocalActor("policy rank 0")
+    assert wait_all([actor.build(_Recorder, "p")], None, "building workers") == [True]
+    first = actor.call(_Recorder.work, 2, scale=3)
+    second = actor.call_after([_Recorder.wake_up], _Recorder.work, 5)
+    assert actor.host.worker.log == ["work 2", "wake_up", "work 5"]  # ran before any wait
+    assert ready([first, second], 0.0) == [0, 1]
+    assert wait_all([first, second], 1.0, "generate") == [6, 5]
+    failed = actor.call(_Recorder.fail)
+    with pytest.raises(WorkerError, match=r"^train: policy rank 0 failed: ValueError: p cannot"):
+        wait_all([first, failed], 1.0, "train")
+    assert wait_all([actor.where()], None, "start-up")[0]["node_id"] == "local"
+    with pytest.raises(NotImplementedError):
+        actor.call_beside(_Recorder.work, 1)

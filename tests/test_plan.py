@@ -50,7 +50,56 @@ def test_defaults_on_cpu():
     assert plan.role("policy").world_size == 1
     assert plan.role("policy").backend == "gloo"
     assert plan.role("rollout").world_size == 1
-    assert plan.refit.transport == "gloo"
+    # The embedded default fits one process: no Ray, every core for each role in turn,
+    # the engine reading the trainer's packed buckets.
+    assert plan.in_process and "auto" in plan.in_process_reason
+    assert plan.refit.transport == "local"
+    assert plan.role("policy").threads == plan.role("rollout").threads == 2
+    cfg = RunConfig()
+    cfg.cluster.in_process = False
+    ray_plan = make_plan(cfg, CPU2)
+    assert not ray_plan.in_process and ray_plan.refit.transport == "gloo"
+    assert ray_plan.role("policy").threads == 1  # two processes on two cores: one each
+
+
+def _in_process_cfg(**keys: object) -> RunConfig:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(RunConfig())
+    for key, value in keys.items():
+        OmegaConf.update(cfg, key, value)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        ({"dtensor.dp": 2}, "2 policy ranks"),
+        ({"dtensor.tp": 2}, "2 policy ranks"),
+        ({"rollout.replicas": 2}, "rollout.replicas=2"),
+        ({"rollout.engine": "vllm"}, "rollout.engine=vllm"),
+        ({"algorithm.async_rollout.enabled": True}, "algorithm.async_rollout.enabled=true"),
+        ({"refit.transport": "gloo"}, "refit.transport=gloo"),
+        ({"cluster.policy_resources": {"trainer_node": 1}}, "cluster.policy_resources"),
+    ],
+)
+def test_in_process_only_when_the_run_fits_one_process(keys, named):
+    """null picks Ray worker processes (and says why) when a role needs processes of its own;
+    true refuses such a run naming the key (exit 2 before any cluster)."""
+    plan = make_plan(_in_process_cfg(**keys), CPU2)
+    assert not plan.in_process and named in plan.in_process_reason
+    with pytest.raises(ConfigError, match=r"cluster.in_process=true .*" + named.split("=")[0]):
+        make_plan(_in_process_cfg(**keys, **{"cluster.in_process": True}), CPU2)
+
+
+def test_in_process_ppo_holds_the_critic_and_not_gpus():
+    ppo = _in_process_cfg(**{"algorithm.name": "ppo", "algorithm.adv_estimator": "gae"})
+    plan = make_plan(ppo, CPU2)
+    assert plan.in_process and plan.role("value").threads == 2
+    gpu2 = Resources(num_cpus=16, num_gpus=2)
+    assert not make_plan(RunConfig(), gpu2).in_process  # CUDA: a Ray worker per GPU
+    with pytest.raises(ConfigError, match="the run is on CUDA"):
+        make_plan(_in_process_cfg(**{"cluster.in_process": True}), gpu2)
 
 
 @pytest.mark.parametrize(

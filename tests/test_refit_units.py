@@ -7,12 +7,13 @@ import torch
 
 from rltrain.config.errors import ConfigError
 from rltrain.plan import resolve_refit_transport
-from rltrain.refit import make_refit_receiver
+from rltrain.refit import make_refit_receiver, make_refit_sender
 from rltrain.refit.base import (
     RefitError,
     bind_bucket_storage,
     bucket_checksum,
     check_checksums,
+    fill_from,
     plan_buckets,
     plan_refit,
     unpack_bucket,
@@ -100,6 +101,59 @@ def test_auto_transport_follows_placement():
         resolve_refit_transport("nccl", "cuda", True)
     with pytest.raises(ValueError, match="not resolved"):
         make_refit_receiver("auto", plan_buckets([("a", (2,))], "float32", 2**20), "", 0, 1, 2, 1.0)
+    # In one process: auto is local; a transport between processes is refused, and local
+    # across processes too.
+    assert resolve_refit_transport("auto", "cpu", False, in_process=True)[0] == "local"
+    with pytest.raises(ConfigError, match=r"refit.transport=gloo .* refit=auto"):
+        resolve_refit_transport("gloo", "cpu", False, in_process=True)
+    with pytest.raises(ConfigError, match=r"refit.transport=local needs .*cluster.in_process"):
+        resolve_refit_transport("local", "cpu", False)
+
+
+def _local_pair(params: dict[str, torch.Tensor], dtype: str = "float32", verify: bool = False):
+    shapes = [(n, tuple(t.shape)) for n, t in params.items()]
+    manifest = plan_refit(shapes, dtype, 2**20, 2)
+    port = 40000 + len(params)
+    sender = make_refit_sender("local", manifest, "local-test", port, 2, 1.0, verify=verify)
+    receiver = make_refit_receiver("local", manifest, "local-test", port, 1, 2, 1.0, verify=verify)
+    return manifest, sender, receiver
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_local_transport_lands_every_tensor_with_its_version(bound):
+    """refit.transport=local: bound, the engine's parameters are the sender's buckets (the
+    send alone updates them); unbound (another dtype), the consumer copies what it yields."""
+    torch.manual_seed(0)
+    trainer = {"w": torch.randn(6, 4), "b": torch.randn(4), "e": torch.randn(10, 4)}
+    engine = {n: torch.zeros_like(t) for n, t in trainer.items()}
+    if not bound:
+        engine = {n: t.double() for n, t in engine.items()}
+    manifest, sender, receiver = _local_pair(trainer, verify=True)
+    assert receiver.bind(engine) is bound
+    with pytest.raises(RefitError, match="nothing was sent"):
+        list(receiver.receive())
+    for version in (1, 2):
+        new = {n: t + version for n, t in trainer.items()}
+        stats = sender.send(fill_from(new), version)
+        assert stats.bytes == manifest.total_bytes and stats.weight_version == version
+        versions = set()
+        for v, name, tensor in receiver.receive():
+            versions.add(v)
+            if not bound:
+                engine[name].copy_(tensor)
+        assert versions == {version}
+        for name, t in new.items():
+            assert torch.equal(engine[name].float(), t), name
+    with pytest.raises(RefitError, match="nothing was sent"):  # each send is received once
+        list(receiver.receive())
+
+
+def test_local_transport_needs_its_sender_in_this_process():
+    manifest = plan_refit([("a", (2,))], "float32", 2**20, 2)
+    with pytest.raises(RefitError, match=r"no local refit sender .*cluster.in_process"):
+        make_refit_receiver("local", manifest, "local-test", 1, 1, 2, 1.0)
+    with pytest.raises(RefitError, match="one rollout replica"):
+        make_refit_sender("local", manifest, "local-test", 2, 3, 1.0)
 
 
 def test_ramped_plan_fills_the_pipeline_and_keeps_every_tensor():

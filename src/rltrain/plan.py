@@ -210,6 +210,9 @@ class RunPlan:
     placement: dict[str, list[str]] = field(default_factory=dict)
     # The objective in words, one entry per part (see objective_summary).
     objective: dict[str, str] = field(default_factory=dict)
+    # Every role in the driver's process, no Ray (cluster.in_process), and why (or why not).
+    in_process: bool = False
+    in_process_reason: str = ""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -310,11 +313,77 @@ def _cached_hf_config(repo_id: str) -> Path | None:
     return Path(hit) if isinstance(hit, str) else None
 
 
-def resolve_refit_transport(transport: str, device: str, colocated: bool) -> tuple[str, str]:
+def resolve_in_process(
+    cfg: RunConfig, device: str, trainer_world: int, value_world: int
+) -> tuple[bool, str]:
+    """Whether every role runs in the driver's process (``cluster.in_process``), and why.
+
+    It fits when there is nothing to run side by side or spread out: a local cluster on
+    the CPU, one policy rank (and at most one critic rank), one torch-engine replica,
+    the synchronous loop and the local refit. null picks it then; true raises a
+    ConfigError naming every key that keeps the run from one process.
+    """
+    c, ro = cfg.cluster, cfg.rollout
+    misfits = [
+        (c.mode != "local", f"cluster.mode={c.mode} (set cluster=local)"),
+        (device != "cpu", "the run is on CUDA (set cluster.device=cpu)"),
+        (trainer_world != 1, f"{trainer_world} policy ranks (set dtensor.dp=1 dtensor.tp=1)"),
+        (value_world > 1, f"{value_world} value ranks (set value.dtensor.dp=1)"),
+        (ro.replicas != 1, f"rollout.replicas={ro.replicas} (set rollout.replicas=1)"),
+        (ro.engine != "torch", f"rollout.engine={ro.engine} (set rollout=torch)"),
+        (
+            cfg.algorithm.async_rollout.enabled,
+            "algorithm.async_rollout.enabled=true (generation runs beside training)",
+        ),
+        (
+            bool(c.policy_resources or c.rollout_resources),
+            "cluster.policy_resources / rollout_resources pin roles to Ray nodes",
+        ),
+        (
+            cfg.refit.transport not in ("auto", "local"),
+            f"refit.transport={cfg.refit.transport} (set refit=auto)",
+        ),
+    ]
+    why_not = [text for misfit, text in misfits if misfit]
+    if c.in_process is False:
+        return False, "cluster.in_process=false: Ray worker processes"
+    if why_not:
+        if c.in_process:
+            raise ConfigError(
+                "cluster.in_process=true but the run does not fit one process: "
+                + "; ".join(why_not)
+                + ". Fix those or set cluster.in_process=null (Ray worker processes)."
+            )
+        return False, "Ray worker processes: " + "; ".join(why_not)
+    if c.in_process:
+        return True, "cluster.in_process=true (set explicitly)"
+    return True, (
+        "auto: one policy rank and one torch engine on the CPU fit one process "
+        "(no Ray start, no worker processes; cluster.in_process=false for Ray)"
+    )
+
+
+def resolve_refit_transport(
+    transport: str, device: str, colocated: bool, in_process: bool = False
+) -> tuple[str, str]:
     """The refit transport a run uses and why (``refit.transport=auto`` picks by placement).
 
-    Raises ConfigError for a transport the placement cannot run (nccl/ipc on CPU).
+    Raises ConfigError for a transport the placement cannot run (nccl/ipc on CPU, local
+    across processes).
     """
+    if in_process:
+        if transport == "auto":
+            return "local", "auto: in one process the engine's weights are the packed buckets"
+        if transport != "local":  # resolve_in_process only picks one process with auto/local
+            raise ConfigError(
+                f"refit.transport={transport} moves weights between processes but "
+                "cluster.in_process puts the engine in the trainer's; use refit=auto."
+            )
+    if transport == "local" and not in_process:
+        raise ConfigError(
+            "refit.transport=local needs the policy and the engine in one process "
+            "(cluster.in_process); use refit=auto."
+        )
     if transport == "auto":
         if device == "cpu":
             return "gloo", "auto: a CPU run moves weights over gloo"
@@ -432,9 +501,13 @@ def make_plan(
     else:
         trainer_bundle = {"CPU": cpu}
         rollout_bundle = value_bundle = {"CPU": cpu}
+    in_process, in_process_reason = resolve_in_process(cfg, device, trainer_world, value_world)
     threads = cfg.cluster.torch_threads
     if device == "cuda":
         trainer_threads = rollout_threads = threads or 0
+    elif in_process:
+        # One process, one thread pool: the roles take turns on every core.
+        trainer_threads = rollout_threads = threads or max(1, resources.num_cpus)
     elif cfg.algorithm.async_rollout.enabled:
         # Trainers and engines run at the same time: the cores are split between them.
         share = max(1, resources.num_cpus // (trainer_world + ro.replicas))
@@ -451,7 +524,9 @@ def make_plan(
         trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
         rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
 
-    transport, transport_reason = resolve_refit_transport(cfg.refit.transport, device, colocated)
+    transport, transport_reason = resolve_refit_transport(
+        cfg.refit.transport, device, colocated, in_process
+    )
     mesh = {"dp": dp, "tp": d.tp}
     trainer_notes = [
         f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
@@ -492,7 +567,7 @@ def make_plan(
         value_threads = (
             (threads or 0)
             if device == "cuda"
-            else threads or max(1, resources.num_cpus // value_world)
+            else threads or max(1, resources.num_cpus // (1 if in_process else value_world))
         )
         value_notes = (
             [f"value rank i on policy rank i's GPU ({value_bundle['GPU']:g} of it each)"]
@@ -548,6 +623,8 @@ def make_plan(
         gpu_layout=layout,
         inputs=plan_inputs(cfg),
         objective=objective_summary(cfg),
+        in_process=in_process,
+        in_process_reason=in_process_reason,
     )
 
 

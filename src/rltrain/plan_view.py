@@ -26,13 +26,19 @@ def plan_tree(plan: RunPlan) -> Tree:
     groups = tree.add("config groups")
     for g, opt in sorted(plan.choices.items()):
         groups.add(f"{g} = {opt}")
-    roles = tree.add("roles")
+    roles = tree.add(
+        "roles: " + ("in this process (no Ray)" if plan.in_process else "Ray worker processes")
+    )
+    roles.add(plan.in_process_reason)
     for r in plan.roles:
         node = roles.add(
-            f"[bold]{r.name}[/]: {r.world_size} process(es), mesh {r.mesh}, {r.backend}, {r.dtype}"
+            f"[bold]{r.name}[/]: "
+            + ("" if plan.in_process else f"{r.world_size} process(es), ")
+            + f"mesh {r.mesh}, {r.backend}, {r.dtype}"
             + (f", {r.threads} torch thread(s) each" if r.threads else "")
         )
-        node.add(f"resources per process: {r.bundle}")
+        if not plan.in_process:
+            node.add(f"resources per process: {r.bundle}")
         for note in r.notes:
             node.add(note)
     lay = plan.gpu_layout

@@ -7,6 +7,7 @@ the last checkpoint on disk is never overwritten by a partial one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -162,7 +163,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
     )
     plan = make_plan(cfg, resources, choices) if resources else None
-    if plan is not None:  # local: the one node is known, so a shortfall shows before Ray starts
+    in_process = plan is not None and plan.in_process
+    if plan is not None and not in_process:
+        # local: the one node is known, so a shortfall shows before Ray starts
         place(role_bundles(plan, cfg.cluster), local_nodes(cfg.cluster))
     if cfg.cluster.mode == "ray":
         check_reachable(cfg.cluster)
@@ -177,20 +180,26 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     prepare_output_dir(out)
     (out / "config.yaml").write_text(to_yaml(cfg))
 
-    from rltrain.cluster.workers import Workers
     from rltrain.logging.display import RunProgress, summary_table
     from rltrain.logging.metrics import MetricsLogger
     from rltrain.loops.context import RunContext
 
     phases = {"before_cluster_s": time.perf_counter() - t0}
     t_ray = time.perf_counter()
-    with ray_cluster(cfg.cluster, resources) as cluster_res:
+    # In one process (the plan's in_process) no Ray starts: the one node is this machine.
+    cluster = (
+        contextlib.nullcontext(resources) if in_process else ray_cluster(cfg.cluster, resources)
+    )
+    with cluster as cluster_res:
+        assert cluster_res is not None
         phases["ray_start_s"] = time.perf_counter() - t_ray
         if plan is None:
             plan = make_plan(cfg, cluster_res, choices)
-        # Fail fast on a shortfall (what is missing, named) instead of pending on a reservation.
-        forecast = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
-        plan = replace(plan, placement=forecast)
+        if not in_process:
+            # Fail fast on a shortfall (what is missing, named) instead of pending on a
+            # reservation.
+            forecast = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
+            plan = replace(plan, placement=forecast)
         (out / "plan.json").write_text(plan.to_json())
         console.print(
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
@@ -208,12 +217,16 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             cfg.logger, out, run_name, json.loads(json.dumps(plan.choices)), resume_step
         )
         t_workers = time.perf_counter()
-        workers = Workers(cfg, plan)
+        from rltrain.cluster.inprocess import InProcessWorkers
+        from rltrain.cluster.workers import Workers
+
+        workers = InProcessWorkers(cfg, plan) if in_process else Workers(cfg, plan)
         phases["workers_s"] = time.perf_counter() - t_workers
         phases.update(workers.startup)
         try:
             # Where Ray actually put each rank replaces the forecast in plan.json.
-            landed = _report_placement(workers.placement, cluster_nodes(), console)
+            nodes = local_nodes(cfg.cluster) if in_process else cluster_nodes()
+            landed = _report_placement(workers.placement, nodes, console)
             plan = replace(plan, placement=landed)
             (out / "plan.json").write_text(plan.to_json())
             ctx = RunContext(

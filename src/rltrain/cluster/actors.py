@@ -7,10 +7,16 @@ shard, rows)``): the type checker sees the method, its arguments and its result
 (a :class:`Pending` of it), and the method's name crosses to the actor only here.
 :func:`wait_all` then resolves pending results, turning a dead, failed or silent
 actor into a :class:`WorkerError` that names it.
+
+A run that fits one process (``cluster.in_process``) holds its workers as
+:class:`LocalActor`\ s instead: the same calls run at once in the driver and their
+:class:`Pending` results are already :class:`Done`. Ray is imported only by the Ray
+paths, so such a run never loads it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import time
@@ -18,9 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,6 +52,8 @@ def register_tensor_serializer() -> None:
     a training batch of 256 x 1024 tokens crossed in ~3x less time (measured on CPU,
     28 -> 10 ms). Per process, so the driver and every actor register it; tensors keep
     their dtype, shape and values. Tensors on a GPU arrive on the CPU."""
+    import ray
+
     ray.util.register_serializer(
         torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire
     )
@@ -73,8 +79,9 @@ class WorkerHost:
     a method it was handed as a function.
     """
 
-    def __init__(self) -> None:
-        register_tensor_serializer()
+    def __init__(self, in_ray: bool = True) -> None:
+        if in_ray:  # a Ray actor's process; a LocalActor's host lives in the driver
+            register_tensor_serializer()
         self.worker: Any = None
 
     def endpoint(self) -> tuple[str, int]:
@@ -88,6 +95,8 @@ class WorkerHost:
         ``gpus``: the ids Ray gave this actor, which it also wrote to CUDA_VISIBLE_DEVICES
         (a fractional GPU request gets the id of the one GPU its share is on).
         """
+        import ray
+
         ctx = ray.get_runtime_context()
         return {
             "node_id": ctx.get_node_id(),
@@ -142,23 +151,46 @@ class WorkerHost:
         return out
 
 
-RemoteHost = ray.remote(WorkerHost)
-
 # Rollout replicas with partial rollouts: besides the default group (one thread, calls in
 # submission order, as on RemoteHost) a "refit" group with a thread of its own, so that a
 # refit's receive runs while a generate runs (Actor.call_beside). Several generate calls
 # queued on a replica still run one after the other and never take the refit's thread.
 REFIT_GROUP = "refit"
-# (ray's type stubs do not list concurrency_groups among ray.remote's keywords)
-BesideHost = ray.remote(concurrency_groups={REFIT_GROUP: 1})(WorkerHost)  # type: ignore[call-overload]
+
+
+@functools.cache
+def _hosts() -> dict[str, Any]:
+    import ray
+
+    return {
+        "RemoteHost": ray.remote(WorkerHost),
+        # (ray's type stubs do not list concurrency_groups among ray.remote's keywords)
+        "BesideHost": ray.remote(concurrency_groups={REFIT_GROUP: 1})(WorkerHost),  # type: ignore[call-overload]
+    }
+
+
+def __getattr__(name: str) -> Any:
+    """``RemoteHost`` (WorkerHost as a Ray actor class) and ``BesideHost`` (the same with a
+    refit thread), made on first use so that importing this module does not import Ray."""
+    if name in ("RemoteHost", "BesideHost"):
+        return _hosts()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
 class Pending(Generic[R_co]):
     """The future result (of type R_co) of one call on the actor named ``name``."""
 
-    ref: Any  # ray.ObjectRef
+    ref: Any  # ray.ObjectRef, or Done (a LocalActor's call)
     name: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The outcome of a call that already ran in this process: its value, or what it raised."""
+
+    value: Any = None
+    error: BaseException | None = None
 
 
 class Actor(Generic[W]):
@@ -222,7 +254,70 @@ class Actor(Generic[W]):
         return Pending(self.handle.preload.remote(modules), self.name)
 
     def kill(self) -> None:
+        import ray
+
         ray.kill(self.handle)
+
+
+class LocalActor(Actor[W]):
+    """A worker object in this process behind the :class:`Actor` interface: every call runs at
+    once, in call order, and returns an already :class:`Done` result (or the exception it
+    raised, which :func:`wait_all` turns into the same :class:`WorkerError`, naming the
+    worker, as a Ray actor's failure). ``call_beside`` is not offered: nothing runs beside."""
+
+    def __init__(self, name: str) -> None:
+        self.host = WorkerHost(in_ray=False)
+        super().__init__(self.host, name)
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Pending[Any]:
+        try:
+            return Pending(Done(fn(*args, **kwargs)), self.name)
+        except Exception as exc:  # noqa: BLE001 - handed to wait_all, which names the worker
+            return Pending(Done(error=exc), self.name)
+
+    def call(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
+        return self._run(self.host.call, method.__name__, *args, **kwargs)
+
+    def call_after(
+        self,
+        before: Sequence[Callable[[W], object]],
+        method: Callable[Concatenate[W, P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Pending[R]:
+        names = tuple(m.__name__ for m in before)
+        return self._run(self.host.call_between, names, method.__name__, args, (), kwargs)
+
+    def call_beside(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
+        raise NotImplementedError("a worker in the driver's process runs nothing beside a call")
+
+    def build(
+        self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[bool]:
+        assert not kwargs, "workers are built from positional arguments"
+        return self._run(self.host.build, worker_class, *args)
+
+    def where(self) -> Pending[dict[str, Any]]:
+        from rltrain.train.distributed import node_ip
+
+        here = {"node_id": "local", "ip": node_ip(), "pid": os.getpid(), "gpus": []}
+        return Pending(Done(here), self.name)
+
+    def endpoint(self) -> Pending[tuple[str, int]]:
+        return self._run(self.host.endpoint)
+
+    def gpu_memory(self) -> Pending[dict[str, float]]:
+        return self._run(self.host.gpu_memory)
+
+    def preload(self, modules: tuple[str, ...]) -> Pending[float]:
+        return self._run(self.host.preload, modules)
+
+    def kill(self) -> None:
+        self.host.worker = None
 
 
 def wait_all(pending: Sequence[Pending[R]], timeout_s: float | None, what: str) -> list[R]:
@@ -236,6 +331,10 @@ def ready(pending: Sequence[Pending[Any]], timeout_s: float | None) -> list[int]
     failure, naming the worker) come from :func:`wait_all`."""
     if not pending:
         return []
+    if all(isinstance(p.ref, Done) for p in pending):
+        return list(range(len(pending)))
+    import ray
+
     refs = [p.ref for p in pending]
     done, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
     if not done:
@@ -250,8 +349,14 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
     Results are taken as they arrive, so the first worker that dies or fails
     ends the wait at once, even while its peers are still blocked in a
     collective with it (they are torn down by the run's shutdown).
-    ``timeout_s`` bounds the whole wait; None waits without a bound.
+    ``timeout_s`` bounds the whole wait; None waits without a bound. Calls that ran in
+    this process (:class:`Done`) are not bounded: they are over before the wait.
     """
+    if all(isinstance(r, Done) for r in refs):
+        return _local_results(refs, names, what)
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
     results: dict[int, Any] = {}  # index in refs -> value (each result deserialized once)
@@ -291,6 +396,16 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
     return [results[i] for i in range(len(refs))]
 
 
+def _local_results(refs: list[Done], names: list[str], what: str) -> list:
+    """The values of calls that ran in this process; the first that raised becomes a
+    :class:`WorkerError` naming its worker (a bug or a diverging run: ``failed``)."""
+    for ref, name in zip(refs, names, strict=True):
+        if ref.error is not None:
+            exc = ref.error
+            raise WorkerError(f"{what}: {name} failed: {type(exc).__name__}: {exc}") from exc
+    return [r.value for r in refs]
+
+
 # Messages of a collective whose peer process went away (gloo, NCCL, c10d store).
 _PEER_LOSS = (
     "Connection closed by peer",
@@ -313,6 +428,9 @@ def _dead_peer(
     """(name, reason) of a worker in ``pending`` that died within ``grace_s``, else None."""
     if not pending:
         return None
+    import ray
+    from ray.exceptions import RayActorError
+
     deadline = time.monotonic() + grace_s
     waiting = list(pending)
     while waiting:

@@ -14,16 +14,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
 from rltrain.cluster.actors import (
     Actor,
-    BesideHost,
     Pending,
-    RemoteHost,
     WorkerError,
     WorkerHost,
     register_tensor_serializer,
@@ -76,7 +69,6 @@ class Workers:
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
         self.pgs: list = []
-        register_tensor_serializer()
         # The workers see the plan's answer to rollout.colocated=null (auto): the vLLM
         # engine enables sleep mode from it.
         self.cfg = replace(cfg, rollout=replace(cfg.rollout, colocated=plan.colocated))
@@ -102,6 +94,11 @@ class Workers:
         return self.calls.failed
 
     def _start(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rltrain.cluster.actors import BesideHost, RemoteHost
+
+        register_tensor_serializer()
         cfg, plan = self.cfg, self.plan
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
@@ -225,6 +222,10 @@ class Workers:
 
     def _placement_group(self, rb: RoleBundles):
         """Reserve one role's bundles; a reservation that cannot be met ends in a WorkerError."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group
+
         pg = placement_group(rb.bundles, strategy=rb.strategy)
         self.pgs.append(pg)
         try:
@@ -363,6 +364,9 @@ class Workers:
         for a in everyone:
             with contextlib.suppress(Exception):
                 a.kill()
-        for pg in self.pgs:
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
+        if self.pgs:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self.pgs:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)

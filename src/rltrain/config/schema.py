@@ -25,7 +25,7 @@ OverCap = Literal["truncate", "mask"]
 Algorithm = Literal["grpo", "ppo"]  # the CLI's training commands
 PrecisionName = Literal["fp32", "bf16", "fp16"]  # the precision group's options
 Dtype = Literal["float32", "bfloat16", "float16"]
-RefitTransport = Literal["auto", "gloo", "nccl", "ipc"]
+RefitTransport = Literal["auto", "gloo", "nccl", "ipc", "local"]
 Engine = Literal["torch", "vllm"]
 Task = Literal["copy", "dataset"]
 LRSchedule = Literal["constant", "linear_warmup", "cosine"]
@@ -295,9 +295,9 @@ class DTensorConfig:
 class RefitConfig:
     """Weight transport from trainer to rollout engines after every step."""
 
-    transport: str = (
-        "auto"  # auto | gloo | nccl | ipc (auto: ipc colocated, nccl on GPUs, else gloo)
-    )
+    # auto | gloo | nccl | ipc | local (auto: local in one process, ipc colocated, nccl on
+    # GPUs, else gloo; local: the engine in the trainer's process reads its packed buckets)
+    transport: str = "auto"
     # Chosen by scripts/bench_refit.py on H200x2 (1.5B shapes, bf16): 512 MiB x 2 was the
     # best of the num_buffers x bucket grid (see scripts/results/bench_refit-*.json).
     bucket_bytes: int = 512 * 2**20  # bytes per packed bucket (at least 1 MiB)
@@ -442,6 +442,13 @@ class ClusterConfig:
     """Ray cluster: start a local one or attach to an existing one."""
 
     mode: str = "local"  # local | ray
+    # Run every role in this (the driver's) process, without Ray: the trainer, the critic
+    # and the engine take turns on all the cores and the refit hands the engine the
+    # trainer's packed weights in memory. null = when the run fits one process (local
+    # mode, CPU, one policy rank, one torch-engine replica, the synchronous loop); true =
+    # require it (the plan names what does not fit); false = Ray worker processes always.
+    # In one process a stuck call cannot be timed out (cluster.call_timeout_s).
+    in_process: bool | None = None
     address: str | None = None  # ray mode: null = "auto"
     num_cpus: int | None = None  # local mode: null = all cores of this machine
     num_gpus: int | None = None  # local mode: null = all GPUs found

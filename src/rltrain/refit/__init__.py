@@ -1,8 +1,9 @@
 """Weight refit: trainer -> rollout engines after every optimizer step.
 
 Transports (``refit.transport``): ``gloo`` (CPU), ``nccl`` (GPUs, rollout not
-colocated), ``ipc`` (rollout colocated on the trainer's GPU); ``auto`` is
-resolved by the run plan. Both ends are built here, so every engine calls the
+colocated), ``ipc`` (rollout colocated on the trainer's GPU), ``local`` (the
+engine in the trainer's process, ``cluster.in_process``); ``auto`` is resolved
+by the run plan. Both ends are built here, so every engine calls the
 same two factories and sees the same :class:`RefitReceiver` interface.
 """
 
@@ -59,6 +60,10 @@ def make_refit_sender(
         from rltrain.refit.ipc import IpcRefitSender
 
         return IpcRefitSender(manifest, host, port, world_size, timeout_s, device, verify)
+    if transport == "local":
+        from rltrain.refit.local import LocalRefitSender
+
+        return LocalRefitSender(manifest, host, port, world_size, timeout_s, verify)
     from rltrain.refit.gloo import GlooRefitSender
 
     return GlooRefitSender(manifest, host, port, world_size, timeout_s, verify)
@@ -85,6 +90,10 @@ def make_refit_receiver(
         from rltrain.refit.ipc import IpcRefitReceiver
 
         return IpcRefitReceiver(manifest, host, port, rank, world_size, timeout_s, device, verify)
+    if transport == "local":
+        from rltrain.refit.local import LocalRefitReceiver
+
+        return LocalRefitReceiver(manifest, host, port, rank, world_size, timeout_s, verify)
     from rltrain.refit.gloo import GlooRefitReceiver
 
     return GlooRefitReceiver(manifest, host, port, rank, world_size, timeout_s, verify)
