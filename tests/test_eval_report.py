@@ -183,7 +183,7 @@ def test_model_check_before_any_cluster(tmp_path, monkeypatch):
     out of reach, an id must be in the local HF cache; local folders must hold the files."""
     import huggingface_hub.constants
 
-    from rltrain.config.validate import check_inputs
+    from rltrain.config.inputs import check_inputs
     from rltrain.models import source
 
     cache = tmp_path / "hub"

@@ -26,7 +26,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("plan", "plan_view", "plan_gpus"),
     ("data",),
     ("rewards",),
-    ("config.validate", "config.compose", "config.reference"),  # read model folders
+    (
+        "config.validate",
+        "config.inputs",
+        "config.compose",
+        "config.reference",
+    ),  # read model folders
     ("logging", "models"),
     ("config", "env", ""),  # the schema, errors; the env registry; the package itself
 ]

@@ -90,7 +90,7 @@ def plan(
     from rltrain.cluster.placement import place, placement_rows, role_bundles
     from rltrain.cluster.ray_cluster import local_nodes, local_resources, read_cluster_nodes
     from rltrain.config.errors import ConfigError
-    from rltrain.config.validate import check_inputs
+    from rltrain.config.inputs import check_inputs
     from rltrain.plan import Resources, make_plan
 
     c = cfg.cluster

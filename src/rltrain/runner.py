@@ -154,7 +154,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         local_resources,
         ray_cluster,
     )
-    from rltrain.config.validate import check_inputs
+    from rltrain.config.inputs import check_inputs
 
     # Inputs, plan (pure), cluster address and output folder first: a run that
     # cannot start fails here, before Ray starts or anything is written.

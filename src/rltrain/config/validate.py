@@ -6,14 +6,16 @@ Checks that need the cluster's size (dp auto, batch divisibility) live in
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
-
+from rltrain.config.checks import check_choice, check_finite, check_positive
 from rltrain.config.errors import ConfigError
+from rltrain.config.inputs import (
+    check_mesh_fits_model,
+    tiny_model_shape,
+    validate_dataset,
+    validate_reward_eval,
+)
+from rltrain.config.objective_checks import validate_objective, validate_ppo
 from rltrain.config.schema import (
-    ADV_ESTIMATORS,
     ALGORITHMS,
     ATTENTIONS,
     CLUSTER_MODES,
@@ -21,44 +23,22 @@ from rltrain.config.schema import (
     DTYPES,
     ENGINES,
     GRAD_SYNCS,
-    IS_WEIGHTS,
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
     LR_SCHEDULES,
-    OVER_CAP,
     PLACEMENT_STRATEGIES,
-    PRECISIONS,
-    RATIO_LEVELS,
     REFIT_TRANSPORTS,
-    REWARD_ON_ERROR,
     TASKS,
     WANDB_MODES,
     RunConfig,
 )
 
-# The estimators of `rltrain grpo` (outcome rewards, no critic); PPO's is gae.
-OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
-# Estimators whose advantages depend on one prompt group alone (the asynchronous loop's).
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value} is not supported; use one of: {', '.join(allowed)}.")
-
-
-def _positive(key: str, value: float, minimum: float = 1) -> None:
-    if value < minimum:
-        raise ConfigError(f"{key}={value} must be >= {minimum}.")
-
 
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError for the first inconsistency found in ``cfg``."""
-    _check_finite(cfg)
-    _positive("max_steps", cfg.max_steps)
+    check_finite(cfg)
+    check_positive("max_steps", cfg.max_steps)
     a = cfg.algorithm
-    _choice("algorithm.name", a.name, ALGORITHMS)
-    _positive("algorithm.prompts_per_step", a.prompts_per_step)
+    check_choice("algorithm.name", a.name, ALGORITHMS)
+    check_positive("algorithm.prompts_per_step", a.prompts_per_step)
     validate_objective(cfg)
     if a.name == "grpo" and a.samples_per_prompt < 2:
         raise ConfigError(
@@ -68,15 +48,15 @@ def validate(cfg: RunConfig) -> None:
 
     t = cfg.train
     if t.micro_batch_size is not None:
-        _positive("train.micro_batch_size", t.micro_batch_size)
-    _positive("train.epochs", t.epochs)
+        check_positive("train.micro_batch_size", t.micro_batch_size)
+    check_positive("train.epochs", t.epochs)
     if t.mini_batch_size is not None:
-        _positive("train.mini_batch_size", t.mini_batch_size)
-    _positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
-    _positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
+        check_positive("train.mini_batch_size", t.mini_batch_size)
+    check_positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
+    check_positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     if cfg.dtensor.grad_sync is not None:
-        _choice("dtensor.grad_sync", cfg.dtensor.grad_sync, GRAD_SYNCS)
-    _choice("train.attention", t.attention, ATTENTIONS)
+        check_choice("dtensor.grad_sync", cfg.dtensor.grad_sync, GRAD_SYNCS)
+    check_choice("train.attention", t.attention, ATTENTIONS)
     if t.attention in ("flex", "varlen") and cfg.cluster.device == "cpu":
         raise ConfigError(
             f"train.attention={t.attention} needs CUDA (no CPU kernel or backward); "
@@ -103,7 +83,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.eps={o.eps} must be >= 0.")
     if o.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0.")
-    _choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    check_choice("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     if o.warmup_steps and o.lr_schedule == "constant":
@@ -116,7 +96,7 @@ def validate(cfg: RunConfig) -> None:
 
     p = cfg.precision
     for key in ("param_dtype", "reduce_dtype", "rollout_dtype", "refit_dtype"):
-        _choice(f"precision.{key}", getattr(p, key), DTYPES)
+        check_choice(f"precision.{key}", getattr(p, key), DTYPES)
     if p.grad_scaler.enabled and p.param_dtype != "float16":
         raise ConfigError(
             "precision.grad_scaler.enabled=true only applies to float16 compute; "
@@ -127,7 +107,7 @@ def validate(cfg: RunConfig) -> None:
             "precision.param_dtype=float16 without a grad scaler underflows gradients; "
             "set precision.grad_scaler.enabled=true (precision=fp16 does)."
         )
-    _positive("precision.grad_scaler.growth_interval", p.grad_scaler.growth_interval)
+    check_positive("precision.grad_scaler.growth_interval", p.grad_scaler.growth_interval)
     gs = p.grad_scaler
     if gs.init_scale <= 0:
         raise ConfigError(f"precision.grad_scaler.init_scale={gs.init_scale} must be > 0.")
@@ -143,15 +123,15 @@ def validate(cfg: RunConfig) -> None:
 
     d = cfg.dtensor
     if d.dp is not None:
-        _positive("dtensor.dp", d.dp)
-    _positive("dtensor.tp", d.tp)
+        check_positive("dtensor.dp", d.dp)
+    check_positive("dtensor.tp", d.tp)
     if d.sequence_parallel and d.tp == 1:
         raise ConfigError(
             "dtensor.sequence_parallel=true needs dtensor.tp>1; set dtensor.tp or turn it off."
         )
 
     r = cfg.refit
-    _choice("refit.transport", r.transport, REFIT_TRANSPORTS)
+    check_choice("refit.transport", r.transport, REFIT_TRANSPORTS)
     if r.bucket_bytes < 2**20:
         raise ConfigError(
             f"refit.bucket_bytes={r.bucket_bytes} is below 1 MiB, which makes a refit thousands of "
@@ -170,9 +150,9 @@ def validate(cfg: RunConfig) -> None:
         )
 
     ro = cfg.rollout
-    _choice("rollout.engine", ro.engine, ENGINES)
-    _positive("rollout.replicas", ro.replicas)
-    _positive("rollout.tp", ro.tp)
+    check_choice("rollout.engine", ro.engine, ENGINES)
+    check_positive("rollout.replicas", ro.replicas)
+    check_positive("rollout.tp", ro.tp)
     if ro.tp != 1 and ro.engine != "vllm":
         raise ConfigError(
             "rollout.tp>1 needs the vllm engine; the torch engine runs one process per replica (rollout.tp=1)."
@@ -189,7 +169,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "rollout.top_k needs the vllm engine; set rollout.top_k=0 or use rollout=vllm."
         )
-    _positive("rollout.max_new_tokens", ro.max_new_tokens)
+    check_positive("rollout.max_new_tokens", ro.max_new_tokens)
 
     m = cfg.model
     if m.path is None and m.name != "tiny":
@@ -220,7 +200,7 @@ def validate(cfg: RunConfig) -> None:
         check_mesh_fits_model(cfg, tiny_model_shape(cfg), "value")
 
     da = cfg.data
-    _choice("data.task", da.task, TASKS)
+    check_choice("data.task", da.task, TASKS)
     if da.task == "copy":
         if not da.alphabet or len(set(da.alphabet)) != len(da.alphabet) or "=" in da.alphabet:
             raise ConfigError(
@@ -244,11 +224,11 @@ def validate(cfg: RunConfig) -> None:
     validate_reward_eval(cfg)
 
     c = cfg.cluster
-    _choice("cluster.mode", c.mode, CLUSTER_MODES)
-    _choice("cluster.device", c.device, DEVICES)
+    check_choice("cluster.mode", c.mode, CLUSTER_MODES)
+    check_choice("cluster.device", c.device, DEVICES)
     if c.torch_threads is not None:
-        _positive("cluster.torch_threads", c.torch_threads)
-    _choice("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
+        check_positive("cluster.torch_threads", c.torch_threads)
+    check_choice("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
     if cfg.checkpoint.keep_last < 0:
@@ -261,168 +241,6 @@ def validate(cfg: RunConfig) -> None:
     _validate_faults(cfg)
     if a.name == "ppo":
         validate_ppo(cfg)
-
-
-def validate_objective(cfg: RunConfig) -> None:
-    """The objective's keys (docs/objectives.md): estimator, aggregation, ratio level,
-    clip ranges, KL, dynamic sampling, overlong shaping and rollout correction."""
-    a = cfg.algorithm
-    _choice("algorithm.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
-    if a.name == "ppo" and a.adv_estimator != "gae":
-        raise ConfigError(
-            f"algorithm.adv_estimator={a.adv_estimator}: PPO's advantages come from its critic "
-            "(gae); use algorithm.adv_estimator=gae, or rltrain grpo for the outcome estimators."
-        )
-    if a.name == "grpo" and a.adv_estimator == "gae":
-        raise ConfigError(
-            "algorithm.adv_estimator=gae needs a critic, which rltrain grpo has none of; "
-            f"use one of {', '.join(OUTCOME_ESTIMATORS)}, or rltrain ppo."
-        )
-    _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
-    _choice("algorithm.ratio_level", a.ratio_level, RATIO_LEVELS)
-    for key in ("clip_ratio_low", "clip_ratio_high", "seq_clip_ratio_low", "seq_clip_ratio_high"):
-        value = getattr(a, key)
-        if value < 0:
-            raise ConfigError(
-                f"algorithm.{key}={value} is negative; a clip range is a distance from "
-                f"ratio 1, so set algorithm.{key}>=0."
-            )
-        if key.endswith("low") and value >= 1:
-            raise ConfigError(
-                f"algorithm.{key}={value} clips the ratio below at 1 - {value} <= 0; "
-                f"set algorithm.{key} in [0, 1)."
-            )
-    if a.kl_coef < 0:
-        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
-    _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-    ds = a.dynamic_sampling
-    if ds.enabled:
-        if a.samples_per_prompt < 2:
-            raise ConfigError(
-                f"algorithm.dynamic_sampling.enabled=true with algorithm.samples_per_prompt="
-                f"{a.samples_per_prompt}: a group of 1 always has equal rewards and would always "
-                "be dropped; set algorithm.samples_per_prompt>=2."
-            )
-        if a.name != "grpo":
-            raise ConfigError(
-                "algorithm.dynamic_sampling.enabled=true is available with rltrain grpo only; "
-                "set algorithm.dynamic_sampling.enabled=false."
-            )
-        _positive("algorithm.dynamic_sampling.max_rounds", ds.max_rounds)
-    ol = a.overlong
-    if not 0 <= ol.buffer <= cfg.rollout.max_new_tokens:
-        raise ConfigError(
-            f"algorithm.overlong.buffer={ol.buffer} must be in [0, rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens}] (the last tokens of the budget that are penalised)."
-        )
-    if ol.penalty < 0:
-        raise ConfigError(f"algorithm.overlong.penalty={ol.penalty} must be >= 0.")
-    rc = a.rollout_correction
-    if rc.weights is not None:
-        _choice("algorithm.rollout_correction.weights", rc.weights, IS_WEIGHTS)
-        if rc.weights == "token" and a.ratio_level == "sequence":
-            raise ConfigError(
-                "algorithm.rollout_correction.weights=token with algorithm.ratio_level=sequence: "
-                "a sequence-level ratio takes one weight per sequence; set "
-                "algorithm.rollout_correction.weights=sequence."
-            )
-    if rc.cap < 1:
-        raise ConfigError(
-            f"algorithm.rollout_correction.cap={rc.cap} is below 1, which would down-weight "
-            "tokens the engine and trainer agree on; set algorithm.rollout_correction.cap>=1."
-        )
-    if rc.mask_bound is not None and rc.mask_bound < 1:
-        raise ConfigError(
-            f"algorithm.rollout_correction.mask_bound={rc.mask_bound} is below 1 (tokens are "
-            "kept while 1/bound <= ratio <= bound); set it >= 1, or null to mask nothing."
-        )
-    _choice("algorithm.rollout_correction.over_cap", rc.over_cap, OVER_CAP)
-    _validate_async(cfg)
-
-
-def _validate_async(cfg: RunConfig) -> None:
-    """algorithm.async_rollout: the asynchronous GRPO controller's settings."""
-    a = cfg.algorithm
-    ar = a.async_rollout
-    if not ar.enabled:
-        return
-    if a.name != "grpo":
-        raise ConfigError(
-            f"algorithm.async_rollout.enabled=true is available with rltrain grpo only (this is "
-            f"rltrain {a.name}); set algorithm.async_rollout.enabled=false."
-        )
-    if a.dynamic_sampling.enabled:
-        raise ConfigError(
-            "algorithm.async_rollout.enabled=true with algorithm.dynamic_sampling.enabled=true: "
-            "the asynchronous controller fills each step from its buffer of groups; set "
-            "algorithm.dynamic_sampling.enabled=false."
-        )
-    if a.adv_estimator not in GROUP_ESTIMATORS:
-        raise ConfigError(
-            f"algorithm.async_rollout.enabled=true with algorithm.adv_estimator="
-            f"{a.adv_estimator}: groups stream into the step one call at a time, so the "
-            f"advantages must come from each prompt group alone; use one of: "
-            f"{', '.join(GROUP_ESTIMATORS)}."
-        )
-    if ar.max_staleness < 0:
-        raise ConfigError(
-            f"algorithm.async_rollout.max_staleness={ar.max_staleness} must be >= 0 (0 = "
-            "strictly on-policy)."
-        )
-    if cfg.train.mini_batch_size is not None or cfg.train.epochs != 1:
-        raise ConfigError(
-            "algorithm.async_rollout.enabled=true trains each group once, in one optimizer step "
-            "per algorithm.prompts_per_step groups; leave train.mini_batch_size=null and "
-            f"train.epochs=1 (got {cfg.train.mini_batch_size}, {cfg.train.epochs})."
-        )
-    if a.kl_coef > 0 and a.kl_in_reward:
-        raise ConfigError(
-            "algorithm.async_rollout.enabled=true with algorithm.kl_in_reward=true: the "
-            "asynchronous controller scores groups as they arrive without a reference forward; "
-            "set algorithm.kl_in_reward=false (KL in the loss) or algorithm.kl_coef=0."
-        )
-    if cfg.rollout.colocated:
-        raise ConfigError(
-            "algorithm.async_rollout.enabled=true with rollout.colocated=true: colocated engines "
-            "sleep while the trainer trains, so nothing can overlap; set rollout.colocated=false "
-            "(engines on their own GPUs) or algorithm.async_rollout.enabled=false."
-        )
-    if ar.partial_rollouts and cfg.rollout.engine == "vllm":
-        raise ConfigError(
-            "algorithm.async_rollout.partial_rollouts=true with rollout.engine=vllm: vLLM's "
-            "offline LLM.generate runs its engine loop to the end in the calling thread, so a "
-            "refit cannot land between its steps (docs/async.md, Partial rollouts); set "
-            "algorithm.async_rollout.partial_rollouts=false (refits wait for the call in "
-            "flight) or rollout.engine=torch."
-        )
-    ro = cfg.rollout
-    groups = ar.groups_per_call
-    if groups is not None:
-        _positive("algorithm.async_rollout.groups_per_call", groups)
-        if a.prompts_per_step % groups:
-            raise ConfigError(
-                f"algorithm.async_rollout.groups_per_call={groups} must divide "
-                f"algorithm.prompts_per_step={a.prompts_per_step} (each step's prompts go out "
-                "in whole calls)."
-            )
-    elif a.prompts_per_step % ro.replicas:
-        raise ConfigError(
-            f"algorithm.async_rollout.enabled=true with algorithm.prompts_per_step="
-            f"{a.prompts_per_step} over rollout.replicas={ro.replicas}: each replica's call "
-            "takes whole prompt groups; set algorithm.async_rollout.groups_per_call or a "
-            "prompts_per_step divisible by the replicas."
-        )
-    per_call = groups if groups is not None else a.prompts_per_step // ro.replicas
-    if ar.buffer_groups is not None and ar.buffer_groups < a.prompts_per_step + per_call:
-        raise ConfigError(
-            f"algorithm.async_rollout.buffer_groups={ar.buffer_groups} cannot hold a step "
-            f"({a.prompts_per_step} groups) and one more call ({per_call} groups) in flight; set "
-            f"it >= {a.prompts_per_step + per_call}, or null for 2 x prompts_per_step."
-        )
-    if ar.group_timeout_s <= 0:
-        raise ConfigError(
-            f"algorithm.async_rollout.group_timeout_s={ar.group_timeout_s} must be > 0."
-        )
 
 
 def _validate_speed(cfg: RunConfig) -> None:
@@ -468,39 +286,6 @@ def check_liger_device(cfg: RunConfig, device: str, resolved: bool = False) -> N
     )
 
 
-def validate_ppo(cfg: RunConfig) -> None:
-    """PPO's GAE knobs and the ``value`` node (the critic)."""
-    a, v = cfg.algorithm, cfg.value
-    for key in ("gamma", "lam", "value_gamma", "value_lam"):
-        x = getattr(a, key)
-        if x is not None and not 0.0 <= x <= 1.0:
-            raise ConfigError(f"algorithm.{key}={x} must be in [0, 1].")
-    if a.policy_training_start_step < 1:
-        raise ConfigError(
-            f"algorithm.policy_training_start_step={a.policy_training_start_step} must be >= 1 "
-            "(1 = the policy trains from the first step)."
-        )
-    if v.lr <= 0:
-        raise ConfigError(f"value.lr={v.lr} must be > 0.")
-    if v.clip is not None and v.clip <= 0:
-        raise ConfigError(f"value.clip={v.clip} must be > 0, or null for an unclipped value loss.")
-    if v.precision is not None:
-        _choice("value.precision", v.precision, PRECISIONS)
-    if v.precision == "fp16" and cfg.precision.reduce_dtype != "float32":
-        raise ConfigError(
-            "value.precision=fp16 needs fp32 gradient reduction; set precision.reduce_dtype=float32."
-        )
-    d = v.dtensor
-    if d.dp is not None:
-        _positive("value.dtensor.dp", d.dp)
-    if d.tp is not None:
-        _positive("value.dtensor.tp", d.tp)
-    if (d.tp or cfg.dtensor.tp) == 1 and cfg.dtensor.sequence_parallel:
-        raise ConfigError(
-            "dtensor.sequence_parallel=true needs value.dtensor.tp>1 too; set value.dtensor.tp or turn it off."
-        )
-
-
 def _validate_vllm(cfg: RunConfig) -> None:
     """rollout=vllm: the package is installed and its engine settings are sane.
 
@@ -538,69 +323,6 @@ def _validate_vllm(cfg: RunConfig) -> None:
         )
 
 
-def validate_dataset(cfg: RunConfig) -> None:
-    """data.task=dataset: one source, a usable template, a validation split that is well defined."""
-    da, m = cfg.data, cfg.model
-    if (da.path is None) == (da.hf_name is None):
-        raise ConfigError(
-            "data.task=dataset reads exactly one source: set data.path=/path/to/file.jsonl "
-            "or data.hf_name=NAME (and the other to null)."
-        )
-    try:
-        da.prompt_template.format(prompt="")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(
-            f"data.prompt_template='{da.prompt_template}' is not a format string with only "
-            f"{{prompt}} ({type(exc).__name__}: {exc}); double literal braces as {{{{ }}}}."
-        ) from exc
-    if "{prompt}" not in da.prompt_template:
-        raise ConfigError(
-            f"data.prompt_template='{da.prompt_template}' never uses {{prompt}}; put {{prompt}} where the question goes."
-        )
-    if da.val_split is not None and da.hf_name is None:
-        raise ConfigError(
-            "data.val_split picks a split of data.hf_name; for a local file use data.val_path=/path/to/val.jsonl."
-        )
-    if da.val_path is not None and da.val_split is not None:
-        raise ConfigError("set one of data.val_path and data.val_split, not both.")
-    if not 0.0 <= da.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={da.val_fraction} must be in [0, 1).")
-    if da.val_fraction > 0 and (da.val_path is not None or da.val_split is not None):
-        raise ConfigError(
-            "data.val_fraction holds out training rows, but data.val_path/val_split already names a "
-            "validation split; set data.val_fraction=0 or drop the other."
-        )
-    if da.max_prompt_tokens is not None:
-        _positive("data.max_prompt_tokens", da.max_prompt_tokens)
-    if m.path is None and da.max_prompt_tokens is None:
-        # The embedded model's context is sized from the longest prompt (models.loader.tiny_shape).
-        raise ConfigError(
-            "data.task=dataset with the embedded tiny model needs data.max_prompt_tokens "
-            "(e.g. data.max_prompt_tokens=512) to size its context."
-        )
-
-
-def validate_reward_eval(cfg: RunConfig) -> None:
-    """The reward and eval nodes (the reward function itself is imported at start-up)."""
-    rw, ev = cfg.reward, cfg.eval
-    if rw.fn is not None and (":" not in rw.fn or rw.fn.startswith(":") or rw.fn.endswith(":")):
-        raise ConfigError(
-            f"reward.fn='{rw.fn}' is not an import path; write it as package.module:function "
-            "(e.g. reward.fn=rltrain.rewards.math:score)."
-        )
-    if rw.timeout_s < 0:
-        raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
-    _choice("reward.on_error", rw.on_error, REWARD_ON_ERROR)
-    if ev.every_n_steps < 0:
-        raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
-    _positive("eval.samples_per_prompt", ev.samples_per_prompt)
-    _positive("eval.batch_size", ev.batch_size)
-    if ev.max_prompts is not None:
-        _positive("eval.max_prompts", ev.max_prompts)
-    if ev.max_new_tokens is not None:
-        _positive("eval.max_new_tokens", ev.max_new_tokens)
-
-
 def _validate_faults(cfg: RunConfig) -> None:
     """Timeouts, placement and the overflow-storm limit."""
     c = cfg.cluster
@@ -608,7 +330,7 @@ def _validate_faults(cfg: RunConfig) -> None:
         value = getattr(c, key)
         if value <= 0:
             raise ConfigError(f"cluster.{key}={value} must be > 0 (seconds).")
-    _choice("cluster.placement", c.placement, PLACEMENT_STRATEGIES)
+    check_choice("cluster.placement", c.placement, PLACEMENT_STRATEGIES)
     for role in ("policy", "rollout"):
         for name, amount in getattr(c, f"{role}_resources").items():
             if amount <= 0 or name in ("CPU", "GPU", "memory"):
@@ -628,150 +350,3 @@ def _validate_faults(cfg: RunConfig) -> None:
         raise ConfigError(
             f"precision.grad_scaler.max_consecutive_skips={skips} must be >= 0 (0 = never stop)."
         )
-
-
-def check_inputs(cfg: RunConfig, hub_ids: bool = True) -> None:
-    """File-system checks of the inputs a run reads (model and tokenizer folders).
-
-    Separate from :func:`validate` because it touches disk (and, for an HF id,
-    the hub or its local cache); runs before the plan and before any cluster
-    starts. ``hub_ids=False`` checks local paths only: ``rltrain plan`` must
-    explain a run on a machine that has not downloaded its model.
-    """
-    from rltrain.models.source import check_model_source, check_tokenizer_source, looks_local
-
-    path = cfg.model.path
-    if path is not None and (hub_ids or looks_local(path)):
-        check_model_source(path, "model.path")
-    if cfg.model.tokenizer is not None:
-        check_tokenizer_source(cfg.model.tokenizer, "model.tokenizer")
-    # The meshes against the model's sizes, where its config.json is on this machine.
-    if path is not None and (shape := model_shape(path, "model.path")) is not None:
-        check_mesh_fits_model(cfg, shape, "policy")
-    if cfg.algorithm.name == "ppo":
-        critic = cfg.value.model_path or path
-        key = "value.model_path" if cfg.value.model_path else "model.path"
-        if critic is not None and (shape := model_shape(critic, key)) is not None:
-            check_mesh_fits_model(cfg, shape, "value")
-
-
-# -- non-finite numbers -------------------------------------------------------------------
-
-
-def _check_finite(cfg: RunConfig) -> None:
-    """Every float in ``cfg`` is finite: a nan or inf learning rate, clip range, coefficient
-    or timeout passes every comparison check (nan compares false) and fails only in a worker."""
-    defaults = RunConfig()
-    for key, value in _numbers(cfg, ""):
-        if not math.isfinite(value):
-            default = _lookup(defaults, key)
-            hint = f" (the default is {default})" if isinstance(default, (int, float)) else ""
-            raise ConfigError(
-                f"{key}={value} is not a finite number; set {key} to a finite value{hint}."
-            )
-
-
-def _numbers(node: object, prefix: str):
-    """(dotted key, value) of every float under the dataclass ``node``, maps included."""
-    for f in fields(node):  # type: ignore[arg-type]
-        value = getattr(node, f.name)
-        key = f"{prefix}{f.name}"
-        if is_dataclass(value):
-            yield from _numbers(value, key + ".")
-        elif isinstance(value, float):
-            yield key, value
-        elif isinstance(value, dict):
-            yield from ((f"{key}.{k}", v) for k, v in value.items() if isinstance(v, float))
-
-
-def _lookup(node: object, key: str) -> object:
-    for part in key.split("."):
-        node = getattr(node, part, None)
-    return node
-
-
-# -- tensor-parallel meshes against the model's sizes ----------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a model that a tensor-parallel degree must divide, and where they come from."""
-
-    source: str  # "model.tiny" or the config.json they were read from
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-
-
-def tiny_model_shape(cfg: RunConfig) -> ModelShape:
-    """The embedded model's sizes, straight from ``model.tiny``."""
-    ti = cfg.model.tiny
-    return ModelShape("model.tiny", ti.num_heads, ti.num_kv_heads, ti.intermediate_size)
-
-
-def model_shape(path: str, key: str) -> ModelShape | None:
-    """Sizes from the config.json of a local folder or of an HF id in the local cache.
-
-    None when no config.json is on this machine or it lacks the sizes (the
-    worker then checks when it builds the model).
-    """
-    from rltrain.models.source import _cached, looks_local
-
-    config_json = Path(path).expanduser() / "config.json"
-    if not looks_local(path):
-        try:
-            config_json = _cached(key, path, "config.json")
-        except ConfigError:  # not downloaded: the worker checks when it builds the model
-            return None
-    if not config_json.is_file():
-        return None
-    try:
-        c = json.loads(config_json.read_text())
-        c = c.get("text_config", c)  # multimodal wrappers keep the LM's sizes there
-        heads = int(c["num_attention_heads"])
-        return ModelShape(
-            f"{key}={path}",
-            heads,
-            int(c.get("num_key_value_heads") or heads),
-            int(c["intermediate_size"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def check_mesh_fits_model(cfg: RunConfig, shape: ModelShape, role: str) -> None:
-    """``dtensor.tp`` (``value.dtensor.tp`` for the critic) must divide the attention heads,
-    key/value heads and MLP width that tensor parallelism splits; vLLM's ``rollout.tp``
-    must divide the attention heads. Raises ConfigError naming the key and the degrees that fit."""
-    sizes = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
-    if role == "policy":
-        tps = [("dtensor.tp", cfg.dtensor.tp)]
-        if cfg.rollout.engine == "vllm":
-            tps.append(("rollout.tp", cfg.rollout.tp))
-    else:
-        tp = cfg.value.dtensor.tp if cfg.value.dtensor.tp is not None else cfg.dtensor.tp
-        key = "value.dtensor.tp" if cfg.value.dtensor.tp is not None else "dtensor.tp"
-        tps = [(key, tp)]
-    for key, tp in tps:
-        if key == "rollout.tp":
-            if tp > 0 and shape.num_attention_heads % tp:
-                fits = [
-                    t
-                    for t in range(1, shape.num_attention_heads + 1)
-                    if shape.num_attention_heads % t == 0
-                ]
-                raise ConfigError(
-                    f"rollout.tp={tp} does not divide the model's {shape.num_attention_heads} attention "
-                    f"heads ({shape.source}), which vLLM splits over its tensor-parallel ranks; "
-                    f"use rollout.tp in {{{', '.join(map(str, fits))}}}."
-                )
-            continue
-        if tp > 0 and any(n % tp for n in sizes):
-            fits = [t for t in range(1, min(sizes) + 1) if all(n % t == 0 for n in sizes)]
-            critic = " of the value model" if role == "value" else ""
-            raise ConfigError(
-                f"{key}={tp} does not divide the {shape.num_attention_heads} attention heads, "
-                f"{shape.num_key_value_heads} key/value heads and MLP width {shape.intermediate_size}"
-                f"{critic} ({shape.source}) that tensor parallelism splits; "
-                f"use {key} in {{{', '.join(map(str, fits))}}}."
-            )

@@ -78,7 +78,7 @@ def evaluate_model(cfg: RunConfig) -> dict[str, float]:
     ConfigError for a missing model, bad data or an empty validation split.
     """
     from rltrain.config.errors import ConfigError
-    from rltrain.config.validate import check_inputs
+    from rltrain.config.inputs import check_inputs
     from rltrain.data import build_task
     from rltrain.models.loader import load_tokenizer
 

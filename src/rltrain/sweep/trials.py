@@ -87,7 +87,7 @@ def check_inputs(cfg: RunConfig, checked: dict[str, None]) -> None:
     key = repr((cfg.model.path, cfg.model.tokenizer, cfg.model.tiny, asdict(cfg.data), cfg.reward))
     if key in checked:
         return
-    from rltrain.config.validate import check_inputs as check_model_inputs
+    from rltrain.config.inputs import check_inputs as check_model_inputs
     from rltrain.data import build_task
     from rltrain.models.loader import load_tokenizer
 
