@@ -204,7 +204,16 @@ def test_group_of_rollout_keeps_the_oldest_token_version():
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_max_staleness_0_gives_the_synchronous_loops_metrics(tmp_path):
-    common = ["grpo", "max_steps=4", "algorithm.prompts_per_step=8", *QUIET]
+    # One torch thread per role in both: the synchronous run (in one process) and the
+    # asynchronous one (Ray worker processes, the cores split between them) then run the
+    # same kernels, so their numbers agree bit for bit.
+    common = [
+        "grpo",
+        "max_steps=4",
+        "algorithm.prompts_per_step=8",
+        "cluster.torch_threads=1",
+        *QUIET,
+    ]
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     for out, extra in ((sync, []), (asyn, [*ASYNC, "algorithm.async_rollout.max_staleness=0"])):
         proc = _run_cli(*common, *extra, f"output_dir={out}")
