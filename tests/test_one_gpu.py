@@ -79,7 +79,7 @@ def test_one_gpu_plans(algorithm, engine):
     lay = plan.gpu_layout
     assert lay is not None and lay.rollout_colocated and lay.value_colocated == ppo
     on_gpu = ["policy rank 0"] + (["value rank 0"] if ppo else []) + ["rollout rank 0"]
-    assert lay.shared == [on_gpu] and lay.share == share
+    assert lay.shared == (tuple(on_gpu),) and lay.share == share
     assert any(f"{engine} engine" in n for n in roles["rollout"].notes)
     sleeps = "weights to host memory" if engine == "vllm" else "cached GPU blocks freed"
     assert any(sleeps in n for n in roles["rollout"].notes)
@@ -162,7 +162,7 @@ def test_two_gpus_keep_roles_apart_where_they_fit():
     cfg, plan = _plan("grpo", resources=GPU2)
     assert not plan.colocated and plan.refit.transport == "nccl"
     assert plan.role("policy").bundle == plan.role("rollout").bundle == {"CPU": 1.0, "GPU": 1.0}
-    assert plan.gpu_layout is not None and plan.gpu_layout.shared == []
+    assert plan.gpu_layout is not None and plan.gpu_layout.shared == ()
     assert [g.role for g in role_bundles(plan, cfg.cluster)] == ["policy", "rollout"]
     # PPO: policy + critic need both GPUs, so the engine joins policy rank 0.
     cfg, plan = _plan("ppo", resources=GPU2)

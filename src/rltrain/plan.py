@@ -42,7 +42,7 @@ class RolePlan:
     dtype: str
     backend: str  # torch.distributed backend inside the role
     threads: int  # torch intra-op threads per process (CPU); 0 = library default
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ class RunPlan:
     algorithm: str
     device: str
     resources: Resources
-    roles: list[RolePlan]
+    roles: tuple[RolePlan, ...]
     batch: BatchPlan
     refit: RefitPlan
     precision: PrecisionPlan
@@ -207,7 +207,7 @@ class RunPlan:
     inputs: InputsPlan
     # role -> node of each rank ("ip (node id)"): forecast by `rltrain plan`,
     # then what Ray actually chose once a run has started.
-    placement: dict[str, list[str]] = field(default_factory=dict)
+    placement: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The objective in words, one entry per part (see objective_summary).
     objective: dict[str, str] = field(default_factory=dict)
     # Every role in the driver's process, no Ray (cluster.in_process), and why (or why not).
@@ -546,7 +546,7 @@ def make_plan(
             p.param_dtype,
             backend,
             trainer_threads,
-            trainer_notes,
+            tuple(trainer_notes),
         ),
         RolePlan(
             "rollout",
@@ -557,10 +557,10 @@ def make_plan(
             p.rollout_dtype,
             backend,
             rollout_threads,
-            [
-                f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}"
-            ]
-            + (colocated_engine_notes(cfg, rollout_bundle["GPU"]) if colocated else []),
+            (
+                f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}",
+                *(colocated_engine_notes(cfg, rollout_bundle["GPU"]) if colocated else []),
+            ),
         ),
     ]
     if vcfg is not None:
@@ -592,7 +592,7 @@ def make_plan(
         algorithm=cfg.algorithm.name,
         device=device,
         resources=resources,
-        roles=roles,
+        roles=tuple(roles),
         batch=batch,
         refit=RefitPlan(
             transport=transport,
@@ -799,7 +799,7 @@ def _value_role(
         vp.param_dtype,
         backend,
         threads,
-        notes + placement_notes,
+        (*notes, *placement_notes),
     )
 
 

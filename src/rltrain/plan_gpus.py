@@ -37,8 +37,8 @@ class GpuLayout:
     rollout_colocated: bool
     value_colocated: bool
     share: float  # 1.0 when no GPU is shared
-    shared: list[list[str]]  # per GPU that holds several processes: "policy rank 0", ...
-    reasons: list[str]  # why, one sentence per decision (auto or set explicitly)
+    shared: tuple[tuple[str, ...], ...]  # per GPU holding several processes: "policy rank 0", ...
+    reasons: tuple[str, ...]  # why, one sentence per decision (auto or set explicitly)
 
 
 def _or(fixes: list[str]) -> str:
@@ -191,7 +191,9 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
             procs += [f"rollout rank {i}" for i in range(ro.replicas)]
         if len(procs) > 1:
             shared.append(procs)
-    layout = GpuLayout(colocated, not separate, share, shared, reasons)
+    layout = GpuLayout(
+        colocated, not separate, share, tuple(tuple(p) for p in shared), tuple(reasons)
+    )
     return layout, dp
 
 

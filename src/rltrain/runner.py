@@ -331,7 +331,9 @@ def _gpu_memory(workers: Workers, out: Path) -> dict | None:
     return memory
 
 
-def _report_placement(placement: list[dict], nodes: list, console: Console) -> dict[str, list[str]]:
+def _report_placement(
+    placement: list[dict], nodes: list, console: Console
+) -> dict[str, tuple[str, ...]]:
     """Print which node (and GPU) holds which role; returns role -> "ip (node id) pid N[ GPU g]"
     per rank."""
     labels = {n.node_id: n.label for n in nodes}
@@ -342,7 +344,7 @@ def _report_placement(placement: list[dict], nodes: list, console: Console) -> d
         rows.setdefault(w["role"], []).append(f"{node} pid {w['pid']}{gpu}")
     for role, where in rows.items():
         console.print(f"  {role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(where)))
-    return rows
+    return {role: tuple(where) for role, where in rows.items()}
 
 
 def _write_report(out: Path, console: Console) -> None:

@@ -242,9 +242,9 @@ def _room(free: dict[str, float]) -> tuple[float, float]:
     return free.get("GPU", 0.0), free.get("CPU", 0.0)
 
 
-def placement_rows(placement: dict[str, list[NodeInfo]]) -> dict[str, list[str]]:
+def placement_rows(placement: dict[str, list[NodeInfo]]) -> dict[str, tuple[str, ...]]:
     """role -> node label per rank, for plan.json and the plan tree."""
-    return {role: [n.label for n in nodes] for role, nodes in placement.items()}
+    return {role: tuple(n.label for n in nodes) for role, nodes in placement.items()}
 
 
 def shared_gpu_mismatch(
