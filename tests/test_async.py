@@ -160,10 +160,12 @@ def test_a_failure_inside_a_step_aborts_it_on_the_trainers(monkeypatch):
     calls: list[str] = []
 
     class Policy:
-        def begin_train_step(self):
-            calls.append("begin")
+        """The handle's API: the step opens with its first rows (``begin``) and closes with
+        its last (``finish``)."""
 
-        def accumulate(self, batch, last=True):
+        def accumulate(self, batch, last=True, begin=False, finish=False, meanwhile=None):
+            if begin:
+                calls.append("begin")
             calls.append("accumulate")
             raise RuntimeError("policy rank 0 failed: boom")
 
@@ -177,7 +179,7 @@ def test_a_failure_inside_a_step_aborts_it_on_the_trainers(monkeypatch):
     gen.ctx.tokenizer = SimpleNamespace(pad_token_id=0)
     with pytest.raises(RuntimeError, match="policy rank 0 failed"):
         async_grpo._step(gen.ctx, gen, 1, 0, lambda s, m: None)
-    assert calls == ["begin", "accumulate", "abort"]
+    assert calls == ["begin", "accumulate", "abort"]  # no finish of a failed step
 
 
 def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):

@@ -202,18 +202,34 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         ]
         self.calls.wait(pending, "train")
 
-    def accumulate(self, batch: TrainBatch, last: bool = True) -> float:
+    def accumulate(
+        self,
+        batch: TrainBatch,
+        last: bool = True,
+        begin: bool = False,
+        finish: bool = False,
+        meanwhile: Callable[[Sequence[Pending[object]]], None] | None = None,
+    ) -> dict[str, float] | None:
         """Forward/backward of ``batch`` inside the open step, rows token-balanced over the dp
         groups, each rank's share over token-planned micro batches; ``last=False``: more
-        rows of this step follow. Returns the seconds the slowest rank took."""
+        rows of this step follow.
+
+        ``begin``: open the step first, in the same actor call (:meth:`begin_train_step`
+        without its round trip). ``finish``: finish the step in that call too, once every
+        micro batch went through (a failed one leaves the step open for
+        :meth:`abort_train_step`), and return rank 0's metrics (see
+        :meth:`finish_train_step`); else None. ``meanwhile(work)`` runs once the calls are
+        submitted, with the calls themselves: the controller's own work while the ranks
+        train (it may wait on them beside its own calls, never resolve them)."""
         shards = shard_rows(batch, self.dp, self.tp, max(batch.size, 1))
-        t0 = time.perf_counter()
-        pending = [
-            a.call(PolicyWorker.accumulate, s if s.size else None, last)
+        first = (PolicyWorker.begin_train_step,) if begin else ()
+        work: list[Pending[dict[str, float] | None]] = [
+            a.call_after(first, PolicyWorker.accumulate, s if s.size else None, last, finish)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
-        self.calls.wait(pending, "train")
-        return time.perf_counter() - t0
+        if meanwhile is not None:
+            meanwhile(work)
+        return self.calls.wait(work, "train")[0]
 
     def finish_train_step(self) -> dict[str, float]:
         """Reduce, scale, clip and step on every rank; rank 0's metrics (reduced over dp)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -292,6 +292,20 @@ class AsyncController:
             self.state.waiting += split_groups(rollout, rewards, exact, self.G, call.index)
         return len(calls)
 
+    def collect_during(self, work: Sequence[Pending[object]]) -> None:
+        """Score generation calls that return while ``work`` (the trainer's calls) runs, so
+        their groups are waiting when the step ends; returns once ``work`` finished (or
+        failed: its wait reports that) or no generation call is in flight. Waits at most
+        to the earliest group deadline at a time, where :meth:`collect` judges lateness."""
+        while self.in_flight:
+            calls = [c.pending for c in self.in_flight]
+            deadline = min(c.submitted + self.timeout_s for c in self.in_flight)
+            done = ready([*calls, *work], max(0.0, deadline - time.monotonic()))
+            if not done or any(i < len(calls) for i in done):
+                self.collect(0.0)  # what returned is scored; past a deadline, the run fails
+            if len(ready(work, 0.0)) == len(work):
+                return
+
     def busy_intervals(self, start: float, end: float) -> list[tuple[float, float]]:
         """The replicas' generating time within [start, end] (time.time()): the calls that
         returned (as the engines timed them) and, for each replica with calls still in
@@ -372,7 +386,6 @@ def _step(
     dropped = 0
     adv_abs: list[float] = []
     train_metrics: dict[str, float] = {}
-    ctx.policy.begin_train_step()
     try:
         while len(trained) < P:
             dropped += gen.drop_stale(version)
@@ -400,9 +413,14 @@ def _step(
             last = len(trained) + len(groups) == P
             t0 = time.time()
             with timer("train"):
-                ctx.policy.accumulate(batch, last=last)
-                if last:
-                    train_metrics = ctx.policy.finish_train_step()
+                # The step opens with its first rows and closes with its last, each in the
+                # same actor call; generation calls that return meanwhile are scored while
+                # the ranks train.
+                out = ctx.policy.accumulate(
+                    batch, last=last, begin=not trained, finish=last, meanwhile=gen.collect_during
+                )
+                if out is not None:
+                    train_metrics = out
             train_intervals.append((t0, time.time()))
             trained += groups
     except BaseException as exc:

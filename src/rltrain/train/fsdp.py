@@ -429,16 +429,21 @@ class FSDPTrainer:
             cast(StepMetrics, self._step).add(name, metric_kind, value)
         return token_out if micro.num_sequences else None
 
-    def accumulate(self, batch: TrainBatch | None, last: bool = True) -> None:
+    def accumulate(
+        self, batch: TrainBatch | None, last: bool = True, finish: bool = False
+    ) -> dict[str, float] | None:
         """Forward/backward of this rank's rows of ``batch`` (None: no rows) inside the open
         step, over token-planned micro batches (:meth:`plan_micro_batches`, collective:
         every dp rank runs as many). ``last=False``: more rows of this step follow. The
-        asynchronous controller streams groups into a step with this."""
+        asynchronous controller streams groups into a step with this. ``finish``: then
+        :meth:`finish_train_step` (only when every micro batch went through) and return
+        its metrics; else None."""
         rows = batch if batch is not None else TrainBatch.empty()
         plan = self.plan_micro_batches(rows)
         for i, micro_rows in enumerate(plan):
             micro = self.make_micro_batch(rows, micro_rows) if micro_rows else None
             self.train_microbatch(micro, last=last and i == len(plan) - 1)
+        return self.finish_train_step() if finish else None
 
     def finish_train_step(self) -> dict[str, float]:
         """Reduce counts and metrics over dp ranks, scale grads by 1/N, unscale, clip, step.
