@@ -377,7 +377,7 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
             raise WorkerError(f"{what}: {name} died ({str(exc).splitlines()[0]})", "died") from exc
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            failed = f"{what}: {name} failed: {type(cause).__name__}: {cause}"
+            failed = _failed(what, name, cause)
             if not _is_peer_loss(cause):  # a bug or a diverging run: not retried
                 raise WorkerError(failed) from exc
             # A rank whose collective peer died raises (gloo: "Connection closed by
@@ -396,13 +396,18 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
     return [results[i] for i in range(len(refs))]
 
 
+def _failed(what: str, name: str, cause: BaseException) -> str:
+    """How a worker's exception reads, whether it ran in a Ray actor or in this process."""
+    return f"{what}: {name} failed: {type(cause).__name__}: {cause}"
+
+
 def _local_results(refs: list[Done], names: list[str], what: str) -> list:
     """The values of calls that ran in this process; the first that raised becomes a
     :class:`WorkerError` naming its worker (a bug or a diverging run: ``failed``)."""
     for ref, name in zip(refs, names, strict=True):
         if ref.error is not None:
             exc = ref.error
-            raise WorkerError(f"{what}: {name} failed: {type(exc).__name__}: {exc}") from exc
+            raise WorkerError(_failed(what, name, exc)) from exc
     return [r.value for r in refs]
 
 
