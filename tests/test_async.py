@@ -178,8 +178,60 @@ def test_a_failure_inside_a_step_aborts_it_on_the_trainers(monkeypatch):
     gen.ctx.policy = Policy()
     gen.ctx.tokenizer = SimpleNamespace(pad_token_id=0)
     with pytest.raises(RuntimeError, match="policy rank 0 failed"):
-        async_grpo._step(gen.ctx, gen, 1, 0, lambda s, m: None)
-    assert calls == ["begin", "accumulate", "abort"]  # no finish of a failed step
+        async_grpo._step(gen.ctx, gen, 1, 0, lambda s, m: None, lambda: calls.append("tail"))
+    # No finish of a failed step; the previous step's deferred tail (its refit wait and its
+    # log line) ran once (here before the wait for generation: nothing was buffered yet).
+    assert calls == ["tail", "begin", "accumulate", "abort"]
+
+
+def test_a_steps_refit_wait_and_log_overlap_the_next_steps_training(monkeypatch):
+    """Step t's tail (wait for its refit, log it) runs once step t+1's rows went to the
+    ranks; the last step (and one with a checkpoint due) ends in itself."""
+    gen, _, Pool = _controller(monkeypatch, k=1)
+    cfg = gen.ctx.cfg
+    cfg.max_steps, cfg.eval.every_n_steps, cfg.checkpoint.every_n_steps = 4, 0, 2
+    events: list[str] = []
+
+    class Policy:
+        def accumulate(self, batch, last=True, begin=False, finish=False, meanwhile=None):
+            events.append("train")
+            if meanwhile is not None:
+                meanwhile([])
+            return {"loss": 0.0} if finish else None
+
+    class InFlight:
+        def __init__(self, version):
+            self.version = Pool.version = version  # calls submitted from now on see it
+            events.append(f"refit {version}")
+
+        def result(self):
+            events.append(f"refit {self.version} landed")
+            return SimpleNamespace(bytes=1, buckets=1, extra={})
+
+    gen.ctx.policy = Policy()
+    gen.ctx.tokenizer = SimpleNamespace(pad_token_id=0)
+    gen.ctx.start_refit = InFlight
+    gen.ctx.task.reward_metrics = dict
+    gen.ctx.checkpoint = lambda step, version: events.append(f"checkpoint {step}")
+    logged: dict[int, dict[str, float]] = {}
+
+    def on_step(step, metrics):
+        events.append(f"log {step}")
+        logged[step] = metrics
+
+    tail, version = None, 0
+    for step in range(1, 5):
+        version, tail = async_grpo._step(gen.ctx, gen, step, version, on_step, tail)
+    assert tail is None
+    assert events == [
+        "train", "refit 1",  # step 1 ...
+        "train", "refit 1 landed", "log 1", "refit 2", "refit 2 landed", "log 2",
+        "checkpoint 2",
+        "train", "refit 3",
+        "train", "refit 3 landed", "log 3", "refit 4", "refit 4 landed", "log 4",  # the last
+    ]  # fmt: skip
+    assert [logged[s]["weight_version"] for s in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]
+    assert all("time/refit" in m and m["refit/bytes"] == 1.0 for m in logged.values())
 
 
 def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):

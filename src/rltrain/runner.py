@@ -237,7 +237,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 workers.value,
                 task,
                 tokenizer,
-                refit=workers.refit,
+                start_refit=workers.start_refit,
                 checkpoint=lambda step, version: save_checkpoint(
                     workers,
                     task,

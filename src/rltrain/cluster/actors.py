@@ -1,4 +1,4 @@
-"""The one place a method call becomes a Ray call, and the waits that name the stuck worker.
+r"""The one place a method call becomes a Ray call, and the waits that name the stuck worker.
 
 A worker object (PolicyWorker, ValueWorker, an Engine) lives in a generic
 :class:`WorkerHost` actor. The driver holds each actor as an :class:`Actor`, whose

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rltrain.cluster.actors import (
@@ -35,7 +35,7 @@ from rltrain.train.policy_worker import PolicyWorker
 from rltrain.train.value_worker import ValueWorker
 
 # Importable from here too: the run's errors and the wait that names a stuck worker.
-__all__ = ["Workers", "WorkerError", "WorkerHost", "refit_summary", "wait"]
+__all__ = ["RefitInFlight", "Workers", "WorkerError", "WorkerHost", "refit_summary", "wait"]
 
 
 def refit_summary(sent: RefitStats, received: list[RefitStats]) -> RefitStats:
@@ -61,6 +61,30 @@ def refit_beside_generate(cfg: RunConfig, colocated: bool) -> bool:
     """
     ar = cfg.algorithm.async_rollout
     return ar.enabled and ar.partial_rollouts and not colocated
+
+
+@dataclass
+class RefitInFlight:
+    """A refit submitted by :meth:`Workers.start_refit`; :meth:`result` waits for it."""
+
+    weight_version: int
+    send: list[Pending[RefitStats | None]]
+    recv: list[Pending[RefitStats]]
+    calls: Calls
+    timeout_s: float
+
+    def result(self) -> RefitStats:
+        """The sender's stats with the replicas' side (:func:`refit_summary`); a replica
+        that reports another weight version fails the run."""
+        v = self.weight_version
+        out = self.calls.wait([*self.send, *self.recv], f"refit v{v}", self.timeout_s)
+        stats = out[0]
+        assert stats is not None, "policy rank 0 sends the refit"
+        replicas = [s for s in out[len(self.send) :] if s is not None]
+        replica_versions = [s.weight_version for s in replicas]
+        if any(r != v for r in replica_versions):
+            raise WorkerError(f"refit v{v}: replicas report weight versions {replica_versions}")
+        return refit_summary(stats, replicas)
 
 
 class Workers:
@@ -257,11 +281,20 @@ class Workers:
         self.calls.wait(pending, "refit group rendezvous", self.timeout)
 
     def refit(self, weight_version: int) -> RefitStats:
-        """Push the policy's weights to every replica, stamped ``weight_version``.
+        """Push the policy's weights to every replica, stamped ``weight_version``, and wait
+        for it (:meth:`start_refit`, then its result)."""
+        return self.start_refit(weight_version).result()
 
-        Colocated engines wake up first, in the same actor call as their receive: the
-        weights land in GPU memory they gave back, and the sender only writes once the
-        receiver said it is ready (after its wake-up).
+    def start_refit(self, weight_version: int) -> RefitInFlight:
+        """Submit the refit of the policy's weights to every replica, stamped
+        ``weight_version``, without waiting for it.
+
+        Each actor runs its calls in submission order, so a train call submitted after
+        this one trains only after its rank sent these weights, and a generate call
+        submitted after it generates with them (or, with partial rollouts, the receive
+        lands between two decode steps). Colocated engines wake up first, in the same actor
+        call as their receive: the weights land in GPU memory they gave back, and the
+        sender only writes once the receiver said it is ready (after its wake-up).
         """
         self.rollout.settle()
         send = [a.call(PolicyWorker.refit_send, weight_version) for a in self.policy.actors]
@@ -272,18 +305,7 @@ class Workers:
         else:
             recv = [a.call_after(wake, Engine.refit_receive) for a in self.rollout.actors]
         self.rollout.awake = [True] * len(self.rollout.actors)
-        out = self.calls.wait(
-            [*send, *recv], f"refit v{weight_version}", self.cfg.refit.timeout_s * 2
-        )
-        stats = out[0]
-        assert stats is not None, "policy rank 0 sends the refit"
-        replicas = [s for s in out[len(send) :] if s is not None]
-        replica_versions = [s.weight_version for s in replicas]
-        if any(v != weight_version for v in replica_versions):
-            raise WorkerError(
-                f"refit v{weight_version}: replicas report weight versions {replica_versions}"
-            )
-        return refit_summary(stats, replicas)
+        return RefitInFlight(weight_version, send, recv, self.calls, self.cfg.refit.timeout_s * 2)
 
     # -- trainer checkpoints ------------------------------------------------------------
     def trainer_gangs(self) -> list[TrainerGang[Any]]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rltrain.cluster.actors import Pending, WorkerError, ready, wait_all
+from rltrain.config.schema import RunConfig
 from rltrain.data import encode_groups, score_groups
 from rltrain.data.task import PromptItem
 from rltrain.logging.metrics import StageTimer
@@ -345,6 +346,10 @@ class AsyncController:
         return out
 
 
+# A step's end that may run during the next step: wait for its refit, then log it.
+Tail = Callable[[], None]
+
+
 def train_grpo_async(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` asynchronous GRPO steps (``algorithm.async_rollout``);
     ``on_step`` logs each one. Resumes the buffer a checkpoint saved (``ctx.resumed_loop_state``).
@@ -362,8 +367,22 @@ def train_grpo_async(ctx: RunContext, on_step: Callable[[int, dict[str, float]],
 
     # Every checkpoint from here on (the runner's final one included) saves the buffer.
     ctx.loop_state = checkpoint_state
+    tail: Tail | None = None
     for step in range(ctx.start_step + 1, ctx.cfg.max_steps + 1):
-        version = _step(ctx, gen, step, version, on_step)
+        version, tail = _step(ctx, gen, step, version, on_step, tail)
+    assert tail is None, "the last step ends in itself"
+
+
+def _deferred_tail(cfg: RunConfig, step: int) -> bool:
+    """Whether step ``step``'s tail (wait for its refit, log it) may run while the next step
+    trains: not on the last step, nor when an evaluation or a checkpoint is due (those need
+    the refitted weights before anything else reaches the workers)."""
+    every_eval, every_ckpt = cfg.eval.every_n_steps, cfg.checkpoint.every_n_steps
+    return not (
+        step >= cfg.max_steps
+        or (every_eval and step % every_eval == 0)
+        or (every_ckpt and step % every_ckpt == 0)
+    )
 
 
 def _step(
@@ -372,9 +391,27 @@ def _step(
     step: int,
     version: int,
     on_step: Callable[[int, dict[str, float]], None],
-) -> int:
+    previous_tail: Tail | None = None,
+) -> tuple[int, Tail | None]:
     """One optimizer step of ``prompts_per_step`` groups at trainer version ``version``;
-    returns the new version."""
+    returns the new version and, when it is deferred, this step's tail.
+
+    ``previous_tail`` (the previous step's refit wait and logging) runs once this step's
+    first rows are submitted to the ranks, so the controller's own work between two steps
+    overlaps training; the ranks and replicas see the refit before this step's calls
+    because each actor runs its calls in submission order. It runs earlier when this step
+    must first wait for generation, and before a failure is reported."""
+
+    def run_previous_tail() -> None:
+        nonlocal previous_tail
+        if previous_tail is not None:
+            run, previous_tail = previous_tail, None
+            run()
+
+    def meanwhile(work: Sequence[Pending[object]]) -> None:
+        run_previous_tail()
+        gen.collect_during(work)
+
     cfg = ctx.cfg
     a = cfg.algorithm
     P, G = gen.P, gen.G
@@ -391,6 +428,7 @@ def _step(
             dropped += gen.drop_stale(version)
             gen.fill(len(trained), groups_left - len(trained))
             if not gen.state.waiting:
+                run_previous_tail()
                 with timer("wait_generate"):
                     gen.collect(None)
                 continue
@@ -417,17 +455,22 @@ def _step(
                 # same actor call; generation calls that return meanwhile are scored while
                 # the ranks train.
                 out = ctx.policy.accumulate(
-                    batch, last=last, begin=not trained, finish=last, meanwhile=gen.collect_during
+                    batch, last=last, begin=not trained, finish=last, meanwhile=meanwhile
                 )
                 if out is not None:
                     train_metrics = out
             train_intervals.append((t0, time.time()))
             trained += groups
+        run_previous_tail()
     except BaseException as exc:
         try:
             ctx.policy.abort_train_step()
         except Exception as abort_exc:  # noqa: BLE001 - the first failure is the one to report
             exc.add_note(f"abort_train_step failed too: {abort_exc}")
+        try:  # the previous step is logged even when this one failed
+            run_previous_tail()
+        except Exception as tail_exc:  # noqa: BLE001
+            exc.add_note(f"the previous step's refit failed too: {tail_exc}")
         raise
     version += 1
     # Without partial rollouts a refit waits for the replicas' calls in flight (the engine
@@ -435,8 +478,7 @@ def _step(
     if not gen.partial:
         with timer("wait_generate"):
             gen.drain()
-    with timer("refit"):
-        refit = ctx.refit(version)
+    refit_in_flight = ctx.start_refit(version)
     gen.fill(0, groups_left - P)  # the next step's calls start generating with the new weights
 
     step_s = time.perf_counter() - t_step
@@ -463,11 +505,7 @@ def _step(
         "response/finished_frac": sum(finished) / len(finished),
         **train_metrics,
         "weight_version": float(version),
-        "refit/bytes": float(refit.bytes),
-        "refit/buckets": float(refit.buckets),
-        **{f"time/refit_{k}": v for k, v in refit.extra.items()},
         **ctx.task.reward_metrics(),
-        **timer.metrics(),
         "async/staleness_mean": float(staleness.mean()),
         "async/staleness_max": float(staleness.max()),
         "async/dropped_samples": float(dropped),
@@ -481,5 +519,21 @@ def _step(
         "throughput/tokens_per_s": n_tokens / step_s,
     }
     assert math.isfinite(metrics["time/step"])
-    end_step(ctx, step, version, metrics, on_step)
-    return version
+
+    def tail() -> None:
+        with timer("refit"):  # what the controller waited for the refit beyond its own work
+            refit = refit_in_flight.result()
+        metrics.update(
+            {
+                "refit/bytes": float(refit.bytes),
+                "refit/buckets": float(refit.buckets),
+                **{f"time/refit_{k}": v for k, v in refit.extra.items()},
+                **timer.metrics(),
+            }
+        )
+        end_step(ctx, step, version, metrics, on_step)
+
+    if _deferred_tail(cfg, step):
+        return version, tail
+    tail()
+    return version, None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rltrain.cluster.handles import PolicyGang, RolloutPool, ValueGang
+    from rltrain.cluster.workers import RefitInFlight
     from rltrain.config.schema import RunConfig
     from rltrain.data import Task
     from rltrain.plan import RunPlan
@@ -20,8 +21,9 @@ class RunContext:
 
     ``policy``, ``rollout`` and ``value`` (PPO's critic; None for GRPO) are the
     role handles: their methods are the workers' API (``ctx.policy.train(batch)``,
-    ``ctx.rollout.generate(prompt_ids, sampling)``). ``refit(weight_version)``
-    pushes the policy's weights into the rollout pool stamped with that version;
+    ``ctx.rollout.generate(prompt_ids, sampling)``). ``start_refit(weight_version)``
+    submits the push of the policy's weights into the rollout pool stamped with that
+    version (calls submitted after it see those weights) and :meth:`refit` waits for it;
     ``checkpoint(step, weight_version)`` saves a complete checkpoint and returns its
     folder. The loop continues after ``start_step`` with the rollout engines holding
     ``weight_version`` (0 and 0 for a fresh run).
@@ -34,7 +36,7 @@ class RunContext:
     value: ValueGang | None
     task: Task
     tokenizer: Any  # a transformers tokenizer
-    refit: Callable[[int], RefitStats]
+    start_refit: Callable[[int], RefitInFlight]
     checkpoint: Callable[[int, int], str]
     start_step: int = 0
     weight_version: int = 0
@@ -43,3 +45,7 @@ class RunContext:
     # finds it in ``resumed_loop_state``.
     loop_state: Callable[[], dict[str, Any]] | None = None
     resumed_loop_state: dict[str, Any] | None = None
+
+    def refit(self, weight_version: int) -> RefitStats:
+        """Refit the pool to the policy's weights as ``weight_version`` and wait for it."""
+        return self.start_refit(weight_version).result()
