@@ -64,8 +64,9 @@ def make_cfg(
 
 
 def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int):
-    """Right-padded TrainBatch of (prompt, response) lengths; old logprobs left None (fused step)."""
-    from rltrain.train.batch import TrainBatch
+    """Right-padded PolicyBatch of (prompt, response) lengths; old logprobs left None (the
+    fused step)."""
+    from rltrain.train.batch import PolicyBatch, TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(p + r for p, r in lengths)
@@ -75,7 +76,8 @@ def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int):
     for i, (p, r) in enumerate(lengths):
         attn[i, : p + r] = 1
         resp[i, p : p + r] = 1
-    return TrainBatch(ids * attn, attn, resp, torch.randn(B, generator=g), torch.zeros(B, T))
+    tokens = TrainBatch(ids * attn, attn, resp, torch.zeros(B, T), resp)
+    return PolicyBatch.of(tokens, torch.randn(B, generator=g))
 
 
 def rl_mix(rows: int, seed: int, scale: float = 1.0) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import PolicyBatch, TrainBatch, ValueBatch
 from rltrain.train.compile import COMPILE_MIN_PARAMS, resolve_compile
 from rltrain.train.fsdp import FSDPTrainer
 from rltrain.train.kernels import resolve_causal_rows
@@ -38,9 +38,9 @@ SHAPES = [
 ]
 
 
-def _batch(rows: int, tokens: int, equal: bool, seed: int) -> TrainBatch:
-    """A right-padded batch (mixed lengths, or every row ``tokens`` long) with old logprobs,
-    per-token advantages, returns and old values (the critic's fields) filled in."""
+def _batch(rows: int, tokens: int, equal: bool, seed: int) -> PolicyBatch:
+    """A right-padded batch (mixed lengths, or every row ``tokens`` long) with old logprobs
+    and advantages (:func:`_value_batch` gives the critic's)."""
     batch = mixed_batch(B=rows, T=tokens, seed=seed)
     if equal:
         g = torch.Generator().manual_seed(seed)
@@ -48,10 +48,14 @@ def _batch(rows: int, tokens: int, equal: bool, seed: int) -> TrainBatch:
         batch.attention_mask_BT.fill_(1)
         batch.response_mask_BT.fill_(1)
         batch.response_mask_BT[:, :2] = 0
-    g = torch.Generator().manual_seed(seed)
-    batch.returns_BT = torch.rand(rows, tokens, generator=g) * batch.response_mask_BT
-    batch.old_values_BT = torch.rand(rows, tokens, generator=g) * batch.response_mask_BT
     return batch
+
+
+def _value_batch(batch: TrainBatch, old_values_BT: torch.Tensor, seed: int) -> ValueBatch:
+    """``batch`` with random value targets and ``old_values_BT``."""
+    g = torch.Generator().manual_seed(seed)
+    returns_BT = torch.rand(batch.input_ids_BT.shape, generator=g) * batch.response_mask_BT
+    return ValueBatch.of(batch, returns_BT, old_values_BT)
 
 
 def _record_block_inputs(worker) -> list[tuple[tuple[int, ...], str]]:
@@ -81,8 +85,7 @@ def run_steps(worker, value: bool = False) -> tuple[list[dict[str, float]], list
         worker.dp_max = (lambda n: n + 1) if empty else real_dp_max
         if value:
             outputs.append(worker.values(batch))
-            batch.old_values_BT = outputs[-1]
-            metrics.append(worker.train(batch, [batch.size]).metrics)
+            metrics.append(worker.train(_value_batch(batch, outputs[-1], step), [batch.size]))
         else:
             outputs.append(worker.compute_logprobs(batch))
             metrics.append(worker.train(batch, [batch.size]).metrics)

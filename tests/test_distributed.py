@@ -35,7 +35,7 @@ def _cfg(dp: int, tp: int):
 
 
 def _batch(cfg, seed: int = 0):
-    from rltrain.train.batch import TrainBatch
+    from rltrain.train.batch import PolicyBatch, TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     B, T = cfg.algorithm.prompts_per_step * cfg.algorithm.samples_per_prompt, 9
@@ -47,7 +47,7 @@ def _batch(cfg, seed: int = 0):
     resp = attn.float().clone()
     resp[:, :4] = 0  # prompt = first 4 tokens
     adv = torch.randn(B, generator=g)
-    return TrainBatch(ids, attn, resp, adv, torch.zeros(B, T))
+    return PolicyBatch.of(TrainBatch(ids, attn, resp, torch.zeros(B, T), resp), adv)
 
 
 def reference_step(cfg, batch) -> dict[str, torch.Tensor]:
@@ -66,7 +66,7 @@ def reference_step(cfg, batch) -> dict[str, torch.Tensor]:
     loss, _ = clipped_pg_loss(
         lp,
         lp.detach(),
-        batch.advantages_B,
+        batch.advantages_BT,
         batch.response_mask_BT,
         a.clip_ratio_low,
         a.clip_ratio_high,

@@ -119,7 +119,7 @@ def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
     from rltrain.models.loader import load_tokenizer
     from rltrain.plan import Resources, make_plan
     from rltrain.rollout.base import SamplingParams
-    from rltrain.train.batch import build_train_batch
+    from rltrain.train.batch import PolicyBatch, build_train_batch
 
     cfg = tiny_config(**{"dtensor.dp": 2, "algorithm.prompts_per_step": 8})
     plan = make_plan(cfg, Resources(num_cpus=2, num_gpus=0))
@@ -131,8 +131,9 @@ def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
         rollout = workers.rollout.generate(prompts, sampling)
         assert rollout.weight_version == 0 and len(rollout.response_ids) == 64
         rewards = torch.tensor([float(len(r) == 3) for r in rollout.response_ids])
-        batch = build_train_batch(
-            rollout, grpo_advantages(rewards + torch.rand(64) * 0.1, 8), tok.pad_token_id
+        batch = PolicyBatch.of(
+            build_train_batch(rollout, tok.pad_token_id),
+            grpo_advantages(rewards + torch.rand(64) * 0.1, 8),
         )
         metrics, old = workers.policy.train(batch)
         assert metrics["grad_norm"] > 0 and old.shape == batch.input_ids_BT.shape
@@ -142,7 +143,7 @@ def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
         # New samples from the refitted engine score the same under the trained policy.
         rollout = workers.rollout.generate(prompts, sampling)
         assert rollout.weight_version == 1
-        batch = build_train_batch(rollout, torch.zeros(64), tok.pad_token_id)
+        batch = build_train_batch(rollout, tok.pad_token_id)
         train_lp = workers.policy.logprobs(batch)
         mask = batch.response_mask_BT.bool()
         torch.testing.assert_close(

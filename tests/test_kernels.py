@@ -15,7 +15,7 @@ import torch
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.validate import validate
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import PolicyBatch, TrainBatch
 from rltrain.train.kernels import LIGER_MISSING, one_sequence_per_row
 from tests.conftest import tiny_config
 from tests.test_packing import mixed_batch
@@ -24,15 +24,15 @@ from tests.test_train_step import _cfg, _moved, _weights, _worker
 pytestmark = pytest.mark.dist
 
 
-def full_rows_batch(B: int = 6, T: int = 16, seed: int = 1) -> TrainBatch:
+def full_rows_batch(B: int = 6, T: int = 16, seed: int = 1) -> PolicyBatch:
     """B rows of exactly T real tokens (no padding), prompt = first 3."""
     g = torch.Generator().manual_seed(seed)
     attn = torch.ones(B, T, dtype=torch.long)
     resp = attn.float().clone()
     resp[:, :3] = 0
-    return TrainBatch(
-        torch.randint(4, 9, (B, T), generator=g), attn, resp, torch.randn(B, generator=g), None
-    )
+    ids = torch.randint(4, 9, (B, T), generator=g)
+    tokens = TrainBatch(ids, attn, resp, torch.zeros(B, T), resp)
+    return PolicyBatch.of(tokens, torch.randn(B, generator=g))
 
 
 def _logprobs_and_masks(cfg, batch):

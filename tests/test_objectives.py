@@ -568,7 +568,7 @@ def _objective_batch(case: str):
     loss_mask[2, 2] = 0.0
     batch.loss_mask_BT = loss_mask
     if case.startswith("dapo"):  # per-token advantages (the REINFORCE++ path)
-        batch.advantages_BT = batch.advantages_B[:, None] * torch.linspace(0.2, 1.0, 12) * resp
+        batch.advantages_BT = batch.advantages_BT * torch.linspace(0.2, 1.0, 12) * resp
     return batch
 
 
@@ -652,7 +652,7 @@ def test_dp2_micro_batches_match_one_big_batch_and_the_reference(tmp_path):
             torch.testing.assert_close(dp2["weights"][k], one[k], atol=1e-5, rtol=0, msg=case)
         # the trainer's loss is the papers' formula on its own logprobs
         o = Objective.from_config(cfg)
-        adv = batch.advantages_BT if batch.advantages_BT is not None else batch.advantages_B
+        adv = batch.advantages_BT
         resp = batch.loss_mask_BT.double()
         want = ref_policy_loss(
             lp,

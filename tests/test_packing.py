@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rltrain.algorithms.logprobs import chunked_token_logprobs, token_logprobs
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import PolicyBatch, TrainBatch
 from rltrain.train.metrics import MetricKind, StepMetrics
 from rltrain.train.packing import (
     balance_by_tokens,
@@ -21,7 +21,7 @@ from rltrain.train.packing import (
 )
 
 
-def mixed_batch(B: int = 7, T: int = 12, seed: int = 0) -> TrainBatch:
+def mixed_batch(B: int = 7, T: int = 12, seed: int = 0) -> PolicyBatch:
     """Right-padded rows of 3..T tokens (prompt = first 2), random per-token fields."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, T + 1, (B,), generator=g)
@@ -30,12 +30,11 @@ def mixed_batch(B: int = 7, T: int = 12, seed: int = 0) -> TrainBatch:
     ids = torch.randint(4, 9, (B, T), generator=g) * attn
     resp = attn.float().clone()
     resp[:, :2] = 0
-    return TrainBatch(
-        ids,
-        attn,
-        resp,
-        torch.randn(B, generator=g),
-        torch.randn(B, T, generator=g) * resp,
+    adv_B = torch.randn(B, generator=g)
+    engine_BT = torch.randn(B, T, generator=g) * resp
+    return PolicyBatch.of(
+        TrainBatch(ids, attn, resp, engine_BT, resp),
+        adv_B,
         old_logprobs_BT=torch.randn(B, T, generator=g) * resp,
     )
 
@@ -78,10 +77,11 @@ def test_pack_unpack_round_trip_is_exact(layout):
         expect[rows] = src[rows] * batch.attention_mask_BT[rows].to(src.dtype)
         assert torch.equal(out, expect), field
     adv = unpack(micro.advantages_RS, micro, torch.zeros(batch.input_ids_BT.shape))
-    assert torch.equal(adv[rows], batch.advantages_B[rows, None] * batch.attention_mask_BT[rows])
+    adv_B = batch.advantages_BT[:, 0]  # a sequence's advantage on every one of its tokens
+    assert torch.equal(adv[rows], adv_B[rows, None] * batch.attention_mask_BT[rows])
     per_seq = per_sequence_sum(micro.response_mask_RS, micro)
     assert per_seq.tolist() == batch.response_mask_BT[rows].sum(1).tolist()
-    # Per-token advantages (PPO's GAE) take the place of the per-row ones.
+    # Per-token advantages (PPO's GAE) lay out token by token.
     adv_BT = torch.randn(batch.input_ids_BT.shape) * batch.response_mask_BT
     micro = pack(
         dataclasses.replace(batch, advantages_BT=adv_BT),
@@ -188,7 +188,7 @@ def test_build_train_batch_lays_rows_out_like_the_reference():
     responses = [[int(x) for x in torch.randint(4, 9, (n,), generator=g)] for n in (4, 0, 6, 2)]
     logprobs = [[-float(i + 1) / 10 for i in range(len(r))] for r in responses]
     rollout = RolloutBatch(prompts, responses, logprobs, [True] * 4, weight_version=0)
-    batch = build_train_batch(rollout, torch.arange(4.0), pad_id=0)
+    batch = build_train_batch(rollout, pad_id=0)
     T = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     assert batch.input_ids_BT.shape == (4, T)
     for i, (p, r, lp) in enumerate(zip(prompts, responses, logprobs, strict=True)):
@@ -198,4 +198,13 @@ def test_build_train_batch_lays_rows_out_like_the_reference():
         assert batch.response_mask_BT[i].tolist() == [0.0] * n + [1.0] * m + [0.0] * (T - n - m)
         assert batch.engine_logprobs_BT[i, n : n + m].tolist() == pytest.approx(lp)
         assert float(batch.engine_logprobs_BT[i].abs().sum()) == pytest.approx(-sum(lp))
-    assert batch.advantages_B.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert torch.equal(batch.loss_mask_BT, batch.response_mask_BT)  # no overlong filter
+    # The overlong filter: a truncated response's row is out of the loss mask.
+    rollout.finished = [True, True, False, True]
+    filtered = build_train_batch(rollout, pad_id=0, drop_truncated=True)
+    assert filtered.loss_mask_BT[2].sum() == 0
+    assert torch.equal(filtered.loss_mask_BT[[0, 1, 3]], batch.response_mask_BT[[0, 1, 3]])
+    # Per-sequence advantages go on every token of their row.
+    policy = PolicyBatch.of(batch, torch.arange(4.0))
+    assert policy.advantages_BT.shape == (4, T)
+    assert policy.advantages_BT[:, -1].tolist() == [0.0, 1.0, 2.0, 3.0]

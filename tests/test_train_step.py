@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import PolicyBatch
 from tests.conftest import tiny_config
 from tests.test_packing import mixed_batch
 
@@ -198,13 +198,13 @@ SHARDS = ([0, 1, 2], [3, 4])
 LENGTHS = [12, 11, 10, 5, 6]
 
 
-def _dp_batch() -> TrainBatch:
+def _dp_batch() -> PolicyBatch:
     batch = mixed_batch(B=5, T=12, seed=11)
     T = batch.input_ids_BT.shape[1]
     attn = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).long()
     batch.attention_mask_BT = attn
     batch.input_ids_BT = batch.input_ids_BT.clamp(min=4) * attn
-    batch.response_mask_BT = attn.float() * (torch.arange(T)[None] >= 2)
+    batch.response_mask_BT = batch.loss_mask_BT = attn.float() * (torch.arange(T)[None] >= 2)
     batch.old_logprobs_BT = None
     return batch
 

@@ -36,8 +36,10 @@ def _cfg(**extra):
     return cfg
 
 
-def _batch():
-    from rltrain.train.batch import TrainBatch
+def _batch(old_values_BT: torch.Tensor | None = None):
+    """Random rows with value targets; ``old_values_BT`` (None: zeros) the values before
+    the update."""
+    from rltrain.train.batch import TrainBatch, ValueBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 9, (B, T), generator=g)  # no blocked ids
@@ -47,9 +49,9 @@ def _batch():
     ids = torch.where(attn.bool(), ids, torch.zeros_like(ids))
     resp = attn.float().clone()
     resp[:, :PROMPT] = 0
-    batch = TrainBatch(ids, attn, resp, torch.zeros(B), torch.zeros(B, T))
-    batch.returns_BT = torch.rand(B, T, generator=g) * resp
-    return batch
+    returns_BT = torch.rand(B, T, generator=g) * resp
+    old = old_values_BT if old_values_BT is not None else torch.zeros(B, T)
+    return ValueBatch.of(TrainBatch(ids, attn, resp, torch.zeros(B, T), resp), returns_BT, old)
 
 
 def reference_step(cfg, batch, old_values):
@@ -85,11 +87,10 @@ def _dp2(rank: int, port: int, out_dir: str) -> None:
     cfg = _cfg(**{"value.dtensor.dp": 2})
     worker = ValueWorker(cfg, DistEnv(rank, 2, "127.0.0.1", port, "gloo", 60.0), num_threads=1)
     assert worker.dp == 2 and len(worker.plan_micro_batches(_batch().slice(0, 8))) >= 3
-    batch = _batch()
-    old_full = worker.values(batch)  # same rows on both ranks: the full batch's values
-    batch.old_values_BT = old_full
+    old_full = worker.values(_batch())  # same rows on both ranks: the full batch's values
+    batch = _batch(old_full)
     shard = batch.slice(rank * (B // 2), (rank + 1) * (B // 2))
-    metrics = worker.train(shard).metrics
+    metrics = worker.train(shard)
     params = {k: v.clone() for k, v in worker.full_tensors().items()}
     # The naive estimate (mean of per-micro-batch ratios on this rank) for contrast.
     per_micro = [
@@ -119,9 +120,8 @@ def _bf16_head(port: int, out_dir: str) -> None:
 
     worker.model.value_head.register_forward_hook(hook("head"))
     worker.model.model.layers[0].self_attn.q_proj.register_forward_hook(hook("q_proj"))
-    batch = _batch()
-    batch.old_values_BT = worker.values(batch)
-    metrics = worker.train(batch).metrics
+    batch = _batch(worker.values(_batch()))
+    metrics = worker.train(batch)
     torch.save({"seen": seen, "metrics": metrics}, os.path.join(out_dir, "bf16.pt"))
     worker.shutdown()
 

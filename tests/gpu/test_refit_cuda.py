@@ -112,7 +112,7 @@ def _ranks(
         if kind == "vllm":  # the trainer scores what the refitted engine sampled
             rollout = pickle.loads(store.get("rollout"))
             pad = worker.tokenizer.pad_token_id
-            batch = build_train_batch(rollout, torch.zeros(len(rollout.response_ids)), pad)
+            batch = build_train_batch(rollout, pad)
             train_lp = worker.compute_logprobs(batch)
             mask = batch.response_mask_BT.bool()
             diff = (train_lp - batch.engine_logprobs_BT)[mask].abs()

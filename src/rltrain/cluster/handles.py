@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar, cast
+from typing import Generic, TypeVar
 
 import torch
 
 from rltrain.cluster.actors import Actor, Pending, WorkerError, wait_all
 from rltrain.rollout.base import Engine, RolloutBatch, SamplingParams
-from rltrain.train.batch import TrainBatch, TrainResult
+from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult, ValueBatch
 from rltrain.train.fsdp import FSDPTrainer
 from rltrain.train.packing import balance_by_tokens, row_lengths
 from rltrain.train.policy_worker import PolicyWorker
@@ -51,12 +51,15 @@ class Calls:
             raise
 
 
+B = TypeVar("B", bound=TrainBatch)
+
+
 @dataclass(frozen=True)
-class Shards:
+class Shards(Generic[B]):
     """A batch cut over a gang's ranks: per rank its rows (tp ranks of one dp group share
     them), their global row indices, and its row count per mini batch."""
 
-    batches: list[TrainBatch]
+    batches: list[B]
     index: list[list[int]]
     counts: list[list[int]]
     tp: int
@@ -69,7 +72,7 @@ class Shards:
         return out
 
 
-def shard_rows(batch: TrainBatch, dp: int, tp: int, mini_batch: int) -> Shards:
+def shard_rows(batch: B, dp: int, tp: int, mini_batch: int) -> Shards[B]:
     """Rows of each of the ``dp * tp`` ranks, token-balanced over dp within each mini batch.
 
     The rollout is cut into consecutive mini batches (``mini_batch`` rows); each
@@ -112,18 +115,8 @@ class TrainerGang(Generic[T]):
     def names(self) -> list[str]:
         return [a.name for a in self.actors]
 
-    def shards(self, batch: TrainBatch) -> Shards:
+    def shards(self, batch: B) -> Shards[B]:
         return shard_rows(batch, self.dp, self.tp, self.mini_batch)
-
-    def _train(self, batch: TrainBatch, what: str) -> tuple[list[TrainResult], Shards]:
-        """Every rank's :meth:`FSDPTrainer.train` on its shard (rows per mini batch given)."""
-        self.calls.settle()
-        shards = self.shards(batch)
-        pending = [
-            a.call(FSDPTrainer.train, s, c)
-            for a, s, c in zip(self.actors, shards.batches, shards.counts, strict=True)
-        ]
-        return self.calls.wait(pending, what), shards
 
     def export_hf(self, path: str, metadata: dict) -> str:
         """The model as an HF folder at ``path`` (rank 0 writes it); returns the path."""
@@ -172,17 +165,23 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         what = "reference logprobs" if reference else "logprobs"
         return shards.gather(self.calls.wait(pending, what), batch.input_ids_BT)
 
-    def train(self, batch: TrainBatch) -> TrainResult:
+    def train(self, batch: PolicyBatch) -> TrainResult:
         """Train on the batch (its mini batches and epochs); rank 0's metrics (already reduced
-        over dp) and, when ``batch.old_logprobs_BT`` was None, the old logprobs the training
-        forward computed, in rollout row order."""
-        results, shards = self._train(batch, "train")
+        over dp) and the old logprobs (the batch's, or the ones the training forward
+        computed when it came without them), in rollout row order."""
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(PolicyWorker.train, s, c)
+            for a, s, c in zip(self.actors, shards.batches, shards.counts, strict=True)
+        ]
+        results = self.calls.wait(pending, "train")
         metrics = results[0].metrics
         if self.sleep_wait is not None:
             metrics = {**metrics, "time/engine_sleep_wait": self.sleep_wait()}
-        if results[0].old_logprobs_BT is None:
-            return TrainResult(metrics)
-        old = [cast(torch.Tensor, r.old_logprobs_BT) for r in results]
+        if batch.old_logprobs_BT is not None:
+            return TrainResult(metrics, batch.old_logprobs_BT)
+        old = [r.old_logprobs_BT for r in results]
         return TrainResult(metrics, shards.gather(old, batch.input_ids_BT))
 
     # -- the split step: begin -> train_microbatch (any number) -> finish, or abort ------
@@ -191,7 +190,7 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         self.calls.settle()
         self.calls.wait([a.call(PolicyWorker.begin_train_step) for a in self.actors], "train")
 
-    def train_microbatch(self, batch: TrainBatch, last: bool = True) -> None:
+    def train_microbatch(self, batch: PolicyBatch, last: bool = True) -> None:
         """Forward/backward of ``batch`` as one micro batch per dp group (rows token-balanced
         over dp; a group left without rows runs an empty one). ``last=False``: more micro
         batches of this step follow (see ``dtensor.grad_sync``)."""
@@ -204,7 +203,7 @@ class PolicyGang(TrainerGang[PolicyWorker]):
 
     def accumulate(
         self,
-        batch: TrainBatch,
+        batch: PolicyBatch,
         last: bool = True,
         begin: bool = False,
         finish: bool = False,
@@ -258,10 +257,16 @@ class ValueGang(TrainerGang[ValueWorker]):
         ]
         return shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT)
 
-    def train(self, batch: TrainBatch) -> TrainResult:
-        """Critic update(s) on the batch (needs returns_BT, old_values_BT); rank 0's metrics
-        (already reduced over the critic's dp ranks)."""
-        return self._train(batch, "value train")[0][0]
+    def train(self, batch: ValueBatch) -> dict[str, float]:
+        """Critic update(s) on the batch; rank 0's metrics (already reduced over the critic's
+        dp ranks)."""
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(ValueWorker.train, s, c)
+            for a, s, c in zip(self.actors, shards.batches, shards.counts, strict=True)
+        ]
+        return self.calls.wait(pending, "value train")[0]
 
 
 class RolloutPool:

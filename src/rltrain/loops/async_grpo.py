@@ -31,10 +31,10 @@ from rltrain.data.task import PromptItem
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.collect import sampling_params, step_seed
 from rltrain.loops.context import RunContext
-from rltrain.loops.grpo import set_advantages, shape_rewards
+from rltrain.loops.grpo import group_advantages, shape_rewards
 from rltrain.loops.step import end_step, old_and_reference_logprobs
 from rltrain.rollout.base import RolloutBatch, SamplingParams
-from rltrain.train.batch import build_train_batch
+from rltrain.train.batch import PolicyBatch, build_train_batch
 
 
 @dataclass
@@ -441,13 +441,18 @@ def _step(
             rollout = join_groups(groups)
             rewards = torch.cat([g.rewards for g in groups])
             batch = build_train_batch(
-                rollout, torch.zeros(len(rewards)), ctx.tokenizer.pad_token_id
+                rollout, ctx.tokenizer.pad_token_id, drop_truncated=a.overlong.filter
             )
-            shaped, _ = shape_rewards(a, cfg.rollout.max_new_tokens, batch, rollout, rewards)
-            mask = batch.loss_mask_BT if batch.loss_mask_BT is not None else batch.response_mask_BT
+            shaped, _ = shape_rewards(a, cfg.rollout.max_new_tokens, rollout, rewards)
+            ref_logprobs_BT = None
             if a.kl_coef > 0:  # KL in the loss: the reference policy's logprobs
-                old_and_reference_logprobs(ctx, batch, mask, False, timer)
-            adv_abs.append(set_advantages(a, batch, shaped, mask, None) * len(groups))
+                before = old_and_reference_logprobs(ctx, batch, batch.loss_mask_BT, False, timer)
+                ref_logprobs_BT = before.ref_logprobs_BT
+            advantages, abs_mean = group_advantages(a, shaped, batch.loss_mask_BT, None)
+            adv_abs.append(abs_mean * len(groups))
+            # No old logprobs: the step's own weights (its first forward) are the proximal
+            # policy; the engine's logprobs ride along for the off-policy correction.
+            policy_batch = PolicyBatch.of(batch, advantages, None, ref_logprobs_BT)
             last = len(trained) + len(groups) == P
             t0 = time.time()
             with timer("train"):
@@ -455,7 +460,7 @@ def _step(
                 # same actor call; generation calls that return meanwhile are scored while
                 # the ranks train.
                 out = ctx.policy.accumulate(
-                    batch, last=last, begin=not trained, finish=last, meanwhile=meanwhile
+                    policy_batch, last=last, begin=not trained, finish=last, meanwhile=meanwhile
                 )
                 if out is not None:
                     train_metrics = out

@@ -13,7 +13,7 @@ import torch
 
 from rltrain.algorithms.advantages import outcome_advantages
 from rltrain.algorithms.logprobs import token_mult_prob_error
-from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
+from rltrain.algorithms.shaping import overlong_penalty
 from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.collect import Collected, collect, collect_dynamic, sampling_params
@@ -26,7 +26,7 @@ from rltrain.loops.step import (
     train_policy,
 )
 from rltrain.rollout.base import RolloutBatch
-from rltrain.train.batch import TrainBatch, build_train_batch
+from rltrain.train.batch import PolicyBatch, build_train_batch
 
 
 def objective_metrics(
@@ -53,33 +53,22 @@ def objective_metrics(
 
 
 def shape_rewards(
-    a: AlgorithmConfig,
-    max_new_tokens: int,
-    batch: TrainBatch,
-    rollout: RolloutBatch,
-    rewards: torch.Tensor,
+    a: AlgorithmConfig, max_new_tokens: int, rollout: RolloutBatch, rewards: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(shaped rewards, overlong penalty) of a scored rollout: the soft overlong punishment
-    on the reward and, with ``algorithm.overlong.filter``, truncated responses out of
-    ``batch.loss_mask_BT``."""
+    on the reward (``algorithm.overlong.filter`` acts on the batch's loss mask instead:
+    :func:`build_train_batch`)."""
     lengths = torch.tensor([len(r) for r in rollout.response_ids])
     penalty = overlong_penalty(lengths, max_new_tokens, a.overlong.buffer, a.overlong.penalty)
     shaped = rewards + penalty if a.overlong.buffer else rewards
-    if a.overlong.filter:
-        finished = torch.tensor(rollout.finished)
-        batch.loss_mask_BT = truncated_keep_mask(finished, batch.response_mask_BT)
     return shaped, penalty
 
 
-def set_advantages(
-    a: AlgorithmConfig,
-    batch: TrainBatch,
-    shaped: torch.Tensor,
-    loss_mask: torch.Tensor,
-    kl_BT: torch.Tensor | None,
-) -> float:
-    """The objective's advantages of whole prompt groups into ``batch`` (``advantages_B``,
-    or ``advantages_BT`` for per-token estimators); returns their mean magnitude."""
+def group_advantages(
+    a: AlgorithmConfig, shaped: torch.Tensor, loss_mask: torch.Tensor, kl_BT: torch.Tensor | None
+) -> tuple[torch.Tensor, float]:
+    """The objective's advantages of whole prompt groups (per sequence [B], or per token
+    [B, T] for per-token estimators) and their mean magnitude."""
     advantages = outcome_advantages(
         cast(AdvantageEstimator, a.adv_estimator),
         shaped,
@@ -90,10 +79,10 @@ def set_advantages(
         a.adv_eps,
     )
     if advantages.dim() == 2:
-        batch.advantages_BT = advantages
-        return float((advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1))
-    batch.advantages_B = advantages
-    return float(advantages.abs().mean())
+        return advantages, float(
+            (advantages.abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        )
+    return advantages, float(advantages.abs().mean())
 
 
 def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
@@ -121,22 +110,26 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
         # (dynamic sampling: more rounds until the step is full of groups with a signal)
         got = gather(ctx, step, sampling, weight_version, timer)
         rollout, rewards = got.rollout, got.rewards
-        batch = build_train_batch(rollout, torch.zeros(len(rewards)), tok.pad_token_id)
+        # the rollout's tensors; truncated responses out of the loss (overlong filter)
+        batch = build_train_batch(rollout, tok.pad_token_id, drop_truncated=a.overlong.filter)
+        loss_mask = batch.loss_mask_BT
 
-        # step 4: shaping: soft overlong punishment on the reward, truncated responses
-        # out of the loss
-        shaped, penalty = shape_rewards(a, cfg.rollout.max_new_tokens, batch, rollout, rewards)
-        loss_mask = batch.loss_mask_BT if batch.loss_mask_BT is not None else batch.response_mask_BT
+        # step 4: shaping: soft overlong punishment on the reward
+        shaped, penalty = shape_rewards(a, cfg.rollout.max_new_tokens, rollout, rewards)
 
         # step 5: train-side logprobs before the update (and reference logprobs for KL).
         # On-policy with one optimizer step, the training forward computes them.
-        kl_BT = old_and_reference_logprobs(ctx, batch, loss_mask, not fuse_old_logprobs, timer)
+        before = old_and_reference_logprobs(ctx, batch, loss_mask, not fuse_old_logprobs, timer)
+        kl_BT = before.kl_BT
 
         # step 6: advantages (group-normalised for GRPO; docs/objectives.md for the others)
-        adv_abs_mean = set_advantages(a, batch, shaped, loss_mask, kl_BT)
+        advantages, adv_abs_mean = group_advantages(a, shaped, loss_mask, kl_BT)
 
         # step 7: policy update
-        train_metrics = train_policy(ctx, batch, timer)
+        policy_batch = PolicyBatch.of(
+            batch, advantages, before.old_logprobs_BT, before.ref_logprobs_BT
+        )
+        train_metrics, old_logprobs_BT = train_policy(ctx, policy_batch, timer)
 
         # step 8: refit the rollout engines with the new weights
         weight_version += 1
@@ -144,7 +137,6 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
 
         # step 9: metrics and checkpoint
         step_s = time.perf_counter() - t_step
-        assert batch.old_logprobs_BT is not None
         # reward metrics over every sample generated (dynamic sampling trains on a subset)
         generated = cast(torch.Tensor, got.generated_rewards)
         groups = generated.view(-1, a.samples_per_prompt)
@@ -159,7 +151,7 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
             "response/length_mean": n_tokens / batch.size,
             "response/finished_frac": sum(rollout.finished) / len(rollout.finished),
             "token_mult_prob_error": token_mult_prob_error(
-                batch.old_logprobs_BT, batch.engine_logprobs_BT, batch.response_mask_BT
+                old_logprobs_BT, batch.engine_logprobs_BT, batch.response_mask_BT
             ),
             **train_metrics,
             "weight_version": float(weight_version),

@@ -13,7 +13,7 @@ import torch
 
 from rltrain.algorithms.gae import gae, token_rewards
 from rltrain.algorithms.logprobs import token_mult_prob_error
-from rltrain.algorithms.shaping import overlong_penalty, truncated_keep_mask
+from rltrain.algorithms.shaping import overlong_penalty
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.collect import collect, sampling_params
 from rltrain.loops.context import RunContext
@@ -24,7 +24,7 @@ from rltrain.loops.step import (
     refit_rollout,
     train_policy,
 )
-from rltrain.train.batch import build_train_batch
+from rltrain.train.batch import PolicyBatch, ValueBatch, build_train_batch
 
 
 def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
@@ -52,31 +52,31 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
         # engines' current weights (version = weight_version), reward of each whole response
         got = collect(ctx, step, sampling, weight_version, timer)
         rollout, scores, exact = got.rollout, got.rewards, got.exact
-        batch = build_train_batch(rollout, torch.zeros(len(scores)), tok.pad_token_id)
+        # the rollout's tensors; truncated responses out of the actor's loss (overlong filter)
+        batch = build_train_batch(rollout, tok.pad_token_id, drop_truncated=a.overlong.filter)
         mask = batch.response_mask_BT
-        # reward shaping: soft overlong punishment, truncated responses out of the actor's loss
+        # reward shaping: soft overlong punishment
         shaped = scores
         if a.overlong.buffer:
             lengths = torch.tensor([len(r) for r in rollout.response_ids])
             shaped = scores + overlong_penalty(
                 lengths, cfg.rollout.max_new_tokens, a.overlong.buffer, a.overlong.penalty
             )
-        if a.overlong.filter:
-            batch.loss_mask_BT = truncated_keep_mask(torch.tensor(rollout.finished), mask)
 
         # step 4: values of the state before every token (critic, right-shifted)
         with timer("values"):
-            batch.old_values_BT = value.values(batch)
+            old_values_BT = value.values(batch)
 
         # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
         need_old = not (fuse_old_logprobs and trains_policy)
-        kl_BT = old_and_reference_logprobs(ctx, batch, mask, need_old, timer)
+        before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer)
+        kl_BT = before.kl_BT
 
         # step 6: GAE: the score on the last response token (minus the KL penalty per token)
         rewards_BT = token_rewards(shaped, mask, kl_BT, a.kl_coef)
-        batch.advantages_BT, batch.returns_BT = gae(
+        advantages_BT, returns_BT = gae(
             rewards_BT,
-            batch.old_values_BT,
+            old_values_BT,
             mask,
             a.gamma,
             a.lam,
@@ -87,12 +87,16 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
 
         # step 7: critic update(s) first: its targets were computed with the old values
         with timer("train_value"):
-            value_metrics = value.train(batch).metrics
+            value_metrics = value.train(ValueBatch.of(batch, returns_BT, old_values_BT))
 
         # step 8: actor update(s) (ppo epochs x mini batches), after the critic's warm-up
         policy_metrics: dict[str, float] = {}
+        old_logprobs_BT = before.old_logprobs_BT
         if trains_policy:
-            policy_metrics = train_policy(ctx, batch, timer)
+            policy_batch = PolicyBatch.of(
+                batch, advantages_BT, before.old_logprobs_BT, before.ref_logprobs_BT
+            )
+            policy_metrics, old_logprobs_BT = train_policy(ctx, policy_batch, timer)
 
             # step 9: refit the rollout engines with the new policy weights
             weight_version += 1
@@ -109,8 +113,8 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             "reward/mean": float(scores.mean()),
             "reward/std": float(scores.std()),
             "reward/exact_match": float(exact.mean()),
-            "advantages/abs_mean": float((batch.advantages_BT.abs() * mask).sum() / n_tokens),
-            "returns/mean": float((batch.returns_BT * mask).sum() / n_tokens),
+            "advantages/abs_mean": float((advantages_BT.abs() * mask).sum() / n_tokens),
+            "returns/mean": float((returns_BT * mask).sum() / n_tokens),
             "response/length_mean": n_tokens / batch.size,
             "response/finished_frac": sum(rollout.finished) / len(rollout.finished),
             **value_metrics,
@@ -124,9 +128,9 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,
         }
-        if batch.old_logprobs_BT is not None:
+        if old_logprobs_BT is not None:
             metrics["token_mult_prob_error"] = token_mult_prob_error(
-                batch.old_logprobs_BT, batch.engine_logprobs_BT, mask
+                old_logprobs_BT, batch.engine_logprobs_BT, mask
             )
         if kl_BT is not None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)

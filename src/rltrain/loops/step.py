@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -15,7 +15,7 @@ from rltrain.logging.metrics import StageTimer
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
 from rltrain.refit.base import RefitStats
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 
 
 def fuses_old_logprobs(ctx: RunContext) -> bool:
@@ -27,41 +27,45 @@ def fuses_old_logprobs(ctx: RunContext) -> bool:
     return ctx.plan.batch.optimizer_steps_per_rollout == 1 and not kl_in_reward
 
 
+class Before(NamedTuple):
+    """What the loops compute before the update from the policy's side: the old logprobs
+    (None: the training forward computes them), the reference logprobs for the loss's KL
+    term (None: no KL in the loss) and the per-token KL penalty for the reward (None: no
+    KL in the reward)."""
+
+    old_logprobs_BT: torch.Tensor | None
+    ref_logprobs_BT: torch.Tensor | None
+    kl_BT: torch.Tensor | None
+
+
 def old_and_reference_logprobs(
     ctx: RunContext, batch: TrainBatch, mask_BT: torch.Tensor, need_old: bool, timer: StageTimer
-) -> torch.Tensor | None:
-    """Train-side logprobs before the update into ``batch.old_logprobs_BT`` (when
-    ``need_old``), and with ``algorithm.kl_coef > 0`` the reference logprobs: into
-    ``batch.ref_logprobs_BT`` for the loss's KL term, or, with ``kl_in_reward``, turned
-    into the per-token KL penalty (times ``mask_BT``) that is returned. Times "logprobs"."""
+) -> Before:
+    """Train-side logprobs before the update (when ``need_old``), and with
+    ``algorithm.kl_coef > 0`` the reference logprobs: for the loss's KL term, or, with
+    ``kl_in_reward``, turned into the per-token KL penalty (times ``mask_BT``). Times
+    "logprobs"."""
     a = ctx.cfg.algorithm
-    kl_BT = None
+    old = ref = kl_BT = None
     with timer("logprobs"):
         if need_old:
-            batch.old_logprobs_BT = ctx.policy.logprobs(batch)
+            old = ctx.policy.logprobs(batch)
         if a.kl_coef > 0:
             ref_logprobs = ctx.policy.logprobs(batch, reference=True)
             if a.kl_in_reward:  # per sampled token (k1 by default)
-                assert batch.old_logprobs_BT is not None
-                kl_BT = (
-                    kl_estimate(
-                        batch.old_logprobs_BT, ref_logprobs, cast(KLEstimator, a.kl_estimator)
-                    )
-                    * mask_BT
-                )
+                assert old is not None, "the KL penalty in the reward needs the old logprobs"
+                kl = kl_estimate(old, ref_logprobs, cast(KLEstimator, a.kl_estimator))
+                kl_BT = kl * mask_BT
             else:
-                batch.ref_logprobs_BT = ref_logprobs
-    return kl_BT
+                ref = ref_logprobs
+    return Before(old, ref, kl_BT)
 
 
-def train_policy(ctx: RunContext, batch: TrainBatch, timer: StageTimer) -> dict[str, float]:
-    """The policy update (times "train"); old logprobs the training forward computed go
-    into ``batch.old_logprobs_BT``. Returns the update's metrics."""
+def train_policy(ctx: RunContext, batch: PolicyBatch, timer: StageTimer) -> TrainResult:
+    """The policy update (times "train"): its metrics and the old logprobs (the batch's,
+    or the training forward's when it came without them)."""
     with timer("train"):
-        result = ctx.policy.train(batch)
-        if result.old_logprobs_BT is not None:
-            batch.old_logprobs_BT = result.old_logprobs_BT
-    return result.metrics
+        return ctx.policy.train(batch)
 
 
 def refit_rollout(ctx: RunContext, weight_version: int, timer: StageTimer) -> RefitStats:

@@ -1,98 +1,155 @@
-"""TrainBatch: the padded tensors a trainer consumes, built from a rollout; TrainResult:
-what its ``train`` returns."""
+"""The batch a trainer consumes, one type per stage: :class:`TrainBatch` (the padded
+tensors a scored rollout gives), :class:`PolicyBatch` (with advantages: what a policy
+update takes) and :class:`ValueBatch` (with value targets: what a critic update takes);
+:class:`TrainResult`: what a policy update returns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Any, NamedTuple, Self
 
 import torch
 
+from rltrain.algorithms.shaping import truncated_keep_mask
 from rltrain.rollout.base import RolloutBatch
 
 
 @dataclass
 class TrainBatch:
-    """Right-padded sequences (prompt then response); token-aligned per-token fields.
+    """What a scored rollout gives the trainers: right-padded sequences (prompt then
+    response) and token-aligned per-token fields. The logprob and value passes take it as
+    it is; an update takes the stage built on it (:class:`PolicyBatch`, :class:`ValueBatch`).
 
     ``response_mask_BT[:, t]`` is 1 where ``input_ids_BT[:, t]`` is a response
     token (a training target); per-token logprobs follow the same alignment:
-    ``logprobs_BT[:, t] = log p(input_ids[t] | input_ids[<t])``.
+    ``logprobs_BT[:, t] = log p(input_ids[t] | input_ids[<t])``. ``loss_mask_BT`` is
+    the tokens the policy loss trains on and normalises over: the response mask, less
+    the rows of truncated responses under ``algorithm.overlong.filter``.
     """
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     response_mask_BT: torch.Tensor
-    advantages_B: torch.Tensor
     engine_logprobs_BT: torch.Tensor
-    old_logprobs_BT: torch.Tensor | None = None
-    ref_logprobs_BT: torch.Tensor | None = None
-    # PPO: per-token GAE advantages (used instead of advantages_B when set), the
-    # critic's targets, and its values before the update (the clip's anchor).
-    advantages_BT: torch.Tensor | None = None
-    returns_BT: torch.Tensor | None = None
-    old_values_BT: torch.Tensor | None = None
-    # The tokens the loss trains on and normalises over; None = response_mask_BT
-    # (algorithm.overlong.filter zeroes the rows of truncated responses).
-    loss_mask_BT: torch.Tensor | None = None
+    loss_mask_BT: torch.Tensor
 
     @classmethod
-    def empty(cls) -> TrainBatch:
-        """A zero-row batch: the source of an empty micro batch."""
-        z = torch.zeros((0, 1))
-        return cls(z.long(), z.long(), z, torch.zeros(0), z)
+    def empty(cls) -> Self:
+        """A zero-row batch of this stage: the source of an empty micro batch."""
+        ids = ("input_ids_BT", "attention_mask_BT")
+        return cls(
+            **{
+                f.name: torch.zeros((0, 1), dtype=torch.long if f.name in ids else torch.float32)
+                for f in fields(cls)
+                if f.default is MISSING
+            }
+        )
 
     @property
     def size(self) -> int:
         return self.input_ids_BT.shape[0]
 
-    def slice(self, start: int, end: int) -> TrainBatch:
-        """Rows [start, end) of every field."""
-        sliced: dict[str, Any] = {
-            f.name: (
-                getattr(self, f.name)[start:end] if getattr(self, f.name) is not None else None
-            )
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        """Every tensor field through ``fn`` (absent optional fields stay None)."""
+        mapped: dict[str, Any] = {
+            f.name: fn(v) if (v := getattr(self, f.name)) is not None else None
             for f in fields(self)
         }
-        return replace(self, **sliced)
+        return replace(self, **mapped)
 
-    def select(self, rows: list[int]) -> TrainBatch:
+    def slice(self, start: int, end: int) -> Self:
+        """Rows [start, end) of every field."""
+        return self._map(lambda t: t[start:end])
+
+    def select(self, rows: list[int]) -> Self:
         """The given rows (in that order) of every field."""
         idx = torch.tensor(rows, dtype=torch.long)
-        selected: dict[str, Any] = {
-            f.name: (getattr(self, f.name)[idx] if getattr(self, f.name) is not None else None)
-            for f in fields(self)
-        }
-        return replace(self, **selected)
+        return self._map(lambda t: t[idx])
 
-    def split(self, size: int) -> list[TrainBatch]:
+    def split(self, size: int) -> list[Self]:
         return [self.slice(i, min(i + size, self.size)) for i in range(0, self.size, size)]
 
-    def to(self, device: torch.device | str) -> TrainBatch:
-        moved: dict[str, Any] = {
-            f.name: (
-                getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None
-            )
-            for f in fields(self)
-        }
-        return replace(self, **moved)
+    def to(self, device: torch.device | str) -> Self:
+        return self._map(lambda t: t.to(device))
+
+    def tokens(self) -> TrainBatch:
+        """This batch's rollout fields alone (what a logprob or value pass reads)."""
+        return TrainBatch(
+            self.input_ids_BT,
+            self.attention_mask_BT,
+            self.response_mask_BT,
+            self.engine_logprobs_BT,
+            self.loss_mask_BT,
+        )
+
+
+@dataclass
+class PolicyBatch(TrainBatch):
+    """What a policy update trains on: the rollout's tensors and per-token advantages.
+
+    ``old_logprobs_BT``: the train-side logprobs before the update (the ratio's
+    denominator). None when the rollout trains in one optimizer step and nothing needed
+    them earlier: the training forward's own logprobs are then the old ones (the
+    weights that sampled are the weights of that forward) and the update returns them.
+    ``ref_logprobs_BT``: the reference policy's, for the KL term in the loss
+    (``algorithm.kl_coef > 0`` without ``kl_in_reward``); None otherwise.
+    """
+
+    advantages_BT: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None = None
+    ref_logprobs_BT: torch.Tensor | None = None
+
+    @classmethod
+    def of(
+        cls,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        old_logprobs_BT: torch.Tensor | None = None,
+        ref_logprobs_BT: torch.Tensor | None = None,
+    ) -> PolicyBatch:
+        """``batch`` with its advantages: per token [B, T], or per sequence [B] (each
+        sequence's on every one of its tokens)."""
+        adv = advantages.float()
+        if adv.dim() == 1:
+            adv = adv[:, None].expand(batch.input_ids_BT.shape).contiguous()
+        return cls(**vars(batch.tokens()), advantages_BT=adv, old_logprobs_BT=old_logprobs_BT,
+                   ref_logprobs_BT=ref_logprobs_BT)  # fmt: skip
+
+
+@dataclass
+class ValueBatch(TrainBatch):
+    """What a critic update trains on: the rollout's tensors, the value targets and the
+    values before the update (the clip's anchor), both right-shifted like the values."""
+
+    returns_BT: torch.Tensor
+    old_values_BT: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, batch: TrainBatch, returns_BT: torch.Tensor, old_values_BT: torch.Tensor
+    ) -> ValueBatch:
+        return cls(**vars(batch.tokens()), returns_BT=returns_BT, old_values_BT=old_values_BT)
 
 
 class TrainResult(NamedTuple):
-    """What a trainer's ``train`` returns (policy and value alike).
+    """What a policy update returns.
 
     ``metrics``: the update's metrics, already reduced over data-parallel ranks.
-    ``old_logprobs_BT``: the policy's logprobs before the update, computed by the
-    training forward when the batch came without them (the fused on-policy step);
-    None otherwise, and always None from the value model.
+    ``old_logprobs_BT``: the policy's logprobs before the update: the batch's own, or
+    the ones the training forward computed when the batch came without them.
     """
 
     metrics: dict[str, float]
-    old_logprobs_BT: torch.Tensor | None = None
+    old_logprobs_BT: torch.Tensor
 
 
-def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id: int) -> TrainBatch:
-    """Pack prompt+response rows, right-padded to the longest row."""
+def build_train_batch(
+    rollout: RolloutBatch, pad_id: int, drop_truncated: bool = False
+) -> TrainBatch:
+    """Prompt+response rows, right-padded to the longest row. ``drop_truncated``
+    (``algorithm.overlong.filter``): rows of responses that hit the length limit are out
+    of the loss mask."""
     n_p = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
     n_r = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.long)
     lengths = n_p + n_r
@@ -114,4 +171,7 @@ def build_train_batch(rollout: RolloutBatch, advantages_B: torch.Tensor, pad_id:
     elp[in_resp] = torch.tensor(
         [x for lp in rollout.response_logprobs for x in lp], dtype=torch.float32
     )
-    return TrainBatch(ids, attn, resp, advantages_B.float(), elp)
+    loss_mask = (
+        truncated_keep_mask(torch.tensor(rollout.finished), resp) if drop_truncated else resp
+    )
+    return TrainBatch(ids, attn, resp, elp, loss_mask)

@@ -27,7 +27,7 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
-from rltrain.train.batch import TrainBatch, TrainResult
+from rltrain.train.batch import TrainBatch
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
 from rltrain.train.compile import (
     CompileCounter,
@@ -92,6 +92,8 @@ class FSDPTrainer:
 
     # torch.compile backend of the blocks and the logprob head (tests on CPU use aot_eager).
     compile_backend = "inductor"
+    # The batch stage this role trains on (its empty micro batches are of it).
+    batch_type: type[TrainBatch] = TrainBatch
 
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         if num_threads:
@@ -363,12 +365,6 @@ class FSDPTrainer:
         """
         raise NotImplementedError
 
-    def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
-        """Subclass hook: the role's update on this rank's rows (``mini_batch_rows``: its row
-        count per mini batch; null = equal parts of ``train.mini_batch_size / dp``), through
-        :meth:`train_steps`."""
-        raise NotImplementedError
-
     @property
     def loss_prescale(self) -> float:
         """Constant each micro-batch loss is divided by before backward.
@@ -410,7 +406,7 @@ class FSDPTrainer:
         # set before the backward: a failed one leaves unreduced gradients for abort to drop
         self._deferred = defer or self._deferred
         if micro is None:
-            micro = self.make_micro_batch(TrainBatch.empty(), [])
+            micro = self.make_micro_batch(self.batch_type.empty(), [])
         elif isinstance(micro, TrainBatch):
             micro = self.make_micro_batch(micro, list(range(micro.size)))
         else:
@@ -438,7 +434,7 @@ class FSDPTrainer:
         asynchronous controller streams groups into a step with this. ``finish``: then
         :meth:`finish_train_step` (only when every micro batch went through) and return
         its metrics; else None."""
-        rows = batch if batch is not None else TrainBatch.empty()
+        rows = batch if batch is not None else self.batch_type.empty()
         plan = self.plan_micro_batches(rows)
         for i, micro_rows in enumerate(plan):
             micro = self.make_micro_batch(rows, micro_rows) if micro_rows else None

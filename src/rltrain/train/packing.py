@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import torch
 
-from rltrain.train.batch import TrainBatch
+from rltrain.train.batch import PolicyBatch, TrainBatch, ValueBatch
 
 
 @dataclass
@@ -44,20 +44,20 @@ class MicroBatch:
     position_ids_RS: torch.Tensor
     seq_id_RS: torch.Tensor
     response_mask_RS: torch.Tensor
-    advantages_RS: torch.Tensor  # per token (PPO) or the sequence's advantage on each token
-    old_logprobs_RS: torch.Tensor | None
-    ref_logprobs_RS: torch.Tensor | None
+    loss_mask_RS: torch.Tensor
     rows: list[int]
     seq_row: list[int]
     seq_start: list[int]
     seq_len: list[int]
     packed: bool
-    # PPO's critic: value targets and the values before the update (the clip's anchor).
+    # The fields of the batch's stage (None where it has none): a PolicyBatch's advantages
+    # (per token) and old/reference logprobs, a ValueBatch's targets and values before the
+    # update (the clip's anchor); the engine's logprobs when asked for (rollout correction).
+    advantages_RS: torch.Tensor | None = None
+    old_logprobs_RS: torch.Tensor | None = None
+    ref_logprobs_RS: torch.Tensor | None = None
     returns_RS: torch.Tensor | None = None
     old_values_RS: torch.Tensor | None = None
-    # The batch's loss mask when it has one (None = response_mask_RS), and the engine's
-    # logprobs when asked for (rollout correction).
-    loss_mask_RS: torch.Tensor | None = None
     engine_logprobs_RS: torch.Tensor | None = None
 
     @property
@@ -208,11 +208,8 @@ def pack(
     ids = cast(torch.Tensor, layout(batch.input_ids_BT, pad_id))  # a tensor in, a tensor out
     seq_id = scatter(seq_of_tok, -1, torch.long)
     pos = scatter(pos_of_tok, 0, torch.long)
-    if batch.advantages_BT is not None:  # per-token advantages (PPO's GAE)
-        adv = cast(torch.Tensor, layout(batch.advantages_BT)).float()
-    else:
-        adv_B = batch.advantages_B.cpu().float()
-        adv = scatter(adv_B[src_row], 0, torch.float32)
+    policy = batch if isinstance(batch, PolicyBatch) else None
+    value = batch if isinstance(batch, ValueBatch) else None
     if not rows:
         # Two padding tokens in one causal "sequence": one predicted position, so the
         # backward reaches every parameter (with zero gradients) like a real micro batch.
@@ -222,17 +219,17 @@ def pack(
         position_ids_RS=pos,
         seq_id_RS=seq_id,
         response_mask_RS=cast(torch.Tensor, layout(batch.response_mask_BT)),
-        advantages_RS=adv,
-        old_logprobs_RS=layout(batch.old_logprobs_BT),
-        ref_logprobs_RS=layout(batch.ref_logprobs_BT),
+        advantages_RS=None if policy is None else layout(policy.advantages_BT),
+        old_logprobs_RS=None if policy is None else layout(policy.old_logprobs_BT),
+        ref_logprobs_RS=None if policy is None else layout(policy.ref_logprobs_BT),
         rows=list(rows),
         seq_row=seq_row,
         seq_start=seq_start,
         seq_len=lengths,
         packed=packed,
-        returns_RS=layout(batch.returns_BT),
-        old_values_RS=layout(batch.old_values_BT),
-        loss_mask_RS=layout(batch.loss_mask_BT),
+        returns_RS=None if value is None else layout(value.returns_BT),
+        old_values_RS=None if value is None else layout(value.old_values_BT),
+        loss_mask_RS=cast(torch.Tensor, layout(batch.loss_mask_BT)),
         engine_logprobs_RS=layout(batch.engine_logprobs_BT) if with_engine_logprobs else None,
     )
 

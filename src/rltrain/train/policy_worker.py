@@ -19,7 +19,7 @@ from rltrain.config.schema import RunConfig
 from rltrain.refit import RefitSender, make_refit_sender
 from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
-from rltrain.train.batch import TrainBatch, TrainResult
+from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv, free_port, node_ip
 from rltrain.train.fsdp import FSDPTrainer, MicroLoss, _hf_name
 from rltrain.train.metrics import MetricKind
@@ -28,6 +28,8 @@ from rltrain.train.packing import MicroBatch, unpack
 
 class PolicyWorker(FSDPTrainer):
     """One rank of the policy trainer."""
+
+    batch_type = PolicyBatch
 
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         super().__init__(cfg, env, num_threads)
@@ -97,14 +99,15 @@ class PolicyWorker(FSDPTrainer):
         forward. The per-token output is those logprobs. Metrics cover the tokens
         the loss trains on (the loss mask after rollout masking).
         """
+        if micro.advantages_RS is None:
+            raise TypeError("the policy trains on a PolicyBatch (rollout tensors + advantages)")
         lp, ent = self.token_logprobs(self.model, micro, with_entropy=True)
         old = micro.old_logprobs_RS if micro.old_logprobs_RS is not None else lp.detach()
-        loss_mask = micro.loss_mask_RS if micro.loss_mask_RS is not None else micro.response_mask_RS
         out = policy_loss(
             lp,
             old,
             micro.advantages_RS,
-            loss_mask,
+            micro.loss_mask_RS,
             micro.seq_id_RS,
             micro.num_sequences,
             self.objective,
@@ -137,7 +140,7 @@ class PolicyWorker(FSDPTrainer):
         metrics["loss"] = (kind, out.loss_sum.detach())
         return MicroLoss(out.loss_sum, kind, metrics, lp.detach(), (out.tokens, out.sequences))
 
-    def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
+    def train(self, batch: PolicyBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
         """Clipped policy-gradient training on this rank's rows.
 
         Rows are cut into mini batches (one optimizer step each, ``epochs``
@@ -146,9 +149,9 @@ class PolicyWorker(FSDPTrainer):
         runs the split-step API over token-planned micro batches; the loss is
         the token (or sequence) mean over the whole mini batch on every dp rank.
 
-        ``old_logprobs_BT=None`` is allowed only when the step is on-policy with
-        a single optimizer step: the training forward then yields the old
-        logprobs too (saving a forward pass), returned as ``old_logprobs_BT``.
+        Returns the metrics and the old logprobs: the batch's, or, when it came
+        without them (allowed only for a single optimizer step), the training forward's
+        own, which saves a forward pass.
         """
         t0 = time.perf_counter()
         a, t = self.cfg.algorithm, self.cfg.train
@@ -160,9 +163,12 @@ class PolicyWorker(FSDPTrainer):
             ]
         fuse_old = batch.old_logprobs_BT is None
         if fuse_old and (t.epochs != 1 or len(mini_batch_rows) != 1):
-            raise ValueError("train() without old_logprobs_BT needs one optimizer step per rollout")
-        old = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32) if fuse_old else None
-        steps = self.train_steps(batch, mini_batch_rows, t.epochs, token_out_BT=old)
+            raise ValueError(
+                "a PolicyBatch without old_logprobs_BT trains in one optimizer step only "
+                f"(train.epochs={t.epochs}, {len(mini_batch_rows)} mini batches here)"
+            )
+        fused = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32) if fuse_old else None
+        steps = self.train_steps(batch, mini_batch_rows, t.epochs, token_out_BT=fused)
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics["num_tokens"] = sum(s["num_tokens"] for s in steps) / t.epochs
         metrics["num_sequences"] = sum(s["num_sequences"] for s in steps) / t.epochs
@@ -176,6 +182,8 @@ class PolicyWorker(FSDPTrainer):
         metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
         self.settle_device()
         metrics["time/train_worker"] = time.perf_counter() - t0
+        old = fused if fused is not None else batch.old_logprobs_BT
+        assert old is not None
         return TrainResult(metrics, old)
 
     # -- refit (sender side) -------------------------------------------------------------

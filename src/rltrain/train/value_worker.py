@@ -21,7 +21,7 @@ from rltrain.algorithms.losses import clipped_value_loss
 from rltrain.algorithms.values import explained_variance, explained_variance_sums, right_shift
 from rltrain.config.schema import RunConfig, value_run_config
 from rltrain.models.loader import build_empty_model, load_model
-from rltrain.train.batch import TrainBatch, TrainResult
+from rltrain.train.batch import TrainBatch, ValueBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.fsdp import FSDPTrainer, MicroLoss
 from rltrain.train.metrics import MetricKind
@@ -79,6 +79,8 @@ class ValueWorker(FSDPTrainer):
     """One rank of the critic. ``cfg`` is the run's config; the ``value`` node picks
     the model, learning rate, precision and mesh (null fields inherit the policy's)."""
 
+    batch_type = ValueBatch
+
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         self.run_cfg = cfg
         super().__init__(value_run_config(cfg), env, num_threads)
@@ -134,7 +136,7 @@ class ValueWorker(FSDPTrainer):
         (see FSDPTrainer.microbatch_loss); metrics are local sums, including the
         explained-variance sums (kind SUM) that :meth:`train` combines exactly."""
         if micro.returns_RS is None or micro.old_values_RS is None:
-            raise ValueError("ValueWorker.train needs batch.returns_BT and batch.old_values_BT")
+            raise TypeError("the critic trains on a ValueBatch (rollout tensors + value targets)")
         mask = micro.response_mask_RS
         values = self.forward_values(micro)
         # normalizer 1: the split step divides by the global token count once it is known.
@@ -154,18 +156,19 @@ class ValueWorker(FSDPTrainer):
             metrics[name] = (S, x)
         return MicroLoss(loss_sum, MetricKind.TOKEN_MEAN, metrics, values.detach())
 
-    def train(self, batch: TrainBatch, mini_batch_rows: list[int] | None = None) -> TrainResult:
+    def train(
+        self, batch: ValueBatch, mini_batch_rows: list[int] | None = None
+    ) -> dict[str, float]:
         """Clipped value regression of this rank's rows onto ``batch.returns_BT``.
 
-        Needs ``returns_BT`` and ``old_values_BT`` (what :meth:`values` gave
-        before the update). Mini batches (``mini_batch_rows`` per mini batch;
-        null = equal parts of ``train.mini_batch_size / dp``), ``train.epochs``
-        passes and micro batches as the policy's, through the shared split
-        step: the loss is the token mean over each mini batch on every dp rank.
+        ``old_values_BT`` is what :meth:`values` gave before the update. Mini batches
+        (``mini_batch_rows`` per mini batch; null = equal parts of
+        ``train.mini_batch_size / dp``), ``train.epochs`` passes and micro batches as the
+        policy's, through the shared split step: the loss is the token mean over each mini
+        batch on every dp rank.
         Explained variance is exact over the whole batch: its sums add over
         micro batches and dp ranks across the first epoch (each row once, with
-        its mini batch's pre-update weights). Returns metrics reduced over dp (no per-token
-        output: ``old_logprobs_BT`` is None).
+        its mini batch's pre-update weights). Returns metrics reduced over dp.
         """
         t0 = time.perf_counter()
         a, t = self.run_cfg.algorithm, self.cfg.train
@@ -194,7 +197,7 @@ class ValueWorker(FSDPTrainer):
         metrics.update(self.compile_metrics("value/"))  # since the last train(): values too
         self.settle_device()
         metrics["time/value_worker"] = time.perf_counter() - t0
-        return TrainResult(metrics)
+        return metrics
 
 
 def _backbone(causal_lm: torch.nn.Module) -> PreTrainedModel:
