@@ -198,7 +198,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     from rltrain.refit.base import plan_buckets, plan_refit
     from rltrain.refit.gather import BucketGatherer
     from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, broadcast, make_group
-    from rltrain.train.fsdp import _hf_name
+    from rltrain.train.sharded_model import hf_name
 
     smoke = args.smoke
     cuda = not smoke
@@ -220,7 +220,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         env = DistEnv(0, 1, HOST, ports[0], "nccl" if cuda else "gloo", timeout)
         with device:  # random init straight on the GPU
             worker = PolicyWorker(cfg, env)
-        params = {_hf_name(n): p for n, p in worker.model.named_parameters()}
+        params = {hf_name(n): p for n, p in worker.model.named_parameters()}
         shapes = worker.param_shapes()
     else:
         from rltrain.rollout.torch_engine import TorchEngine
@@ -672,7 +672,7 @@ def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
     from rltrain.refit.base import bucket_checksum, plan_refit
     from rltrain.refit.gather import BucketGatherer
     from rltrain.refit.gloo import broadcast, make_group
-    from rltrain.train.fsdp import _hf_name
+    from rltrain.train.sharded_model import hf_name
 
     one_gpu = args.one_gpu
     if rank == 1 and not one_gpu:
@@ -701,7 +701,7 @@ def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
         env = DistEnv(0, 1, HOST, ports[0], "nccl", timeout)
         with device:
             worker = PolicyWorker(cfg, env)
-        params = {_hf_name(n): p for n, p in worker.model.named_parameters()}
+        params = {hf_name(n): p for n, p in worker.model.named_parameters()}
         shapes = _share_shapes(group, worker.param_shapes(), timer.token.device)
     else:
         shapes = _share_shapes(group, None, timer.token.device)

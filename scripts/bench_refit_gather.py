@@ -30,8 +30,8 @@ def run(rank: int, world: int, port: int, repeats: int, out: str) -> None:
     from rltrain.refit.base import pack_bucket, plan_refit
     from rltrain.refit.gather import BucketGatherer
     from rltrain.train.distributed import DistEnv
-    from rltrain.train.fsdp import _hf_name
     from rltrain.train.policy_worker import PolicyWorker
+    from rltrain.train.sharded_model import hf_name
 
     torch.set_num_threads(1)
     from rltrain.config.compose import compose
@@ -42,7 +42,7 @@ def run(rank: int, world: int, port: int, repeats: int, out: str) -> None:
     manifest = plan_refit(
         worker.param_shapes(), "float32", cfg.refit.bucket_bytes, cfg.refit.num_buffers
     )
-    params = {_hf_name(n): p for n, p in worker.model.named_parameters()}
+    params = {hf_name(n): p for n, p in worker.model.named_parameters()}
     gatherer = BucketGatherer(params, manifest)
     buf = torch.empty(max(b.numel for b in manifest.buckets))
     per_param, per_bucket = [], []

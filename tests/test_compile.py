@@ -180,14 +180,16 @@ def test_varlen_one_row_never_recompiles(monkeypatch):
     equal-length and lone sequences too (no causal-rows shortcut under compile)."""
     import torch.nn.attention.varlen as varlen_mod
 
-    import rltrain.train.fsdp as fsdp
+    import rltrain.train.sharded_model as sharded_model
     from tests.test_kernels import _reference_varlen
     from tests.test_train_step import _cfg
 
     fake, calls = _reference_varlen("2.13")
     # The stand-in reads the boundaries on the host (.tolist()): keep it out of the graph.
     monkeypatch.setattr(varlen_mod, "varlen_attn", torch.compiler.disable(fake))
-    monkeypatch.setattr(fsdp, "choose_attention", lambda cfg, device, compiled=False: "varlen")
+    monkeypatch.setattr(
+        sharded_model, "choose_attention", lambda cfg, device, compiled=False: "varlen"
+    )
     worker = _policy(_cfg(**BASE), monkeypatch, "eager")
     metrics, seen, _ = run_steps(worker)
     worker.shutdown()

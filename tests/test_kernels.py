@@ -265,7 +265,7 @@ def test_varlen_attention_matches_the_masked_path(monkeypatch, torch_version):
     packed and padded logprobs and a train step's weights equal the 4-D mask path's."""
     import torch.nn.attention.varlen as varlen_mod
 
-    import rltrain.train.fsdp as fsdp
+    import rltrain.train.sharded_model as sharded_model
 
     batch = mixed_batch(B=7, T=12, seed=2)
     out = {}
@@ -277,7 +277,7 @@ def test_varlen_attention_matches_the_masked_path(monkeypatch, torch_version):
                 fake, calls = _reference_varlen(torch_version)
                 monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
                 monkeypatch.setattr(
-                    fsdp, "choose_attention", lambda cfg, device, compiled=False: "varlen"
+                    sharded_model, "choose_attention", lambda cfg, device, compiled=False: "varlen"
                 )
             w = _worker(cfg)
             assert w.attention == kind

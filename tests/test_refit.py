@@ -32,12 +32,12 @@ def _check_gather(worker, dtype: str, bucket_bytes: int) -> int:
     """Every bucket packed by the gatherer equals full_tensor() cast; returns #buckets (rank 0)."""
     from rltrain.refit.base import plan_buckets, unpack_bucket
     from rltrain.refit.gather import BucketGatherer
-    from rltrain.train.fsdp import _hf_name
+    from rltrain.train.sharded_model import hf_name
 
     manifest = plan_buckets(worker.param_shapes(), dtype, bucket_bytes, 2)
     largest = max(s.numel for b in manifest.buckets for s in b.slots)
     assert largest * manifest.torch_dtype.itemsize > bucket_bytes  # some tensor spans a bucket
-    params = {_hf_name(n): p for n, p in worker.model.named_parameters()}
+    params = {hf_name(n): p for n, p in worker.model.named_parameters()}
     gatherer = BucketGatherer(params, manifest)
     assert not gatherer.fallback, f"fell back to full_tensor() for {sorted(gatherer.fallback)}"
     reference = worker.full_tensors()

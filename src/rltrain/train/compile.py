@@ -4,8 +4,8 @@ how many times this process compiled (the ``compile/*`` train metrics).
 Compiled graphs are meant to be built once, in a run's first step, and then serve
 every batch: the blocks are compiled with every input size symbolic
 (``dynamic=True``: row length, number of rows, the varlen kernel's segment count and
-longest segment, a ``BlockMask``'s sizes), and :meth:`FSDPTrainer.make_micro_batch
-<rltrain.train.fsdp.FSDPTrainer.make_micro_batch>` keeps what dynamic shapes cannot
+longest segment, a ``BlockMask``'s sizes), and :meth:`ShardedModel.make_micro_batch
+<rltrain.train.sharded_model.ShardedModel.make_micro_batch>` keeps what dynamic shapes cannot
 cover out of the blocks' inputs: the attention layout (mask kind, one row or
 several) depends on the config only, never on the batch's lengths, and no size is
 sometimes 1 and sometimes not (torch specialises sizes 0 and 1). What is left are
@@ -13,7 +13,7 @@ one-time variants, all met in the first step of a run: grad mode and train/eval
 (logprob passes against the training pass), the reference model's frozen weights,
 the logprob head with and without entropy.
 
-:class:`rltrain.train.fsdp.FSDPTrainer` calls these on every rank.
+:class:`rltrain.train.sharded_model.ShardedModel` calls these on every rank.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ flex ``BlockMask``, a 4-D mask, or torch's flash varlen kernel over the
 sequences' boundaries), liger-kernel's Triton RMSNorm/SwiGLU/RoPE and fused AdamW
 (``torch.compile`` of the blocks: :mod:`rltrain.train.compile`).
 
-Plain functions; :class:`rltrain.train.fsdp.FSDPTrainer` calls them on every rank.
+Plain functions; :class:`rltrain.train.sharded_model.ShardedModel` (and, for AdamW and the
+garbage collector, :class:`rltrain.train.fsdp.FSDPTrainer`) calls them on every rank.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Model-parallel structure of an HF causal LM: decoder blocks, the DTensor TP plan
 (with optional sequence parallelism) and the gradient norm across meshes.
 
-Pure functions over a model or its parameters; :class:`rltrain.train.fsdp.FSDPTrainer`
-applies them when it shards a model.
+Pure functions over a model or its parameters; :class:`rltrain.train.sharded_model.ShardedModel`
+applies them when it shards a model, :class:`rltrain.train.fsdp.FSDPTrainer` in its train step.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv, free_port, node_ip
-from rltrain.train.fsdp import FSDPTrainer, MicroLoss, _hf_name
+from rltrain.train.fsdp import FSDPTrainer, MicroLoss
 from rltrain.train.metrics import MetricKind
 from rltrain.train.packing import MicroBatch, unpack
+from rltrain.train.sharded_model import hf_name
 
 
 class PolicyWorker(FSDPTrainer):
@@ -206,7 +207,7 @@ class PolicyWorker(FSDPTrainer):
         if rank != 0:
             raise ValueError(f"the policy is group rank 0 of the refit group, not {rank}")
         manifest = self.manifest = group.manifest
-        params = {_hf_name(n): p for n, p in self.model.named_parameters()}
+        params = {hf_name(n): p for n, p in self.model.named_parameters()}
         self.gatherer = BucketGatherer(params, manifest, device=self.device)
         if self.is_rank0:
             r = self.cfg.refit

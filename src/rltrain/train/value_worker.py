@@ -2,8 +2,9 @@
 
 Plain Python (no Ray); ``cluster/`` wraps it as an actor. The backbone is the
 policy's model (or ``value.model_path``) without its LM head, topped by a fresh
-``nn.Linear(hidden, 1)``. Mesh, precision, micro-batching, optimizer step and
-export are :class:`FSDPTrainer`'s; only the head and the loss live here.
+``nn.Linear(hidden, 1)``. Mesh, precision, micro-batching and export
+(:class:`rltrain.train.sharded_model.ShardedModel`) and the optimizer step
+(:class:`FSDPTrainer`) are shared; only the head and the loss live here.
 
 Every rank gets the rows of its data-parallel shard (tp ranks of one dp group
 get the same rows) and every method is called on all ranks.

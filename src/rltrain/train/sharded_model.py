@@ -1,0 +1,371 @@
+"""The sharded model of the shared FSDP2 trainer: mesh, fully_shard, precision, compile,
+attention kernel, micro batch layout, forward, dp reductions and weights out (the split
+train step, optimizer step and checkpoints: :mod:`rltrain.train.fsdp`; TP plan and grad
+norm: :mod:`rltrain.train.parallel`).
+
+:class:`ShardedModel` builds the model once per gang and holds it with its tokenizer;
+:class:`rltrain.train.fsdp.FSDPTrainer` trains it. One instance per process; every
+public method is called on all ranks of the gang (collectives inside), unless it says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rltrain.config.schema import RunConfig
+from rltrain.models.loader import (
+    TORCH_DTYPES,
+    blocked_token_ids,
+    build_empty_model,
+    load_model,
+    load_tokenizer,
+)
+from rltrain.train.batch import TrainBatch
+from rltrain.train.compile import (
+    CompileCounter,
+    compile_blocks,
+    compiled_layout_minimums,
+    resolve_compile,
+)
+from rltrain.train.distributed import DistEnv, init_distributed
+from rltrain.train.kernels import (
+    apply_liger,
+    attention_kwargs,
+    choose_attention,
+    register_attention,
+    register_varlen_attention,
+    resolve_causal_rows,
+    resolve_speed_knobs,
+    unfreeze_gc,
+)
+from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths
+from rltrain.train.parallel import apply_tensor_parallel, decoder_layers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+class AttentionSwitch(Protocol):
+    """A model whose attention kernel can be picked by name (HF models; the value model)."""
+
+    def set_attn_implementation(self, name: str) -> None: ...
+
+
+class ShardedModel:
+    """The FSDP2-sharded model (fp32 master weights) of one process of a trainer gang."""
+
+    # torch.compile backend of the blocks and the logprob head (tests on CPU use aot_eager).
+    compile_backend = "inductor"
+    # Micro batches carry the engine's logprobs (the policy's rollout correction reads them).
+    needs_engine_logprobs = False
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.cfg = cfg
+        self.env = env
+        self.device = init_distributed(env)
+        d = cfg.dtensor
+        self.tp = d.tp
+        self.dp = env.world_size // d.tp
+        self.mesh = init_device_mesh(self.device.type, (self.dp, d.tp), mesh_dim_names=("dp", "tp"))
+        # dtensor.reshard_after_forward / grad_sync with null resolved; train.compile and
+        # train.causal_rows once the model's size is known (the first _shard)
+        self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(cfg, self.dp)
+        self.compiled: bool | None = None
+        self._compile_counter = CompileCounter()  # compile_metrics: counts since its last call
+        self.tokenizer = load_tokenizer(cfg)
+        self.blocked = torch.tensor(
+            blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
+        )
+        torch.manual_seed(cfg.seed)
+        self.model = self.load_sharded_model()  # fp32 master weights
+        self.causal_rows = resolve_causal_rows(cfg, bool(self.compiled))
+        self.hf_config = cast("PretrainedConfig", self.model.config)
+
+    # -- set-up ---------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        """The full fp32 initial model, read on rank 0 (subclasses swap the head)."""
+        return load_model(self.cfg, "float32")
+
+    def build_empty_model(self) -> torch.nn.Module:
+        """The same architecture, built under ``torch.device("meta")`` on every rank."""
+        return build_empty_model(self.cfg)
+
+    def load_sharded_model(self, trainable: bool = True) -> torch.nn.Module:
+        """The initial weights, read once per gang and sharded (all ranks call it).
+
+        Rank 0 reads the full fp32 model on CPU; every rank builds the
+        architecture on the meta device, shards it, allocates only its shards
+        and receives them from rank 0 (``set_model_state_dict`` with
+        ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
+        state dict) are broadcast too, so every rank ends with rank 0's weights.
+        """
+        if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
+            # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
+            return self._shard(load_model(self.cfg, "float32"), trainable)
+        # imported here: ~2 s the driver (which imports this module) does not need
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full_sd: dict[str, Any] = {}
+        full_buffers: dict[str, torch.Tensor] = {}
+        if self.is_rank0:
+            loaded = self.build_model()
+            full_sd = loaded.state_dict()
+            full_buffers = {hf_name(n): b for n, b in loaded.named_buffers()}
+            del loaded
+        with torch.device("meta"):
+            model = self.build_empty_model()
+        model = self._shard(model, trainable)
+        model.to_empty(device=self.device)
+        set_model_state_dict(
+            model,
+            full_sd,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if self.is_rank0:
+                    buf.copy_(full_buffers[hf_name(name)])
+                if self.env.world_size > 1:
+                    dist.broadcast(buf, src=0)
+        return model
+
+    def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+        if self.compiled is None:  # the policy (or critic) decides; a reference model follows
+            num_params = sum(p.numel() for p in model.parameters())
+            self.compiled = resolve_compile(self.cfg.train.compile, self.device, num_params)
+        self._set_attention(model)
+        d, p = self.cfg.dtensor, self.cfg.precision
+        if not any(t.is_meta for t in model.parameters()):
+            model.to(self.device)
+        if not trainable:
+            model.requires_grad_(False)
+        t = self.cfg.train
+        if t.liger:
+            apply_liger(model)  # module swaps only: names and parameters unchanged
+        if d.tp > 1:
+            apply_tensor_parallel(model, self.mesh["tp"], d.sequence_parallel)
+        if d.activation_checkpointing and trainable:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            layers = decoder_layers(model)
+            for i, layer in enumerate(layers):
+                layers[i] = checkpoint_wrapper(layer)
+        if self.compiled:
+            # after TP and AC, before fully_shard
+            compile_blocks(decoder_layers(model), self.compile_backend)
+        mp = MixedPrecisionPolicy(
+            param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
+        )
+        kwargs: dict[str, Any] = {"mesh": self.mesh["dp"], "mp_policy": mp}
+        if d.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for layer in decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        # The root unit (embeddings, final norm, lm_head) stays unsharded from
+        # forward to backward: the chunked logprob head uses lm_head's weight
+        # right after the forward (see forward_hidden).
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        return model
+
+    def _set_attention(self, model: torch.nn.Module) -> None:
+        """Pick the attention kernel (``train.attention``, see :func:`choose_attention`).
+
+        Packed rows need sequences kept apart: a 4-D boolean mask under sdpa
+        (exact, dense), a BlockMask under flex (skips the masked blocks), the
+        sequences' boundaries under varlen (no mask). The model runs under one
+        attention function that follows what it is given, so rows holding one
+        sequence use causal sdpa in every case.
+        """
+        self.attention = choose_attention(self.cfg, self.device, bool(self.compiled))
+        varlen = self.attention == "varlen"
+        cast(AttentionSwitch, model).set_attn_implementation(
+            register_varlen_attention() if varlen else register_attention()
+        )
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env.rank == 0
+
+    # -- collectives over data-parallel ranks ---------------------------------
+    def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small CPU/GPU tensor over data-parallel ranks (identity for dp=1)."""
+        if self.dp == 1:
+            return values
+        out = values.to(self.device)
+        dist.all_reduce(out, group=self.mesh["dp"].get_group())
+        return out.to(values.device)
+
+    def dp_max(self, value: int) -> int:
+        """Max of an int over data-parallel ranks (identity for dp=1)."""
+        if self.dp == 1:
+            return value
+        out = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+        return int(out.item())
+
+    def dp_all_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise max of a small tensor over data-parallel ranks."""
+        if self.dp == 1:
+            return values
+        out = values.to(self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+        return out.to(values.device)
+
+    # -- micro batches --------------------------------------------------------------
+    def plan_micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """This rank's micro batches over ``batch``'s rows, padded with empty ones.
+
+        Packing: first-fit decreasing by tokens (``train.max_tokens_per_micro_batch``);
+        otherwise rows of ``train.micro_batch_size`` (null = all rows). Every dp
+        rank returns the same number of micro batches (the short ones get empty
+        ``[]`` entries), so the FSDP collectives of each forward/backward pair
+        up. Collective over dp ranks.
+        """
+        t = self.cfg.train
+        micros = plan_micro_batches(
+            row_lengths(batch),
+            t.max_tokens_per_micro_batch if t.packing else None,
+            t.micro_batch_size,
+        )
+        return micros + [[] for _ in range(self.dp_max(len(micros)) - len(micros))]
+
+    def make_micro_batch(self, batch: TrainBatch, rows: list[int]) -> MicroBatch:
+        """``rows`` of ``batch`` laid out per ``train.packing``, on this rank's device."""
+        t = self.cfg.train
+        # flex / varlen: one row per micro batch (masked pairs cost nothing), padded to a
+        # multiple of its block size so few distinct shapes get compiled. sdpa
+        # computes every query x key pair of a row, so there rows hold at most
+        # the micro batch's longest sequence: cost ~ tokens x longest, like padding.
+        one_row = t.packing and self.attention in ("flex", "varlen")
+        lengths = batch.attention_mask_BT[rows].sum(dim=1).tolist() if rows else []
+        longest = max(lengths, default=2)
+        if one_row and self.causal_rows and len(set(lengths)) == 1:
+            # Equal lengths (full rows, or one sequence alone): one sequence per row,
+            # no padding, and causal sdpa instead of a block mask.
+            one_row = False
+        min_rows, min_row_tokens = compiled_layout_minimums(
+            bool(self.compiled), one_row, self.attention, t.packing, t.micro_batch_size
+        )
+        return pack(
+            batch,
+            rows,
+            t.packing,
+            self.tokenizer.pad_token_id,
+            row_multiple=128 if one_row else 1,
+            row_tokens=None if one_row else longest,
+            min_rows=min_rows,
+            min_row_tokens=min_row_tokens,
+            with_engine_logprobs=self.needs_engine_logprobs,
+        ).to(self.device)
+
+    # -- forward ------------------------------------------------------------------
+    def attention_kwargs(self, micro: MicroBatch) -> dict[str, object]:
+        """attention_mask / position_ids for the HF forward of ``micro``
+        (see :func:`rltrain.train.kernels.attention_kwargs`)."""
+        return attention_kwargs(micro, self.attention, self.causal_rows)
+
+    def forward_hidden(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+        """Final-norm hidden states [R, S, H] of ``micro`` (no logits are formed).
+
+        The HF model is called through its FSDP root (whose hooks gather the
+        embeddings, final norm and lm_head) with ``logits_to_keep`` empty; the
+        base model's output is captured by a forward hook. After this call the
+        root's parameters stay unsharded until backward (the root is sharded
+        with ``reshard_after_forward=False``), so :meth:`output_weight` is the
+        full matrix.
+        """
+        captured: list[torch.Tensor] = []
+        handle = cast("PreTrainedModel", model).base_model.register_forward_hook(
+            lambda _m, _args, out: captured.append(out.last_hidden_state)
+        )
+        try:
+            model(
+                input_ids=micro.input_ids_RS,
+                use_cache=False,
+                logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device),
+                **self.attention_kwargs(micro),
+            )
+        finally:
+            handle.remove()
+        return captured[0]
+
+    def output_weight(self, model: torch.nn.Module) -> torch.Tensor:
+        """lm_head weight [V, H], unsharded; valid after :meth:`forward_hidden`."""
+        weight = cast("PreTrainedModel", model).get_output_embeddings().weight
+        if isinstance(weight, DTensor):
+            raise RuntimeError("lm_head weight is still sharded; call forward_hidden first")
+        return weight
+
+    # -- device and compile counters ------------------------------------------------
+    def settle_device(self) -> None:
+        """Wait for this rank's queued GPU work (the optimizer step the last
+        ``finish_train_step`` launched): a train call's time then holds its whole step,
+        not a tail that the next call (a refit's send) would wait for. No-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def compile_metrics(self, prefix: str = "") -> dict[str, float]:
+        """``<prefix>compile/compiles`` / ``recompiles`` since the previous call, the largest
+        over the gang's ranks (see :class:`CompileCounter`). Collective: all ranks."""
+        return self._compile_counter.metrics(prefix, self.device)
+
+    # -- weights out --------------------------------------------------------------
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, global shape) of every parameter, in a fixed order."""
+        return [(hf_name(n), tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def full_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Unsharded parameters by HF name (collective: all ranks, same ``names``)."""
+        wanted = set(names) if names is not None else None
+        out = {}
+        for n, p in self.model.named_parameters():
+            name = hf_name(n)
+            if wanted is not None and name not in wanted:
+                continue
+            t = p.detach()
+            out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+        return out
+
+    def export_hf(self, path: str | Path, metadata: dict | None = None) -> str:
+        """Write an HF folder (config, safetensors, tokenizer) loadable by from_pretrained."""
+        from safetensors.torch import save_file
+
+        tensors = self.full_tensors()
+        path = Path(path)
+        if self.is_rank0:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(
+                {k: v.cpu().contiguous() for k, v in tensors.items()},
+                str(path / "model.safetensors"),
+            )
+            self.hf_config.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            if metadata:
+                (path / "rltrain_meta.json").write_text(json.dumps(metadata, indent=2))
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.barrier()
+        return str(path)
+
+    def shutdown(self) -> None:
+        unfreeze_gc()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def hf_name(name: str) -> str:
+    """A parameter's or buffer's name in the HF checkpoint (activation checkpointing
+    wraps each decoder layer and adds a level to the module names)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
