@@ -235,8 +235,7 @@ def _divisors_hint(total: int, per: int) -> str:
 
 def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
     a, t = cfg.algorithm, cfg.train
-    rollout_batch = a.prompts_per_step * a.samples_per_prompt
-    mini = t.mini_batch_size or rollout_batch
+    rollout_batch, mini = cfg.rollout_batch(), cfg.mini_batch()
     if rollout_batch % mini:
         raise ConfigError(
             f"train.mini_batch_size={mini} does not divide the rollout batch of "

@@ -559,6 +559,22 @@ class RunConfig:
     # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
     resume: str | None = None
 
+    # The batch sizes every part reads (the plan checks they divide; plan.batch shows them).
+    def rollout_batch(self) -> int:
+        """Sequences per step: algorithm.prompts_per_step x algorithm.samples_per_prompt."""
+        return self.algorithm.prompts_per_step * self.algorithm.samples_per_prompt
+
+    def mini_batch(self) -> int:
+        """Sequences per optimizer step over all dp ranks: train.mini_batch_size (null = the
+        rollout batch, one optimizer step per rollout)."""
+        return self.train.mini_batch_size or self.rollout_batch()
+
+    def mini_batch_rows(self, rows: int, dp: int) -> list[int]:
+        """A dp rank's row count per mini batch when it holds ``rows`` rows of the step
+        (consecutive parts of ``mini_batch() // dp``)."""
+        per_rank = self.mini_batch() // dp
+        return [min(per_rank, rows - i) for i in range(0, rows, per_rank)]
+
 
 # The precision group's options (PrecisionName) as (compute dtype, grad scaler on): what
 # value.precision=<name> selects for the critic's backbone.

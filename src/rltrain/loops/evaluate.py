@@ -16,6 +16,7 @@ import torch
 from rltrain.config.schema import RunConfig
 from rltrain.data import encode_groups, score_groups
 from rltrain.loops.collect import sampling_params
+from rltrain.rollout import engine_class
 from rltrain.rollout.base import Engine, RolloutBatch, SamplingParams
 
 Generate = Callable[[list[list[int]], SamplingParams], RolloutBatch]
@@ -92,12 +93,5 @@ def evaluate_model(cfg: RunConfig) -> dict[str, float]:
         )
     use_cuda = cfg.cluster.device != "cpu" and torch.cuda.is_available()
     device = "cuda" if use_cuda else "cpu"
-    if cfg.rollout.engine == "vllm":
-        from rltrain.rollout.vllm_engine import VLLMEngine
-
-        engine: Engine = VLLMEngine(cfg, device)
-    else:
-        from rltrain.rollout.torch_engine import TorchEngine
-
-        engine = TorchEngine(cfg, device)
+    engine: Engine = engine_class(cfg.rollout.engine)(cfg, device, 0, 0)  # replica 0, all threads
     return evaluate(engine.generate, task, tokenizer, cfg)

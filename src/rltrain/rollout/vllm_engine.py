@@ -77,10 +77,10 @@ def colocated_kv_cache_bytes(
     """
     from transformers import AutoConfig
 
-    ro, a, e = cfg.rollout, cfg.algorithm, cfg.eval
+    ro, e = cfg.rollout, cfg.eval
     hf = AutoConfig.from_pretrained(model_path)
     hf = getattr(hf, "text_config", None) or hf
-    rows = -(-a.prompts_per_step * a.samples_per_prompt // ro.replicas)
+    rows = -(-cfg.rollout_batch() // ro.replicas)
     if e.every_n_steps > 0:
         rows = max(rows, -(-e.batch_size * e.samples_per_prompt // ro.replicas))
     max_len = ro.vllm.max_model_len or hf.max_position_embeddings

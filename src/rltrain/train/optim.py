@@ -12,10 +12,7 @@ from rltrain.config.schema import OptimConfig, RunConfig
 
 def total_optimizer_steps(cfg: RunConfig) -> int:
     """Optimizer steps of the whole run: max_steps x epochs x mini batches per rollout."""
-    a, t = cfg.algorithm, cfg.train
-    rollout_batch = a.prompts_per_step * a.samples_per_prompt
-    mini = t.mini_batch_size or rollout_batch
-    return cfg.max_steps * t.epochs * max(1, rollout_batch // mini)
+    return cfg.max_steps * cfg.train.epochs * max(1, cfg.rollout_batch() // cfg.mini_batch())
 
 
 def lr_factor(o: OptimConfig, step: int, total_steps: int) -> float:

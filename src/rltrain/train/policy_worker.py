@@ -155,13 +155,9 @@ class PolicyWorker(FSDPTrainer):
         own, which saves a forward pass.
         """
         t0 = time.perf_counter()
-        a, t = self.cfg.algorithm, self.cfg.train
+        t = self.cfg.train
         if mini_batch_rows is None:
-            rollout_batch = a.prompts_per_step * a.samples_per_prompt
-            mini_rows = (t.mini_batch_size or rollout_batch) // self.dp
-            mini_batch_rows = [
-                min(mini_rows, batch.size - i) for i in range(0, batch.size, mini_rows)
-            ]
+            mini_batch_rows = self.cfg.mini_batch_rows(batch.size, self.dp)
         fuse_old = batch.old_logprobs_BT is None
         if fuse_old and (t.epochs != 1 or len(mini_batch_rows) != 1):
             raise ValueError(

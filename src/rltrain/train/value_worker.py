@@ -172,12 +172,9 @@ class ValueWorker(FSDPTrainer):
         its mini batch's pre-update weights). Returns metrics reduced over dp.
         """
         t0 = time.perf_counter()
-        a, t = self.run_cfg.algorithm, self.cfg.train
+        t = self.cfg.train
         if mini_batch_rows is None:
-            mini_rows = (t.mini_batch_size or a.prompts_per_step * a.samples_per_prompt) // self.dp
-            mini_batch_rows = [
-                min(mini_rows, batch.size - i) for i in range(0, batch.size, mini_rows)
-            ]
+            mini_batch_rows = self.cfg.mini_batch_rows(batch.size, self.dp)
         steps = self.train_steps(batch, mini_batch_rows, t.epochs)
         first_epoch = steps[: len(mini_batch_rows)]
         ev = torch.tensor([sum(s[k] for s in first_epoch) for k in EV_SUMS], dtype=torch.float64)
