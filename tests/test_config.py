@@ -179,12 +179,12 @@ BAD_CASES = [
     ),
     pytest.param(["+dtensor.foo=1"], ["'+dtensor.foo='", "dtensor.foo"], id="append-new"),
     pytest.param(
-        ["algorithm.prompts_per_step=30", "train.micro_batch_size=128"],
+        ["algorithm.prompts_per_step=30", "train.packing=false", "train.micro_batch_size=128"],
         ["train.micro_batch_size=128", "240 sequences"],
         id="micro-does-not-divide",
     ),
     pytest.param(
-        ["dtensor.dp=2", "train.micro_batch_size=96"],
+        ["dtensor.dp=2", "train.packing=false", "train.micro_batch_size=96"],
         ["train.micro_batch_size=96", "dp=2"],
         id="micro-x-dp-does-not-divide",
     ),
@@ -237,7 +237,7 @@ def test_plan_bad_config_exits_2_with_one_sentence(overrides, needles):
     [
         (["dtensor.tpp=2"], ["did you mean 'dtensor.tp'"]),
         (
-            ["algorithm.prompts_per_step=30", "train.micro_batch_size=128"],
+            ["algorithm.prompts_per_step=30", "train.packing=false", "train.micro_batch_size=128"],
             ["train.micro_batch_size=128"],
         ),
         (["refit=nccl"], ["refit.transport=nccl"]),

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from rich.console import Console
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RunConfig
 from rltrain.plan import Resources, estimate_num_params, make_plan
+from rltrain.plan_view import plan_tree
 
 CPU2 = Resources(num_cpus=2, num_gpus=0)
 GPU4 = Resources(num_cpus=16, num_gpus=4)
@@ -29,6 +31,7 @@ def _cfg(
     cfg.algorithm.samples_per_prompt = samples
     cfg.train.mini_batch_size = mini
     cfg.train.micro_batch_size = micro
+    cfg.train.packing = False  # padded rows: the layout whose micro batches count sequences
     cfg.train.epochs = epochs
     cfg.dtensor.dp = dp
     cfg.dtensor.tp = tp
@@ -43,8 +46,10 @@ def test_defaults_on_cpu():
     assert b.rollout_batch == 32 * 8 == 256
     assert b.mini_batch == 256  # null mini batch = the whole rollout batch
     assert b.dp == 1
-    assert b.micro_batch == 256  # null micro batch = the rank's share of a mini batch
-    assert b.grad_accum_steps == 1
+    # packing (the default) fills micro batches by tokens: no sequence count applies
+    assert (b.micro_batch, b.grad_accum_steps) == (None, None)
+    assert b.micro_batch_tokens == RunConfig().train.max_tokens_per_micro_batch
+    assert b.notes == ()
     assert b.optimizer_steps_per_rollout == 1
     assert b.sequences_per_rank == 256
     assert plan.role("policy").world_size == 1
@@ -228,6 +233,21 @@ def test_mini_not_dividing_rollout_batch():
         make_plan(_cfg(mini=100, dp=3), CPU2)
     with pytest.raises(ConfigError, match=r"train\.mini_batch_size=512"):
         make_plan(_cfg(mini=512), CPU2)
+
+
+def test_packing_ignores_the_micro_batch_size_and_says_so():
+    cfg = _cfg(prompts=30, micro=128)  # would not divide 240 sequences with padded rows
+    cfg.train.packing = True
+    b = make_plan(cfg, CPU2).batch
+    assert (b.micro_batch, b.grad_accum_steps, b.micro_batch_tokens) == (None, None, 2048)
+    assert len(b.notes) == 1 and "train.micro_batch_size=128 is not used" in b.notes[0]
+    console = Console(width=400, record=True)
+    console.print(plan_tree(make_plan(cfg, CPU2)))
+    text = console.export_text()
+    assert "packed by tokens: up to 2048 tokens" in text
+    assert "train.micro_batch_size=128 is not used" in text
+    cfg.train.micro_batch_size = None
+    assert make_plan(cfg, CPU2).batch.notes == ()
 
 
 def test_micro_not_dividing_mini():

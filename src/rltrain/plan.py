@@ -54,12 +54,17 @@ class BatchPlan:
     samples_per_prompt: int
     rollout_batch: int  # sequences generated per step
     mini_batch: int  # sequences per optimizer step (all dp ranks)
-    micro_batch: int  # sequences per forward/backward on one dp rank
+    # Padded rows (train.packing=false): sequences per forward/backward on one dp rank and
+    # micro batches per optimizer step on one rank. Packing plans micro batches by tokens
+    # instead (micro_batch_tokens each, as many as the responses' lengths need): None.
+    micro_batch: int | None
     dp: int
-    grad_accum_steps: int  # micro batches per optimizer step on one rank
+    grad_accum_steps: int | None
     epochs: int
     optimizer_steps_per_rollout: int
     sequences_per_rank: int  # rollout_batch / dp
+    micro_batch_tokens: int | None = None  # packing: train.max_tokens_per_micro_batch
+    notes: tuple[str, ...] = ()  # knobs set that this layout does not use
 
 
 @dataclass(frozen=True)
@@ -242,10 +247,39 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
             f"algorithm.prompts_per_step={a.prompts_per_step} x algorithm.samples_per_prompt="
             f"{a.samples_per_prompt} = {rollout_batch} sequences; pick a divisor of {rollout_batch}."
         )
-    if t.micro_batch_size is None and mini % dp:
+    if (t.packing or t.micro_batch_size is None) and mini % dp:
         raise ConfigError(
             f"the batch of {mini} sequences per optimizer step does not split over dp={dp} ranks; change dtensor.dp or the batch sizes."
         )
+
+    def batch_plan(
+        micro: int | None, accum: int | None, tokens: int | None = None, notes: tuple[str, ...] = ()
+    ) -> BatchPlan:
+        return BatchPlan(
+            prompts_per_step=a.prompts_per_step,
+            samples_per_prompt=a.samples_per_prompt,
+            rollout_batch=rollout_batch,
+            mini_batch=mini,
+            micro_batch=micro,
+            dp=dp,
+            grad_accum_steps=accum,
+            epochs=t.epochs,
+            optimizer_steps_per_rollout=t.epochs * rollout_batch // mini,
+            sequences_per_rank=rollout_batch // dp,
+            micro_batch_tokens=tokens,
+            notes=notes,
+        )
+
+    if t.packing:
+        # Micro batches are bins of tokens: train.micro_batch_size does not apply.
+        unused: tuple[str, ...] = ()
+        if t.micro_batch_size is not None:
+            unused = (
+                f"train.micro_batch_size={t.micro_batch_size} is not used: packing fills micro "
+                "batches by tokens (train.max_tokens_per_micro_batch); it applies with "
+                "train.packing=false",
+            )
+        return batch_plan(None, None, t.max_tokens_per_micro_batch, unused)
     micro = t.micro_batch_size or mini // dp
     if mini % (micro * dp):
         raise ConfigError(
@@ -254,18 +288,7 @@ def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
             f"use train.micro_batch_size in {{{_divisors_hint(mini, dp)}}} or change "
             "algorithm.prompts_per_step / train.mini_batch_size."
         )
-    return BatchPlan(
-        prompts_per_step=a.prompts_per_step,
-        samples_per_prompt=a.samples_per_prompt,
-        rollout_batch=rollout_batch,
-        mini_batch=mini,
-        micro_batch=micro,
-        dp=dp,
-        grad_accum_steps=mini // (micro * dp),
-        epochs=t.epochs,
-        optimizer_steps_per_rollout=t.epochs * rollout_batch // mini,
-        sequences_per_rank=rollout_batch // dp,
-    )
+    return batch_plan(micro, mini // (micro * dp))
 
 
 def estimate_num_params(cfg: RunConfig) -> int | None:

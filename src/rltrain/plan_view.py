@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.tree import Tree
 
-from rltrain.plan import CopyTaskInputs, InputsPlan, RunPlan
+from rltrain.plan import BatchPlan, CopyTaskInputs, InputsPlan, RunPlan
 
 
 def _fmt_bytes(n: object) -> str:
@@ -63,14 +63,14 @@ def plan_tree(plan: RunPlan) -> Tree:
     batch.add(
         f"mini batch {b.mini_batch} -> {b.optimizer_steps_per_rollout} optimizer step(s) per rollout ({b.epochs} epoch(s))"
     )
-    batch.add(
-        f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} accumulation step(s)"
-    )
+    batch.add(_micro_line(b))
+    for note in b.notes:
+        batch.add(note)
     if plan.value_batch is not None:
         vb = plan.value_batch
         batch.add(
-            f"value: micro batch {vb.micro_batch} per rank x dp {vb.dp} -> {vb.grad_accum_steps} "
-            f"accumulation step(s), {vb.optimizer_steps_per_rollout} optimizer step(s) per rollout"
+            f"value: {_micro_line(vb)}, {vb.optimizer_steps_per_rollout} optimizer step(s) per "
+            "rollout"
         )
     if plan.objective:
         objective = tree.add("objective")
@@ -118,3 +118,17 @@ def _add_inputs(tree: Tree, inputs: InputsPlan) -> None:
         node.add(
             f"eval: every {e.every_n_steps} steps, {e.samples_per_prompt} sample(s) per prompt"
         )
+
+
+def _micro_line(b: BatchPlan) -> str:
+    """How a rank's share of a mini batch goes through forward/backward."""
+    if b.micro_batch_tokens is not None:
+        return (
+            f"micro batches packed by tokens: up to {b.micro_batch_tokens} tokens each "
+            f"(train.max_tokens_per_micro_batch), {b.mini_batch // b.dp} sequences per rank x dp "
+            f"{b.dp} per optimizer step; as many micro batches as their lengths need"
+        )
+    return (
+        f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} "
+        "accumulation step(s)"
+    )
