@@ -92,12 +92,18 @@ class FSDPTrainer(ShardedModel):
 
     @property
     def loss_prescale(self) -> float:
-        """Constant each micro-batch loss is divided by before backward.
+        """Constant each micro-batch loss is divided by before backward: the most response
+        tokens one micro batch can hold (packing: ``train.max_tokens_per_micro_batch``;
+        padded rows: rows per micro batch x ``rollout.max_new_tokens``).
 
-        Keeps fp16 gradients in range without knowing the global count yet;
-        finish_train_step multiplies it back out exactly.
+        Keeps a summed fp16 loss and its gradients near a per-token mean without knowing
+        the global count yet; finish_train_step multiplies it back out in one factor.
         """
-        return float(self.cfg.train.max_tokens_per_micro_batch)
+        t = self.cfg.train
+        if t.packing:
+            return float(t.max_tokens_per_micro_batch)
+        rows = t.micro_batch_size or self.cfg.mini_batch() // self.dp
+        return float(rows * self.cfg.rollout.max_new_tokens)
 
     def begin_train_step(self) -> None:
         """Start accumulating one optimizer step (all ranks)."""
