@@ -78,12 +78,13 @@ class ValueModel(torch.nn.Module):
 
 class ValueWorker(FSDPTrainer):
     """One rank of the critic. ``cfg`` is the run's config; the ``value`` node picks
-    the model, learning rate, precision and mesh (null fields inherit the policy's)."""
+    the model, learning rate, precision and mesh (null fields inherit the policy's):
+    ``self.cfg`` is the run's config with those applied (:func:`value_run_config`), the
+    one config the critic reads."""
 
     batch_type = ValueBatch
 
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
-        self.run_cfg = cfg
         super().__init__(value_run_config(cfg), env, num_threads)
 
     # -- set-up -----------------------------------------------------------------------
@@ -117,7 +118,7 @@ class ValueWorker(FSDPTrainer):
         the loss. ``value.right_shift=false`` (a diagnostic) skips the shift.
         """
         raw = self.model(micro.input_ids_RS, **self.attention_kwargs(micro)).float()
-        if not self.run_cfg.value.right_shift:
+        if not self.cfg.value.right_shift:
             return raw
         return right_shift(raw, micro.position_ids_RS)
 
@@ -142,7 +143,7 @@ class ValueWorker(FSDPTrainer):
         values = self.forward_values(micro)
         # normalizer 1: the split step divides by the global token count once it is known.
         loss_sum, stats = clipped_value_loss(
-            values, micro.old_values_RS, micro.returns_RS, mask, self.run_cfg.value.clip, 1.0
+            values, micro.old_values_RS, micro.returns_RS, mask, self.cfg.value.clip, 1.0
         )
         # Metric values stay on the device (read back once per step, in finish), as the
         # policy worker's do: a float() here would wait for every micro batch's kernels.
