@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),  # the engines
     ("refit",),
     ("algorithms",),  # pure math: advantages, GAE, losses, logprobs
-    ("plan", "plan_view", "plan_gpus", "plan_process"),
+    ("plan", "plan_view", "plan_gpus", "plan_process", "plan_batch", "plan_objective"),
     ("data",),
     ("rewards",),
     (

@@ -15,11 +15,12 @@ from rltrain.config.schema import (
     DTYPE_BYTES,
     DTensorConfig,
     RunConfig,
-    is_level,
     value_run_config,
 )
 from rltrain.config.validate import check_liger_device
+from rltrain.plan_batch import BatchPlan, batch_plan
 from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
+from rltrain.plan_objective import objective_summary
 from rltrain.plan_process import resolve_in_process, resolve_refit_transport
 
 
@@ -44,27 +45,6 @@ class RolePlan:
     backend: str  # torch.distributed backend inside the role
     threads: int  # torch intra-op threads per process (CPU); 0 = library default
     notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Batch math of one step. Sizes count sequences (prompt + response)."""
-
-    prompts_per_step: int
-    samples_per_prompt: int
-    rollout_batch: int  # sequences generated per step
-    mini_batch: int  # sequences per optimizer step (all dp ranks)
-    # Padded rows (train.packing=false): sequences per forward/backward on one dp rank and
-    # micro batches per optimizer step on one rank. Packing plans micro batches by tokens
-    # instead (micro_batch_tokens each, as many as the responses' lengths need): None.
-    micro_batch: int | None
-    dp: int
-    grad_accum_steps: int | None
-    epochs: int
-    optimizer_steps_per_rollout: int
-    sequences_per_rank: int  # rollout_batch / dp
-    micro_batch_tokens: int | None = None  # packing: train.max_tokens_per_micro_batch
-    notes: tuple[str, ...] = ()  # knobs set that this layout does not use
 
 
 @dataclass(frozen=True)
@@ -233,64 +213,6 @@ class RunPlan:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def _divisors_hint(total: int, per: int) -> str:
-    options = [m for m in range(1, total + 1) if total % (m * per) == 0]
-    return ", ".join(str(m) for m in options[-6:]) or "none"
-
-
-def _batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
-    a, t = cfg.algorithm, cfg.train
-    rollout_batch, mini = cfg.rollout_batch(), cfg.mini_batch()
-    if rollout_batch % mini:
-        raise ConfigError(
-            f"train.mini_batch_size={mini} does not divide the rollout batch of "
-            f"algorithm.prompts_per_step={a.prompts_per_step} x algorithm.samples_per_prompt="
-            f"{a.samples_per_prompt} = {rollout_batch} sequences; pick a divisor of {rollout_batch}."
-        )
-    if (t.packing or t.micro_batch_size is None) and mini % dp:
-        raise ConfigError(
-            f"the batch of {mini} sequences per optimizer step does not split over dp={dp} ranks; change dtensor.dp or the batch sizes."
-        )
-
-    def batch_plan(
-        micro: int | None, accum: int | None, tokens: int | None = None, notes: tuple[str, ...] = ()
-    ) -> BatchPlan:
-        return BatchPlan(
-            prompts_per_step=a.prompts_per_step,
-            samples_per_prompt=a.samples_per_prompt,
-            rollout_batch=rollout_batch,
-            mini_batch=mini,
-            micro_batch=micro,
-            dp=dp,
-            grad_accum_steps=accum,
-            epochs=t.epochs,
-            optimizer_steps_per_rollout=t.epochs * rollout_batch // mini,
-            sequences_per_rank=rollout_batch // dp,
-            micro_batch_tokens=tokens,
-            notes=notes,
-        )
-
-    if t.packing:
-        # Micro batches are bins of tokens: train.micro_batch_size does not apply.
-        unused: tuple[str, ...] = ()
-        if t.micro_batch_size is not None:
-            unused = (
-                f"train.micro_batch_size={t.micro_batch_size} is not used: packing fills micro "
-                "batches by tokens (train.max_tokens_per_micro_batch); it applies with "
-                "train.packing=false",
-            )
-        return batch_plan(None, None, t.max_tokens_per_micro_batch, unused)
-    micro = t.micro_batch_size or mini // dp
-    if mini % (micro * dp):
-        raise ConfigError(
-            f"the batch of {mini} sequences per optimizer step is not divisible by "
-            f"train.micro_batch_size={micro} x dp={dp} = {micro * dp}; "
-            f"use train.micro_batch_size in {{{_divisors_hint(mini, dp)}}} or change "
-            "algorithm.prompts_per_step / train.mini_batch_size."
-        )
-    return batch_plan(micro, mini // (micro * dp))
-
-
 def estimate_num_params(cfg: RunConfig) -> int | None:
     """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
     if cfg.model.path is None:
@@ -400,13 +322,13 @@ def make_plan(
             "while the trainer trains; give the rollout GPUs of its own (more GPUs, or fewer "
             "trainer ranks with dtensor.dp) or set algorithm.async_rollout.enabled=false."
         )
-    batch = _batch_plan(cfg, dp)
+    batch = batch_plan(cfg, dp)
     value_dp = 0
     value_batch = None
     if vd is not None:
         value_dp = cfg.value.dtensor.dp or dp
         try:
-            value_batch = _batch_plan(cfg, value_dp)
+            value_batch = batch_plan(cfg, value_dp)
         except ConfigError as exc:
             raise ConfigError(f"value model (value.dtensor.dp={value_dp}): {exc}") from exc
     value_world = value_dp * vd.tp if vd is not None else 0
@@ -555,92 +477,6 @@ def make_plan(
         in_process=in_process,
         in_process_reason=in_process_reason,
     )
-
-
-ADVANTAGE_FORMULAS = {
-    "grpo": "(r - group mean) / (group std + eps)",
-    "dr_grpo": "r - group mean",
-    "rloo": "r - mean of the other samples of the group",
-    "reinforce_pp": "reward-to-go, whitened over the step's tokens",
-    "reinforce_pp_baseline": "r - group mean, whitened over the step's tokens",
-    "gae": "GAE(gamma, lam) over the critic's values",
-}
-AGGREGATION_FORMULAS = {
-    "token_mean": "token sum / the step's loss tokens (all dp ranks)",
-    "seq_mean_token_mean": "per-sequence token mean, / the step's sequences",
-    "seq_mean_token_sum_norm": "per-sequence token sum / {L}, / the step's sequences",
-}
-
-
-def objective_summary(cfg: RunConfig) -> dict[str, str]:
-    """The objective a run optimises, in words (``rltrain plan``; docs/objectives.md)."""
-    a = cfg.algorithm
-    est = a.adv_estimator
-    if est == "grpo" and not a.normalize_adv_by_std:
-        adv = "grpo without the std division (algorithm.normalize_adv_by_std=false): r - group mean"
-    else:
-        adv = f"{est}: {ADVANTAGE_FORMULAS[est]}"
-    out = {"advantages": adv}
-    if a.ratio_level == "sequence":
-        lo, hi = a.seq_clip_ratio_low, a.seq_clip_ratio_high
-        out["ratio"] = f"sequence (GSPO: exp of the mean token log-ratio), clip [1-{lo}, 1+{hi}]"
-    else:
-        lo, hi = a.clip_ratio_low, a.clip_ratio_high
-        out["ratio"] = f"token, clip [1-{lo}, 1+{hi}]"
-    agg = AGGREGATION_FORMULAS[a.loss_aggregation].format(L=cfg.rollout.max_new_tokens)
-    out["loss"] = f"{a.loss_aggregation}: {agg}"
-    if a.kl_coef > 0:
-        where = "in the reward" if a.kl_in_reward else "in the loss"
-        out["kl"] = f"{a.kl_coef} x {a.kl_estimator} {where}"
-    else:
-        out["kl"] = "off (algorithm.kl_coef=0)"
-    ds = a.dynamic_sampling
-    if ds.enabled:
-        out["dynamic sampling"] = (
-            f"groups with all-equal rewards dropped; up to {ds.max_rounds} rounds of "
-            f"{a.prompts_per_step} prompts to fill the step"
-        )
-    ol = a.overlong
-    parts = []
-    if ol.filter:
-        parts.append("truncated responses masked out of the loss")
-    if ol.buffer:
-        start = cfg.rollout.max_new_tokens - ol.buffer
-        parts.append(
-            f"reward penalty rising to -{ol.penalty} from {start} to "
-            f"{cfg.rollout.max_new_tokens} tokens"
-        )
-    if parts:
-        out["overlong"] = "; ".join(parts)
-    rc = a.rollout_correction
-    parts = []
-    level = is_level(cfg)
-    if level is not None:
-        if rc.over_cap == "mask":
-            parts.append(
-                f"{level}-level importance weights pi_train/pi_engine, masked above {rc.cap}"
-            )
-        else:
-            parts.append(f"{level}-level importance weights min(pi_train/pi_engine, {rc.cap})")
-        if rc.weights == "auto":
-            parts[-1] += " (auto: asynchronous, max_staleness >= 1)"
-    if rc.mask_bound is not None:
-        parts.append(
-            f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked"
-        )
-    if parts:
-        out["rollout correction"] = "; ".join(parts)
-    ar = a.async_rollout
-    if ar.enabled:
-        per_call = ar.groups_per_call or a.prompts_per_step // max(cfg.rollout.replicas, 1)
-        buffer = ar.buffer_groups or 2 * a.prompts_per_step
-        out["async"] = (
-            f"max_staleness {ar.max_staleness} (a sample of weight version v trains at t while "
-            f"t - v <= {ar.max_staleness}); buffer {buffer} groups ({buffer * a.samples_per_prompt} "
-            f"samples); {per_call} groups per generate call; partial rollouts "
-            f"{'on' if ar.partial_rollouts else 'off'}; deadline per call {ar.group_timeout_s:g}s"
-        )
-    return out
 
 
 def _memory_plan(

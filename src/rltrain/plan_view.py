@@ -6,7 +6,8 @@ from dataclasses import asdict
 
 from rich.tree import Tree
 
-from rltrain.plan import BatchPlan, CopyTaskInputs, InputsPlan, RunPlan
+from rltrain.plan import CopyTaskInputs, InputsPlan, RunPlan
+from rltrain.plan_batch import BatchPlan
 
 
 def _fmt_bytes(n: object) -> str:
