@@ -95,7 +95,11 @@ def parse_args() -> argparse.Namespace:
         "--micro-tokens", type=int, default=4096, help="train.max_tokens_per_micro_batch"
     )
     p.add_argument("--standalone-steps", type=int, default=4)
-    p.add_argument("--cuda-graphs", action="store_true", help="rollout.vllm.enforce_eager=false")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="rollout.vllm.enforce_eager=true (default: the engine's own choice, CUDA graphs)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on the loop's run (s)")
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
@@ -231,7 +235,7 @@ def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> l
         "rollout.colocated=true",
         f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}",
         f"rollout.vllm.max_model_len={prompt_tokens + args.max_new_tokens}",
-        f"rollout.vllm.enforce_eager={str(not args.cuda_graphs).lower()}",
+        *(["rollout.vllm.enforce_eager=true"] if args.eager else []),
         "cluster.device=cuda",
         *args.overrides,
     ]
@@ -558,7 +562,7 @@ def two_gpu_overrides(
         *spec["overrides"],
         "rollout=vllm",
         f"rollout.vllm.max_model_len={PROMPT_TOKENS + args.max_new_tokens}",
-        f"rollout.vllm.enforce_eager={str(not args.cuda_graphs).lower()}",
+        *(["rollout.vllm.enforce_eager=true"] if args.eager else []),
         *(
             [f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"]
             if spec["colocated"]
@@ -906,7 +910,9 @@ def main() -> None:
         "args": {k: v for k, v in vars(args).items() if k != "standalone_worker"},
         "errors": {},
     }
-    name = f"bench_e2e-{device}.json"
+    # The defaults' own file: no engine flag and no override changes what a user gets.
+    defaults = not (args.eager or args.overrides or args.smoke)
+    name = f"bench_e2e-{device}{'-defaults' if defaults else ''}.json"
     paths = [ROOT / "scripts" / "results" / name] + ([Path(args.out) / name] if args.out else [])
 
     def save() -> None:

@@ -198,15 +198,6 @@ BAD_CASES = [
         ["refit=nccl"], ["refit.transport=nccl", "CPU", "refit=gloo"], id="refit-nccl-cpu"
     ),
     pytest.param(["refit=ipc"], ["refit.transport=ipc", "refit=gloo"], id="refit-ipc-cpu"),
-    pytest.param(
-        [
-            "algorithm.async_rollout.enabled=true",
-            "algorithm.async_rollout.partial_rollouts=true",
-            "rollout.engine=vllm",
-        ],
-        ["algorithm.async_rollout.partial_rollouts=true", "rollout.engine=vllm", "engine=torch"],
-        id="partial-rollouts-vllm",
-    ),
 ]
 
 

@@ -147,14 +147,6 @@ def _validate_async(cfg: RunConfig) -> None:
             "sleep while the trainer trains, so nothing can overlap; set rollout.colocated=false "
             "(engines on their own GPUs) or algorithm.async_rollout.enabled=false."
         )
-    if ar.partial_rollouts and cfg.rollout.engine == "vllm":
-        raise ConfigError(
-            "algorithm.async_rollout.partial_rollouts=true with rollout.engine=vllm: vLLM's "
-            "offline LLM.generate runs its engine loop to the end in the calling thread, so a "
-            "refit cannot land between its steps (docs/async.md, Partial rollouts); set "
-            "algorithm.async_rollout.partial_rollouts=false (refits wait for the call in "
-            "flight) or rollout.engine=torch."
-        )
     ro = cfg.rollout
     groups = ar.groups_per_call
     if groups is not None:

@@ -324,8 +324,9 @@ class VLLMEngineConfig:
     # step's sequences at once (waking and sleeping costs grow with the cache; the rest of
     # the GPU stays with the trainer), other engines what gpu_memory_utilization leaves.
     kv_cache_gib: float | None = None
-    # Eager mode (no CUDA graphs / torch.compile): fast start, required on CPU.
-    enforce_eager: bool = True
+    # Eager mode (no CUDA graphs / torch.compile). null = auto: CUDA graphs on GPUs (decoding
+    # ~2.8x faster at 1.5B shapes for ~17 s more start-up), eager on CPU (required there).
+    enforce_eager: bool | None = None
     # Longest prompt + response; null = the model's max_position_embeddings.
     max_model_len: int | None = None
 
