@@ -24,7 +24,8 @@ How it stays on-policy with the trainer:
 * ``logprobs_mode="processed_logprobs"``: logprobs after temperature and the
   blocked-token mask, i.e. the distribution ``algorithms/logprobs.py`` scores
   (vLLM's default, raw logprobs, ignores the temperature); blocked tokens are
-  excluded through ``allowed_token_ids`` (every id of the model but them);
+  masked for the whole batch by a logits processor of vLLM's sampler
+  (``vllm_blocked.py``);
 * weights are replaced in place after every refit: with one tensor-parallel
   rank, each received bucket lands straight in vLLM's parameters (in vLLM's
   worker process) with one fused copy (the fused qkv / gate_up layouts are mapped
@@ -61,13 +62,10 @@ from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitGroup, RefitStats
-from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_worker import from_wire, to_wire
 
 T = TypeVar("T")
-# Called from the engine's event loop as each row finishes: (row index, response ids,
-# their logprobs, finished at EOS). It must be quick and thread-safe (hand the row on).
-OnRow = Callable[[int, list[int], list[float], bool], None]
 
 GIB = 2**30
 
@@ -180,11 +178,6 @@ class VLLMEngine:
         self._partial = ar.enabled and ar.partial_rollouts
         self._loop = _EventLoop(f"vllm-replica-{replica_index}")
         self.llm: Any = self._loop.run(self._build_llm(model_path))
-        vocab = self.llm.model_config.get_vocab_size()
-        # None when nothing is blocked: vLLM then skips building a vocab-wide mask.
-        self._allowed: list[int] | None = (
-            [t for t in range(vocab) if t not in self._blocked] if self._blocked else None
-        )
         self._tie = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self._version = 0
         self._calls = 0
@@ -240,6 +233,13 @@ class VLLMEngine:
             "disable_log_stats": True,
             "worker_extension_cls": "rltrain.rollout.vllm_worker.RefitWorkerExtension",
         }
+        if self._blocked:
+            from rltrain.rollout.vllm_blocked import CONFIG_KEY
+
+            # One mask for the whole batch in vLLM's sampler (vllm_blocked.py), not an
+            # allowed_token_ids list carried by every request.
+            kwargs["logits_processors"] = ["rltrain.rollout.vllm_blocked:BlockedTokens"]
+            kwargs["additional_config"] = {CONFIG_KEY: sorted(self._blocked)}
         if ro.tp > 1:
             # Workers as subprocesses, on the GPUs Ray gave this actor (a Ray executor would
             # try to place its own workers in the run's placement group).
@@ -334,7 +334,6 @@ class VLLMEngine:
                 stop_token_ids=[self.eos_id],
                 seed=seed,
                 logprobs=0,  # the sampled token's own logprob only
-                allowed_token_ids=self._allowed,
                 detokenize=False,
                 output_kind=kind,
             )
