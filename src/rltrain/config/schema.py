@@ -327,6 +327,10 @@ class VLLMEngineConfig:
     # Eager mode (no CUDA graphs / torch.compile). null = auto: CUDA graphs on GPUs (decoding
     # ~2.8x faster at 1.5B shapes for ~17 s more start-up), eager on CPU (required there).
     enforce_eager: bool | None = None
+    # With CUDA graphs: compile the model with vLLM's torch.compile pipeline (piecewise graphs
+    # around attention) or not (full CUDA graphs of decode steps over the eager model, prefill
+    # eager: no Inductor compile at start-up). null = auto: no compile.
+    torch_compile: bool | None = None
     # Longest prompt + response; null = the model's max_position_embeddings.
     max_model_len: int | None = None
 

@@ -123,6 +123,16 @@ def enforce_eager(cfg: RunConfig, device: str) -> bool:
     return device != "cuda" if v is None else v
 
 
+def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:
+    """vLLM's ``compilation_config`` from ``rollout.vllm``: None = vLLM's own (eager, or its
+    compile pipeline with piecewise CUDA graphs); without ``torch_compile`` (the default)
+    full CUDA graphs of the decode steps over the eager model, prefill eager, so that
+    start-up does not wait for Inductor."""
+    if enforce_eager(cfg, device) or cfg.rollout.vllm.torch_compile:
+        return None
+    return {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
 class _EventLoop:
     """One asyncio event loop on a daemon thread of its own: the engine's coroutines run
     there (vLLM's output handler with them) while the replica's calling threads wait."""
@@ -182,7 +192,6 @@ class VLLMEngine:
         self._version = 0
         self._calls = 0
         self._request_ids = itertools.count()
-        self._in_flight = 0  # requests submitted and not finished (the loop's thread only)
         self._asleep = False
         self._weights_discarded = False  # level-2 sleep: no generate before the next refit
         # Prompt prefixes may be cached since the last reset (a generate ran): a refit drops
@@ -233,6 +242,9 @@ class VLLMEngine:
             "disable_log_stats": True,
             "worker_extension_cls": "rltrain.rollout.vllm_worker.RefitWorkerExtension",
         }
+        compilation = compilation_config(self.cfg, self.device)
+        if compilation is not None:
+            kwargs["compilation_config"] = compilation
         if self._blocked:
             from rltrain.rollout.vllm_blocked import CONFIG_KEY
 
@@ -260,7 +272,14 @@ class VLLMEngine:
             # The run's workers get rollout.colocated resolved by the plan; null (auto) here
             # means an engine built outside a run (eval, benchmarks): nothing to share with.
             kwargs["enable_sleep_mode"] = bool(ro.colocated)
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        from vllm.usage.usage_lib import UsageContext
+
+        # The batch defaults of vLLM's offline LLM class (H100/H200: up to 1024 sequences and
+        # 16384 tokens a step), not those of an engine behind a server (128 sequences): a
+        # step's 256 rows otherwise decode in two waves, half as fast.
+        return AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
+        )
 
     def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """``method`` of :class:`~rltrain.rollout.vllm_worker.RefitWorkerExtension` on every
@@ -321,8 +340,8 @@ class VLLMEngine:
 
         kind = RequestOutputKind.DELTA if self._partial else RequestOutputKind.FINAL_ONLY
 
-        async def row(i: int, prompt: list[int], seed: int) -> _Row:
-            params = VLLMSamplingParams(
+        def params(seed: int) -> Any:
+            return VLLMSamplingParams(
                 n=1,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
@@ -337,20 +356,19 @@ class VLLMEngine:
                 detokenize=False,
                 output_kind=kind,
             )
+
+        async def row(i: int, collector: Any) -> _Row:
             out = _Row()
-            request_id = f"{self.replica_index}-{next(self._request_ids)}"
-            self._in_flight += 1
-            try:
-                async for step in self.llm.generate(
-                    TokensPrompt(prompt_token_ids=list(prompt)), params, request_id
-                ):
+            while True:
+                step = collector.get_nowait() or await collector.get()
+                if step.outputs:
                     comp = step.outputs[0]
                     ids = list(comp.token_ids)
                     lps = [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
                     if kind == RequestOutputKind.DELTA:
-                        # Tokens stream in as sampled; a refit lands only while the scheduler
-                        # is paused and this stream drained (_refit_in_flight), so the version
-                        # now is the version of the forward that sampled them.
+                        # Tokens stream in as sampled; a refit lands only while the
+                        # scheduler is paused and the streams drained (_refit_in_flight),
+                        # so the version now is that of the forward that sampled them.
                         out.ids += ids
                         out.logprobs += lps
                         out.versions += [self._version] * len(ids)
@@ -358,16 +376,35 @@ class VLLMEngine:
                             self.on_tokens()
                     else:
                         out.ids, out.logprobs = ids, lps
-            finally:
-                self._in_flight -= 1
+                if step.finished:
+                    break
             if on_row is not None:
                 on_row(i, out.ids, out.logprobs, bool(out.ids) and out.ids[-1] == self.eos_id)
             return out
 
         seeds = request_seeds(base, len(prompt_ids))
-        rows = await asyncio.gather(
-            *(row(i, p, s) for i, (p, s) in enumerate(zip(prompt_ids, seeds, strict=True)))
-        )
+        request_ids = [f"{self.replica_index}-{next(self._request_ids)}" for _ in prompt_ids]
+        # Every request is added while the scheduler holds still, so that the first step
+        # schedules them all: added one by one into a running engine, the last ones start
+        # steps after the first and the call ends that much later. A refit beside the call
+        # (partial rollouts) pauses and resumes the scheduler itself: then no hold here.
+        hold = not self._partial and len(prompt_ids) > 1
+        collectors: list[Any] = []
+        try:
+            if hold:
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                for rid, prompt, seed in zip(request_ids, prompt_ids, seeds, strict=True):
+                    prompt_in = TokensPrompt(prompt_token_ids=list(prompt))
+                    collectors.append(await self.llm.add_request(rid, prompt_in, params(seed)))
+            finally:
+                if hold:
+                    await self.llm.resume_generation()
+            rows = await asyncio.gather(*(row(i, c) for i, c in enumerate(collectors)))
+        except BaseException:
+            # A failed or cancelled call leaves nothing running in the engine.
+            await self.llm.abort(request_ids)
+            raise
         self._prefix_cache_used = True
         return list(rows)
 
