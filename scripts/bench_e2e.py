@@ -487,7 +487,7 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
 
 # The layouts of the two-GPU benchmark: the overrides that express them on a 2-GPU node, and
 # what the plan must show for them (plan.json's gpu_layout), else the layout is not run.
-# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan_gpus.py),
+# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan/gpus.py),
 # so `dp2` is dp=2 trainers with one colocated vLLM replica on GPU 0 (CUDA IPC refit);
 # GPU 1 holds policy rank 1 (and PPO's value rank 1) only.
 LAYOUTS: dict[str, dict] = {

@@ -10,7 +10,7 @@ from rich.console import Console
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RunConfig
 from rltrain.plan import Resources, estimate_num_params, make_plan
-from rltrain.plan_view import plan_tree
+from rltrain.plan.view import plan_tree
 
 CPU2 = Resources(num_cpus=2, num_gpus=0)
 GPU4 = Resources(num_cpus=16, num_gpus=4)

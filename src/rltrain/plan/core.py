@@ -18,10 +18,10 @@ from rltrain.config.schema import (
     value_run_config,
 )
 from rltrain.config.validate import check_liger_device
-from rltrain.plan_batch import BatchPlan, batch_plan
-from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
-from rltrain.plan_objective import objective_summary
-from rltrain.plan_process import resolve_in_process, resolve_refit_transport
+from rltrain.plan.batch import BatchPlan, batch_plan
+from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
+from rltrain.plan.objective import objective_summary
+from rltrain.plan.process import resolve_in_process, resolve_refit_transport
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 from rich.tree import Tree
 
-from rltrain.plan import CopyTaskInputs, InputsPlan, RunPlan
-from rltrain.plan_batch import BatchPlan
+from rltrain.plan.batch import BatchPlan
+from rltrain.plan.core import CopyTaskInputs, InputsPlan, RunPlan
 
 
 def _fmt_bytes(n: object) -> str:
