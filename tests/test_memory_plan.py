@@ -275,3 +275,20 @@ def test_gpu_memory_is_read_from_nvml_without_a_cuda_context(monkeypatch):
         local_resources(ClusterConfig(num_cpus=4, num_gpus=2, device="cpu")).gpu_memory_bytes
         is None
     )
+
+
+def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
+    """bench_e2e keeps, per process, plan.json's estimate and the run's measured peak (here
+    the grpo dp2 run's memory as the 2 x H100 result holds it)."""
+    bench = _script("bench_e2e")
+    result = json.loads((ROOT / "scripts/results/bench_e2e-nvidia-h100-2gpu.json").read_text())
+    gpu_memory = result["runs"]["grpo_dp2"]["gpu_memory"]
+    (tmp_path / "plan.json").write_text(_bench_plan("grpo", "dp2", 79.18).to_json())
+    got = bench.plan_estimate_vs_peak(tmp_path, gpu_memory)
+    assert set(got) == {"policy rank 0", "policy rank 1", "rollout rank 0"}
+    assert [got[k]["gpu"] for k in sorted(got)] == [0, 1, 0]
+    assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(24.936, abs=1e-3)
+    assert got["policy rank 1"]["memory_estimate_gib"] == pytest.approx(24.77, abs=0.01)
+    assert got["rollout rank 0"]["memory_estimate_gib"] == pytest.approx(13.63, abs=0.01)
+    assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.58, abs=0.01)
+    assert bench.plan_estimate_vs_peak(tmp_path / "none", gpu_memory) is None

@@ -23,8 +23,9 @@ freed, the weights stay), so the GPU's peak is the generate phase; both phases a
 
 The margin on top, per process: its CUDA context, NCCL and cuBLAS workspaces outside
 the allocator (:data:`CONTEXT_BYTES`), and for trainers the allocator's fragmentation
-(:data:`TRAINER_FRAGMENTATION` of the estimate). How the figures were fitted is in
-docs/memory.md.
+(:data:`TRAINER_FRAGMENTATION` of the estimate). docs/user-guide.md ("GPU memory") says
+what each constant was fitted to; ``scripts/memory_estimate.py`` compares the estimate
+with every measured figure.
 """
 
 from __future__ import annotations
