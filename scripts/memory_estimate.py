@@ -114,7 +114,7 @@ def estimate_vs_peak(memory: dict, gpu_memory: dict | None) -> dict:
     out: dict = {}
     for gpu in memory.get("gpus") or []:
         for proc in gpu["processes"]:
-            role, rank = proc["role"], int(proc["name"].rsplit(" ", 1)[1])
+            role, rank = proc["role"], proc["rank"]
             entry = {
                 "gpu": gpu["gpu"],
                 "memory_estimate_gib": round(proc["estimate_bytes"] / GIB, 3),

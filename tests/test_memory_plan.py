@@ -292,3 +292,67 @@ def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
     assert got["rollout rank 0"]["memory_estimate_gib"] == pytest.approx(13.63, abs=0.01)
     assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.58, abs=0.01)
     assert bench.plan_estimate_vs_peak(tmp_path / "none", gpu_memory) is None
+
+
+def test_trainer_parts_in_bytes():
+    """One policy rank at 1.5B shapes, bf16 compute / fp32 reduce, 4096 tokens a micro batch."""
+    from rltrain.config.schema import RunConfig
+    from rltrain.plan.memory import trainer_parts
+
+    shape = known_shape("Qwen/Qwen2.5-1.5B")
+    assert shape is not None
+    n, layer, root = 1_543_714_304, 46_797_824, 151936 * 1536 + 1536
+    assert (shape.layer_params, shape.root_params) == (layer, root)
+    cfg = RunConfig()
+    cfg.precision.param_dtype, cfg.precision.reduce_dtype = "bfloat16", "float32"
+    cfg.algorithm.kl_coef = 0.001
+    per_token = 2 * 28 * (8 * 1536 + 2 * 256 + 3 * 8960)  # bf16 elements a compiled block keeps
+    # dp=2: blocks re-gathered in backward, gradients reduced per micro batch (sharded)
+    assert trainer_parts(cfg, shape, 2, "policy", 4096, True) == {
+        "weights": 4 * n // 2,
+        "gradients": 4 * n // 2,
+        "optimizer": 8 * n // 2,
+        "gathered": 2 * (root + 2 * layer),
+        "reference": 4 * n // 2 + 2 * root,
+        "activations": 4096 * per_token,
+        "logits": 1024 * 151936 * (2 + 4),
+    }
+    # dp=1: every block kept gathered, fp32 gradients accumulated unsharded over the step
+    one = trainer_parts(cfg, shape, 1, "policy", 4096, True)
+    assert (one["gathered"], one["gradients"], one["reference"]) == (2 * n, 4 * n, 4 * n + 2 * n)
+    # activation checkpointing keeps each block's input (+ one block recomputed)
+    cfg.dtensor.activation_checkpointing = True
+    ac = trainer_parts(cfg, shape, 2, "policy", 4096, True)["activations"]
+    assert ac == 4096 * 2 * (28 * 1536 + 8 * 1536 + 2 * 256 + 3 * 8960)
+    # CPU offload: no fp32 state on the GPU; eager blocks keep 1.5x the activations
+    cfg.dtensor.activation_checkpointing, cfg.dtensor.cpu_offload = False, True
+    cfg.train.compile = False
+    off = trainer_parts(cfg, shape, 2, "policy", 4096, True)
+    assert off["weights"] == off["gradients"] == off["optimizer"] == 0
+    assert off["reference"] == 2 * root and off["activations"] == int(4096 * per_token * 1.5)
+    # the critic: no LM head (tied here: the same count + the scalar head), no logits
+    cfg.dtensor.cpu_offload, cfg.train.compile = False, None
+    critic = trainer_parts(cfg, shape, 1, "value", 4096, True)
+    assert "logits" not in critic and "reference" not in critic
+    assert critic["optimizer"] == 8 * (n + 1537)
+
+
+def test_recipe_model_is_sized_without_a_download():
+    """`rltrain plan ppo recipe=qwen1.5b-gsm8k` on this CPU machine: the hub id's sizes."""
+    result = runner.invoke(app, ["plan", "ppo", "recipe=qwen1.5b-gsm8k", "--json"])
+    assert result.exit_code == 0, result.output
+    mem = json.loads(result.stdout)["memory"]
+    assert mem["num_params"] == 1_543_714_304 and mem["refit_bytes_per_step"] == 2 * 1_543_714_304
+    assert mem["model"] == "the known architecture of Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def test_tensor_parallel_engine_takes_a_share_on_each_of_its_gpus():
+    cfg, choices = compose(
+        ["rollout=vllm", "rollout.tp=2", "cluster.device=cuda", "cluster.gpu_memory_gib=80"],
+        algorithm="grpo",
+    )
+    mem = make_plan(cfg, Resources(num_cpus=8, num_gpus=3), choices).memory
+    names = [[p.name for p in g.processes] for g in mem.gpus]
+    assert names == [["policy rank 0"], ["rollout rank 0 (tp 0)"], ["rollout rank 0 (tp 1)"]]
+    share = mem.gpus[1].processes[0].parts["gpu_memory_utilization"]
+    assert share == int(0.8 * 80 * GIB)

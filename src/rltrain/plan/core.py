@@ -21,10 +21,9 @@ from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
 from rltrain.plan.memory import (
     MemoryPlan,
     cpu_memory_plan,
-    detected_capacity_text,
     fix_candidates,
     gib,
-    gib_to_bytes,
+    gpu_capacity,
     gpu_memory_plan,
     model_shape,
     override_text,
@@ -412,7 +411,7 @@ def _make_plan(
             value_dp,
             layout.value_colocated,
             colocated,
-            _capacity(cfg, resources),
+            gpu_capacity(cfg, resources.gpu_memory_bytes, resources.gpu_name),
             batch.micro_batch,
         )
         _check_memory(cfg, resources, choices, memory, dp, colocated, suggest)
@@ -455,28 +454,6 @@ def _make_plan(
         objective=objective_summary(cfg),
         in_process=in_process,
         in_process_reason=in_process_reason,
-    )
-
-
-def _capacity(cfg: RunConfig, resources: Resources) -> tuple[int | None, str, str]:
-    """(bytes of one GPU, where that figure came from, the GPU's name)."""
-    if cfg.cluster.gpu_memory_gib is not None:
-        gib = cfg.cluster.gpu_memory_gib
-        return gib_to_bytes(gib), f"cluster.gpu_memory_gib={gib:g}", ""
-    if resources.gpu_memory_bytes is not None:
-        name = resources.gpu_name or "GPU 0"
-        return (
-            resources.gpu_memory_bytes,
-            detected_capacity_text(name, resources.gpu_memory_bytes),
-            resources.gpu_name,
-        )
-    return (
-        None,
-        (
-            "unknown: no GPU found on this machine to read it from; set cluster.gpu_memory_gib "
-            "to check the layout against it (not checked)"
-        ),
-        "",
     )
 
 

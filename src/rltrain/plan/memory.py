@@ -141,6 +141,7 @@ class ProcessMemory:
 
     name: str  # "policy rank 0", "rollout rank 1"
     role: str  # policy | value | rollout
+    rank: int  # the role's rank (a rollout replica's index)
     parts: dict[str, int]
     margin_bytes: int  # CUDA context (+ fragmentation for trainers)
     asleep_bytes: int | None = None  # a colocated engine while it sleeps (margin included)
@@ -385,7 +386,7 @@ def gpu_memory_plan(
     def trainer(c: RunConfig, s: ModelShape, role: str, role_dp: int, rank: int) -> ProcessMemory:
         parts = trainer_parts(c, s, role_dp, role, tokens, True)
         margin = CONTEXT_BYTES + int(TRAINER_FRAGMENTATION * sum(parts.values()))
-        return ProcessMemory(f"{role} rank {rank}", role, parts, margin)
+        return ProcessMemory(f"{role} rank {rank}", role, rank, parts, margin)
 
     for rank in range(n_policy):
         gpus[rank].append(trainer(cfg, shape, "policy", dp, rank))
@@ -403,17 +404,16 @@ def gpu_memory_plan(
                     gpus.append([proc])
     parts, asleep, how = engine_parts(cfg, shape, rollout_colocated, cap, gpu_name)
     for replica in range(ro.replicas):
-        proc = ProcessMemory(
-            f"rollout rank {replica}",
-            "rollout",
-            parts,
-            CONTEXT_BYTES,
-            asleep + CONTEXT_BYTES if rollout_colocated else None,
-        )
+        asleep_total = asleep + CONTEXT_BYTES if rollout_colocated else None
         if rollout_colocated:
-            gpus[0].append(proc)
-        else:
-            gpus.extend([proc] for _ in range(ro.tp))
+            name = f"rollout rank {replica}"
+            gpus[0].append(
+                ProcessMemory(name, "rollout", replica, parts, CONTEXT_BYTES, asleep_total)
+            )
+            continue
+        for shard in range(ro.tp):  # a tensor-parallel replica: a share on each of its GPUs
+            name = f"rollout rank {replica}" + (f" (tp {shard})" if ro.tp > 1 else "")
+            gpus.append([ProcessMemory(name, "rollout", replica, parts, CONTEXT_BYTES)])
     notes.append(f"rollout: {how}")
     out = []
     for index, procs in enumerate(gpus):
@@ -537,9 +537,25 @@ def with_overrides(cfg: RunConfig, overrides: dict) -> RunConfig:
     return out
 
 
-def detected_capacity_text(name: str, total: int) -> str:
-    return f"detected: {name}, {gib(total)} GiB"
-
-
-def gib_to_bytes(value: float) -> int:
-    return int(math.floor(value * GIB))
+def gpu_capacity(
+    cfg: RunConfig, detected_bytes: int | None, gpu_name: str
+) -> tuple[int | None, str, str]:
+    """(bytes of one GPU, where that figure came from, the GPU's name):
+    ``cluster.gpu_memory_gib``, else what was detected on this machine, else unknown."""
+    if cfg.cluster.gpu_memory_gib is not None:
+        value = cfg.cluster.gpu_memory_gib
+        return int(math.floor(value * GIB)), f"cluster.gpu_memory_gib={value:g}", ""
+    if detected_bytes is not None:
+        return (
+            detected_bytes,
+            f"detected: {gpu_name or 'GPU 0'}, {gib(detected_bytes)} GiB",
+            gpu_name,
+        )
+    return (
+        None,
+        (
+            "unknown (cluster.gpu_memory_gib=null and no GPU read on this machine): not checked; "
+            "set cluster.gpu_memory_gib to check the layout against it"
+        ),
+        "",
+    )
