@@ -470,21 +470,21 @@ def _check_memory(
     if not memory.over:
         return
     fixes: list[str] = []
-    if suggest:
-        tried: set[str] = set()
-        for overrides in fix_candidates(cfg, dp, resources.num_gpus, colocated):
-            # one kv_cache_gib (the largest that fits) per kind of change
-            kind = " ".join(sorted(k for k in overrides if k != "rollout.vllm.kv_cache_gib"))
-            kind += "kv" if "rollout.vllm.kv_cache_gib" in overrides else ""
-            if kind in tried or len(fixes) >= 4:
-                continue
-            try:
-                fit = _make_plan(with_overrides(cfg, overrides), resources, choices, False)
-            except ConfigError:
-                continue
-            tried.add(kind)
-            worst = max(g.peak_bytes for g in fit.memory.gpus)
-            fixes.append(f"{override_text(overrides)} (largest GPU {gib(worst)} GiB)")
+    fitted: list[dict] = []
+    # Candidates come least intrusive first, each key's values from the gentlest: keep the
+    # first that fits of each set of keys, and nothing that only adds keys to a fitted one.
+    for overrides in fix_candidates(cfg, dp, resources.num_gpus, colocated) if suggest else []:
+        if len(fixes) == 4 or any(
+            f.items() <= overrides.items() or f.keys() == overrides.keys() for f in fitted
+        ):
+            continue
+        try:
+            fit = _make_plan(with_overrides(cfg, overrides), resources, choices, False)
+        except ConfigError:
+            continue
+        fitted.append(overrides)
+        worst = max(g.peak_bytes for g in fit.memory.gpus)
+        fixes.append(f"{override_text(overrides)} (largest GPU {gib(worst)} GiB)")
     raise ConfigError(refusal(memory, fixes))
 
 
