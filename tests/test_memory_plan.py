@@ -268,9 +268,18 @@ def test_gpu_memory_is_read_from_nvml_without_a_cuda_context(monkeypatch):
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=total if h[1] == 3 else 0),
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert detect_gpu_memory() == (total, "NVIDIA H100 80GB HBM3")
+    assert detect_gpu_memory() == (total, "NVIDIA H100 80GB HBM3")  # NVML without v2
+    reserved = 508_035_072
+
+    def memory_info(handle, version=None):
+        assert version == "v2" and handle[1] == 3
+        return SimpleNamespace(total=total, reserved=reserved)
+
+    fake.nvmlMemory_v2, fake.nvmlDeviceGetMemoryInfo = "v2", memory_info
+    usable = total - reserved
+    assert detect_gpu_memory() == (usable, "NVIDIA H100 80GB HBM3")
     res = local_resources(ClusterConfig(num_cpus=4, num_gpus=2))
-    assert (res.gpu_memory_bytes, res.gpu_name) == (total, "NVIDIA H100 80GB HBM3")
+    assert (res.gpu_memory_bytes, res.gpu_name) == (usable, "NVIDIA H100 80GB HBM3")
     assert (
         local_resources(ClusterConfig(num_cpus=4, num_gpus=2, device="cpu")).gpu_memory_bytes
         is None

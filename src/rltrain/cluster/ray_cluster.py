@@ -47,7 +47,11 @@ def detect_gpu_memory() -> tuple[int, str] | None:
         handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(0))
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else str(name)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), name
+        try:  # NVML >= 11.5: what CUDA can use is the total less the driver's reservation
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            return int(info.total - info.reserved), name
+        except (AttributeError, TypeError):
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), name
     except Exception:  # NVML missing or not answering: ask torch
         props = torch.cuda.get_device_properties(0)
         return int(props.total_memory), str(props.name)
