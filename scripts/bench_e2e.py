@@ -45,7 +45,9 @@ crash, the budget) is recorded with its error and the next one runs. Writes
 ``scripts/results/bench_e2e-<device>-2gpu.json``: ``runs`` (per ``<algo>_<layout>``: the
 command, the plan check, per-step stage times, GPU memory per role and rank) and
 ``summary`` (per ``<algo>_<layout>``: medians of the step and its stages, ``other_s``,
-tokens/s, the refit's share of the step, peak GPU memory per role in GiB).
+tokens/s, the refit's share of the step, peak GPU memory per role in GiB). Both modes keep,
+per process, the plan's memory estimate beside the measured peak (``memory``:
+``memory_estimate_gib``, ``memory_peak_gib``; scripts/memory_estimate.py).
 
     python scripts/bench_e2e.py --gpus 2 --steps 12 --max-new-tokens 256 --out $OUT
     python scripts/bench_e2e.py --gpus 2 --only grpo_split,grpo_dp2 --out $OUT
@@ -69,6 +71,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from memory_estimate import estimate_vs_peak  # noqa: E402
 
 DATA = ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl"
 # Seconds an interrupted run gets to shut its workers down before it is killed.
@@ -491,7 +496,7 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
 
 # The layouts of the two-GPU benchmark: the overrides that express them on a 2-GPU node, and
 # what the plan must show for them (plan.json's gpu_layout), else the layout is not run.
-# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan_gpus.py),
+# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan/gpus.py),
 # so `dp2` is dp=2 trainers with one colocated vLLM replica on GPU 0 (CUDA IPC refit);
 # GPU 1 holds policy rank 1 (and PPO's value rank 1) only.
 LAYOUTS: dict[str, dict] = {
@@ -737,6 +742,7 @@ def run_two_gpu_layout(
     entry["startup_s"] = rs.get("startup_s")
     entry["startup_phases"] = rs.get("startup_phases")
     entry["gpu_memory"] = gpu_memory
+    entry["memory"] = plan_estimate_vs_peak(run_dir, gpu_memory)
     entry["steps"] = [
         {
             "step": r["step"],
@@ -758,7 +764,18 @@ def run_two_gpu_layout(
     if entry["status"] != "ok" and not args.dry_run and not args.no_ray_stop:
         stop_ray()
     entry["figures"] = summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else None
+    if entry["figures"] is not None:
+        entry["figures"]["memory"] = entry["memory"]
     return entry
+
+
+def plan_estimate_vs_peak(run_dir: Path, gpu_memory: dict | None) -> dict | None:
+    """Per process of the run: the plan's estimate (its plan.json) beside the measured peak
+    (``memory_estimate_gib``, ``memory_peak_gib``; see scripts/memory_estimate.py)."""
+    plan = run_dir / "plan.json"
+    if not plan.is_file():
+        return None
+    return estimate_vs_peak(json.loads(plan.read_text()).get("memory") or {}, gpu_memory)
 
 
 def two_gpu_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -939,6 +956,9 @@ def main() -> None:
     result["loop"] = {k: v for k, v in loop.items() if k not in ("rows", "log_tail")}
     result["config"] = (
         (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else None
+    )
+    result["memory"] = plan_estimate_vs_peak(
+        run_dir, (loop.get("run_summary") or {}).get("gpu_memory")
     )
     result["steps"] = [
         {

@@ -457,6 +457,10 @@ class ClusterConfig:
     address: str | None = None  # ray mode: null = "auto"
     num_cpus: int | None = None  # local mode: null = all cores of this machine
     num_gpus: int | None = None  # local mode: null = all GPUs found
+    # Memory of one GPU in GiB: the plan refuses a layout whose per-GPU estimate is over it
+    # (exit 2 before any cluster starts). null = this machine's GPU in local mode (NVML or
+    # torch.cuda); not checked where none is found (a CPU machine, cluster=ray).
+    gpu_memory_gib: float | None = None
     device: str = "auto"  # auto | cpu | cuda
     # Local mode: Ray's object store size (Ray's own default takes gigabytes).
     object_store_bytes: int = 200 * 2**20

@@ -228,6 +228,11 @@ def validate(cfg: RunConfig) -> None:
     check_choice("cluster.device", c.device, DEVICES)
     if c.torch_threads is not None:
         check_positive("cluster.torch_threads", c.torch_threads)
+    if c.gpu_memory_gib is not None and not c.gpu_memory_gib > 0:
+        raise ConfigError(
+            f"cluster.gpu_memory_gib={c.gpu_memory_gib} must be > 0 (GiB of one GPU), or null "
+            "to read it from this machine's GPU."
+        )
     check_choice("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")

@@ -60,6 +60,8 @@ import torch
 from rltrain import env
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
+from rltrain.models.shapes import ModelShape, shape_from_config_json
+from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
 from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
@@ -76,9 +78,6 @@ def request_seeds(base: int, n: int) -> list[int]:
     return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
 
 
-KV_BLOCK_TOKENS = 16  # vLLM's default block size on GPU
-
-
 def colocated_kv_cache_bytes(
     cfg: RunConfig, model_path: str, total_gpu_bytes: int | None = None
 ) -> int | None:
@@ -86,7 +85,9 @@ def colocated_kv_cache_bytes(
     once (a step's rows on this replica, or an evaluation call's when evaluation is on), at
     the longest length (``rollout.vllm.max_model_len``, else the model's), in whole blocks,
     plus a quarter. None when that would exceed half of the ``gpu_memory_utilization`` share
-    (then vLLM sizes the cache from that share, as without colocation).
+    (then vLLM sizes the cache from that share, as without colocation). The plan's memory
+    estimate sizes the engine with the same function
+    (:func:`rltrain.plan.memory.colocated_kv_cache_bytes`).
 
     Waking a colocated engine maps its whole KV cache back in, and sleeping unmaps it: the
     cost grows with the cache (0.4-0.6 s per step for the embedded model under a cache
@@ -95,25 +96,25 @@ def colocated_kv_cache_bytes(
     """
     from transformers import AutoConfig
 
-    ro, e = cfg.rollout, cfg.eval
     hf = AutoConfig.from_pretrained(model_path)
-    hf = getattr(hf, "text_config", None) or hf
-    rows = -(-cfg.rollout_batch() // ro.replicas)
-    if e.every_n_steps > 0:
-        rows = max(rows, -(-e.batch_size * e.samples_per_prompt // ro.replicas))
-    max_len = ro.vllm.max_model_len or hf.max_position_embeddings
-    tokens = rows * (-(-max_len // KV_BLOCK_TOKENS) + 1) * KV_BLOCK_TOKENS
-    heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    dtype_bytes = torch.empty((), dtype=getattr(torch, cfg.precision.rollout_dtype)).element_size()
-    per_token = 2 * hf.num_hidden_layers * max(kv_heads // ro.tp, 1) * head_dim * dtype_bytes
-    need = int(tokens * per_token * 1.25)
+    shape = shape_from_config_json(hf.to_dict(), model_path)
+    if shape is None:  # sizes the KV cache does not need are missing: only these count
+        hf = getattr(hf, "text_config", None) or hf
+        heads = hf.num_attention_heads
+        shape = ModelShape(
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            intermediate_size=0,
+            vocab_size=0,
+            tie_word_embeddings=False,
+            max_position_embeddings=hf.max_position_embeddings,
+        )
     if total_gpu_bytes is None:
         total_gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if need > ro.vllm.gpu_memory_utilization * total_gpu_bytes / 2:
-        return None
-    return need
+    return plan_kv_cache_bytes(cfg, shape, total_gpu_bytes)
 
 
 def enforce_eager(cfg: RunConfig, device: str) -> bool:
