@@ -190,7 +190,7 @@ def _bench_plan(algo: str, layout: str, gib: float = 80.0):
         steps=6,
         recipe="qwen1.5b-gsm8k",
         data=str(bench.DATA),
-        cuda_graphs=False,
+        eager=True,
         gpu_memory_utilization=0.3,
         split_gpu_memory_utilization=0.8,
         overrides=[],
@@ -232,7 +232,7 @@ def test_bench_one_gpu_default_and_four_gpu_recipe_fit_80gib():
         steps=5,
         smoke=False,
         gpu_memory_utilization=0.3,
-        cuda_graphs=False,
+        eager=True,
         overrides=[],
     )
     folder = Path(_script("memory_estimate").model_folder())
