@@ -62,7 +62,7 @@ from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.shapes import ModelShape, shape_from_config_json
 from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
-from rltrain.refit import RefitReceiver, make_refit_receiver
+from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_worker import from_wire, to_wire
@@ -442,17 +442,7 @@ class VLLMEngine:
                 note if direct else "reload_weights: vLLM on CPU repacks weights after loading"
             )
         else:
-            self.refit_receiver = make_refit_receiver(
-                group.transport,
-                group.manifest,
-                group.host,
-                group.port,
-                rank,
-                group.world_size,
-                r.timeout_s,
-                self.device,
-                r.verify,
-            )
+            self.refit_receiver = join_refit_group(group, rank, r.timeout_s, self.device, r.verify)
             self.landing_note = (
                 "reload_weights: rollout.tp > 1 (the weights live in several processes)"
             )

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rltrain.refit import RefitReceiver, make_refit_receiver
+from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.vllm_landing import VllmLanding, build_landing
 
@@ -69,17 +69,7 @@ class RefitWorkerExtension:
         ``direct=False`` (CPU) loads through ``reload_weights``. Returns how refits land."""
         group: RefitGroup = from_wire(group_wire)
         device = "cuda" if torch.cuda.is_available() and direct else "cpu"
-        self._rltrain_receiver = make_refit_receiver(
-            group.transport,
-            group.manifest,
-            group.host,
-            group.port,
-            rank,
-            group.world_size,
-            timeout_s,
-            device,
-            verify,
-        )
+        self._rltrain_receiver = join_refit_group(group, rank, timeout_s, device, verify)
         if not direct:
             return "reload_weights"
         landing, why = build_landing(group.manifest, self._rltrain_model(), tie_word_embeddings)
