@@ -123,7 +123,8 @@ def ref_policy_loss(lp, old, adv, mask, o: Objective, ref=None, engine=None):
     [1/bound, bound]; w_t = min(rho_t, cap) (token) or min(prod_t rho_t, cap) (sequence).
     Ratio: r_t = pi / pi_old (token), or GSPO's s_i = (prod_t pi / pi_old)^(1/|y_i|)
     on every token of sequence i, clipped by the sequence range. Term:
-    l_t = -w_t min(r A, clip(r) A) + beta KL_t. Aggregation: DAPO sum_{i,t} l / sum_i |y_i|;
+    l_t = -w_t min(r A, clip(r) A) + beta KL_t, the policy part capped at -A c where
+    A < 0 under the dual clip (c = ``clip_c``). Aggregation: DAPO sum_{i,t} l / sum_i |y_i|;
     GRPO 1/G sum_i 1/|y_i| sum_t l; Dr. GRPO 1/G sum_i sum_t l / L_max; sequences with no
     token left do not count in G.
     """
@@ -148,6 +149,8 @@ def ref_policy_loss(lp, old, adv, mask, o: Objective, ref=None, engine=None):
             else:
                 r, lo, hi = torch.exp(lp[i, t] - old[i, t]), o.clip_low, o.clip_high
             term = -torch.minimum(r * a_t, torch.clamp(r, 1 - lo, 1 + hi) * a_t)
+            if o.clip_c is not None and a_t < 0:  # dual clip (Ye et al. 2020, eq. 5)
+                term = torch.clamp(term, max=-a_t * o.clip_c)
             if o.is_level == "token":
                 term = term * min(math.exp(float(old[i, t] - engine[i, t])), o.is_cap)
             elif o.is_level == "sequence":
@@ -351,6 +354,44 @@ def test_policy_loss_matches_the_papers(aggregation, level, correction):
         assert 0 < float(out.terms["rollout_masked"].sum()) < float(out.mask_BT.sum())
     if is_level is not None:
         assert float(out.terms["is_capped"].max()) == 1.0  # the cap bit somewhere
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("correction", [(None, None), ("sequence", 1.6)])
+def test_dual_clip_matches_the_paper(level, correction):
+    """Dual-clip PPO: a negative-advantage token's loss stops at -A c (zero gradient)."""
+    # log-ratios up to +-1.2: token ratios up to 3.3, past c = 1.5 for some A < 0 tokens;
+    # a sequence's ratio (the mean log-ratio) stays nearer 1, so c = 1.05 there
+    c = 1.5 if level == "token" else 1.05
+    o = replace(_objective("token_mean", level, *correction), clip_c=c)
+    out = _check_loss(o, seed=6, spread=1.2)
+    lower = float((out.terms["clipped_lower"] * out.mask_BT).sum())
+    assert 0 < lower < float(out.mask_BT.sum())
+    # the dual clip's count: A < 0 tokens whose ratio is above c (outside the clip range)
+    adv = _loss_inputs(6, spread=1.2)[4]
+    ratio, valid = out.terms["ratio"], out.mask_BT > 0
+    want = int(((adv[:, None] < 0) & (ratio > c) & valid).sum())
+    assert lower == want
+
+
+def test_dual_clip_known_values():
+    """A = -1: ratio 5 -> loss 3 (c = 3) and no gradient; ratio 2 -> 2; A = +1, ratio 5 ->
+    -1.2 (the upper clip, untouched); verl's pg_clipfrac_lower counts the first token only."""
+    lp_old = torch.zeros(1, 3, dtype=torch.float64)
+    lp = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0)]], dtype=torch.float64)
+    lp.requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    o = Objective(clip_c=3.0)
+    out = policy_loss(lp, lp_old, adv, mask, padded_seq_id(mask), 1, o)
+    assert out.terms["pg"][0].tolist() == pytest.approx([3.0, 2.0, -1.2])
+    assert out.terms["clipped_lower"].tolist() == [[1.0, 0.0, 0.0]]
+    out.loss_sum.backward()
+    assert lp.grad is not None
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 2.0, 0.0])  # d(-A r)/d lp = -A r
+    off = policy_loss(lp.detach(), lp_old, adv, mask, padded_seq_id(mask), 1, Objective())
+    assert off.terms["pg"][0].tolist() == pytest.approx([5.0, 2.0, -1.2])
+    assert "clipped_lower" not in off.terms
 
 
 @pytest.mark.parametrize("kl", ["k1", "k2", "k3", "low_var_kl"])
@@ -681,3 +722,6 @@ def test_objective_from_config_reads_every_key():
     # KL in the reward: no KL term in the loss
     moved = replace(cfg, algorithm=replace(cfg.algorithm, kl_in_reward=True))
     assert Objective.from_config(moved).kl_coef == 0.0
+    assert o.clip_c is None  # GRPO: dual clip off
+    dual = replace(cfg, algorithm=replace(cfg.algorithm, clip_ratio_c=3.0))
+    assert Objective.from_config(dual).clip_c == 3.0

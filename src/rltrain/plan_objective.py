@@ -35,6 +35,8 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
     else:
         lo, hi = a.clip_ratio_low, a.clip_ratio_high
         out["ratio"] = f"token, clip [1-{lo}, 1+{hi}]"
+    if a.clip_ratio_c is not None:
+        out["ratio"] += f"; dual clip: loss of A < 0 tokens at most -A x {a.clip_ratio_c:g}"
     agg = AGGREGATION_FORMULAS[a.loss_aggregation].format(L=cfg.rollout.max_new_tokens)
     out["loss"] = f"{a.loss_aggregation}: {agg}"
     if a.kl_coef > 0:

@@ -207,6 +207,8 @@ class Objective:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # Dual clip: a negative-advantage token's loss is at most -A x clip_c (None = off).
+    clip_c: float | None = None
     ratio_level: RatioLevel = "token"
     seq_clip_low: float = 3e-4
     seq_clip_high: float = 4e-4
@@ -227,6 +229,7 @@ class Objective:
         return cls(
             clip_low=a.clip_ratio_low,
             clip_high=a.clip_ratio_high,
+            clip_c=a.clip_ratio_c,
             ratio_level=cast(RatioLevel, a.ratio_level),
             seq_clip_low=a.seq_clip_ratio_low,
             seq_clip_high=a.seq_clip_ratio_high,
@@ -249,7 +252,8 @@ class PolicyLoss:
     ``tokens`` and ``sequences`` are this micro batch's counts of loss tokens and of
     sequences with at least one; ``mask_BT`` is the loss mask after rollout masking.
     ``terms`` holds detached per-token values for metrics: ``pg``, ``ratio``, ``clipped``,
-    and ``kl``, ``is_weight``, ``is_capped``, ``rollout_masked`` when those are on.
+    and ``clipped_lower`` (the dual clip), ``kl``, ``is_weight``, ``is_capped``,
+    ``rollout_masked`` when those are on.
     """
 
     loss_sum: torch.Tensor
@@ -343,7 +347,8 @@ def policy_loss(
     exp(mean_t (lp - old) over the sequence's loss tokens), used per token as
     exp(lp_t - sg(lp_t) + sg(log s_i)) so its value is s_i and its gradient
     s_i * grad lp_t, clipped by the sequence clip range. per token:
-    l_t = w_t * -min(r_t A, clip(r_t) A) + kl_coef * KL_t, with w the truncated
+    l_t = w_t * pg_t + kl_coef * KL_t with pg_t = -min(r_t A, clip(r_t) A), and with the
+    dual clip (``clip_c``) pg_t = min(pg_t, -A clip_c) where A < 0; w the truncated
     importance weights (1 when off). ``advantages`` is [B] or [B, T];
     ``mask_BT`` the loss mask (response tokens not filtered out).
     """
@@ -388,9 +393,16 @@ def policy_loss(
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - lo, 1.0 + hi) * adv
     pg = -torch.minimum(surr1, surr2)
+    terms["clipped"] = (surr2 < surr1).to(logprobs_BT.dtype)
+    if o.clip_c is not None:
+        # Dual clip: past ratio clip_c a negative-advantage token's loss stops growing
+        # (and its gradient is 0), so one bad token cannot dominate the step.
+        bound = -adv * o.clip_c
+        negative = adv < 0
+        terms["clipped_lower"] = (negative & (pg > bound)).to(logprobs_BT.dtype)
+        pg = torch.where(negative, torch.minimum(pg, bound), pg)
     terms["pg"] = pg.detach()
     terms["ratio"] = ratio.detach()
-    terms["clipped"] = (surr2 < surr1).to(logprobs_BT.dtype)
     per_token = pg if weights is None else pg * weights
     if ref_logprobs_BT is not None and o.kl_coef > 0:
         kl = kl_estimate(logprobs_BT, ref_logprobs_BT, o.kl_estimator)

@@ -52,6 +52,12 @@ def validate_objective(cfg: RunConfig) -> None:
                 f"algorithm.{key}={value} clips the ratio below at 1 - {value} <= 0; "
                 f"set algorithm.{key} in [0, 1)."
             )
+    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1:
+        raise ConfigError(
+            f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip bounds a "
+            "negative-advantage token's loss at ratio clip_ratio_c, above the clip range); "
+            "set it > 1 (3.0 is usual) or null to turn the dual clip off."
+        )
     if a.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
     check_choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)

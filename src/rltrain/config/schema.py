@@ -143,6 +143,10 @@ class AlgorithmConfig:
     samples_per_prompt: int = 8
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    # Dual-clip PPO (Ye et al. 2020): the loss of a negative-advantage token is at most
+    # -A x clip_ratio_c, however far its ratio has grown (> 1; null = off). PPO ships 3.0
+    # (verl's default), GRPO null (NeMo-RL's GRPO and TRL); docs/objectives.md.
+    clip_ratio_c: float | None = None
     # KL to the initial policy; 0 disables the reference model.
     kl_coef: float = 0.0
     # KL estimator (KLEstimator): k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2,
