@@ -56,28 +56,33 @@ def _unbiased_std(xs):
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def ref_outcome(estimator, rewards, g, masks, kl=None, normalize=True, eps=1e-6):
+def ref_outcome(estimator, rewards, g, masks, kl=None, normalize=True, eps=1e-6, kl_level="token"):
     """Advantages per token (list of lists over each row's positions) from the papers.
 
     grpo (DeepSeekMath): (r - mean_g) / (std_g + eps); dr_grpo (Dr. GRPO): r - mean_g;
     rloo (Kool et al. 2019): r_i - 1/(G-1) sum_{j != i} r_j; reinforce_pp (REINFORCE++):
     G_t = r - sum_{s >= t} beta KL_s, then (G - mean) / sqrt(var + 1e-8) over every valid
     token of the batch; reinforce_pp_baseline: r - mean_g in place of r. With ``kl`` (already
-    x beta) the sequence estimators use r - sum_t KL_t.
+    x beta) the sequence estimators use r - sum_t KL_t, and so do the REINFORCE++ pair with
+    ``kl_level="sequence"`` (verl: the summed KL off each reward before the group mean, the
+    same return on every token).
     """
     B = len(rewards)
     valid = [[t for t, m in enumerate(row) if m] for row in masks]
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        base = list(rewards)
+        summed = kl is not None and kl_level == "sequence"
+        r0 = [rewards[i] - sum(kl[i][t] for t in valid[i]) for i in range(B)] if summed else rewards
+        base = list(r0)
         if estimator == "reinforce_pp_baseline":
             for s in range(0, B, g):
-                m = _mean(rewards[s : s + g])
+                m = _mean(r0[s : s + g])
                 for i in range(s, s + g):
-                    base[i] = rewards[i] - m
+                    base[i] = r0[i] - m
         returns = {}
         for i in range(B):
             for t in valid[i]:
-                later = sum(kl[i][u] for u in valid[i] if u >= t) if kl is not None else 0.0
+                per_token = kl is not None and not summed
+                later = sum(kl[i][u] for u in valid[i] if u >= t) if per_token else 0.0
                 returns[(i, t)] = base[i] - later
         vals = list(returns.values())
         mean = _mean(vals)
@@ -154,7 +159,8 @@ def ref_policy_loss(lp, old, adv, mask, o: Objective, ref=None, engine=None):
             if o.is_level == "token":
                 term = term * min(math.exp(float(old[i, t] - engine[i, t])), o.is_cap)
             elif o.is_level == "sequence":
-                prod = math.prod(math.exp(float(old[i, u] - engine[i, u])) for u in toks)
+                over = [u for u in range(T) if mask[i][u]] if o.seq_weight_all_tokens else toks
+                prod = math.prod(math.exp(float(old[i, u] - engine[i, u])) for u in over)
                 term = term * min(prod, o.is_cap)
             if ref is not None and o.kl_coef > 0:
                 term = term + o.kl_coef * ref_kl_torch(lp[i, t], ref[i, t], o.kl_estimator)
@@ -239,6 +245,36 @@ def test_advantage_estimators_match_the_papers(estimator, with_kl, seed):
         assert got.shape == mask.shape and torch.all(got[mask == 0] == 0)
 
 
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kl_in_reward_level_sequence_is_verls_formula(estimator, seed):
+    """kl_in_reward_level=sequence: the summed KL off each reward (then the group mean),
+    the same value on every token; it differs from the per-token charge it replaces."""
+    g, n = 4, 5
+    rewards = _rewards(n, g, seed)
+    mask = _masks(n * g, 7, seed)
+    kl = torch.rand(n * g, 7, generator=torch.Generator().manual_seed(seed + 9)) * 0.1 * mask
+    got = outcome_advantages(estimator, rewards, g, mask, kl, kl_level="sequence")
+    want = ref_outcome(
+        estimator, rewards.tolist(), g, mask.tolist(), kl.tolist(), kl_level="sequence"
+    )
+    torch.testing.assert_close(
+        got.double(), torch.tensor(want, dtype=torch.float64), atol=TOL, rtol=0
+    )
+    per_row = [
+        {round(float(x), 6) for x, m in zip(row, mrow, strict=True) if m}
+        for row, mrow in zip(got, mask, strict=True)
+    ]
+    assert all(len(values) == 1 for values in per_row)  # one value per response
+    token = outcome_advantages(estimator, rewards, g, mask, kl)
+    assert float((token - got).abs().max()) > 1e-3
+    # without a KL penalty the two levels are one estimator
+    torch.testing.assert_close(
+        outcome_advantages(estimator, rewards, g, mask, None, kl_level="sequence"),
+        outcome_advantages(estimator, rewards, g, mask, None),
+    )
+
+
 def test_advantage_estimators_known_values():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0])
     assert grpo_advantages(r, 4, eps=0.0).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
@@ -260,6 +296,20 @@ def test_advantage_estimators_known_values():
     )
     with pytest.raises(ValueError, match="groups of 3"):
         rloo_advantages(torch.zeros(4), 3)
+    # rewards {1, 0} in one group, KL penalty 0.1 on each of 2 tokens: per token the
+    # returns are {0.8, 0.9, -0.2, -0.1} before the group mean (0.5) of the rewards; as a
+    # sum, {0.8, -0.2} centred to {0.5, -0.5} on both tokens (unbiased var 1/3)
+    kl = torch.full((2, 2), 0.1)
+    seq = reinforce_pp_baseline_advantages(
+        torch.tensor([1.0, 0.0]), 2, torch.ones(2, 2), kl, kl_level="sequence"
+    )
+    s3 = math.sqrt(1 / 3 + 1e-8)
+    assert seq.flatten().tolist() == pytest.approx([0.5 / s3, 0.5 / s3, -0.5 / s3, -0.5 / s3])
+    tok = reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0]), 2, torch.ones(2, 2), kl)
+    x = [0.3, 0.4, -0.7, -0.6]  # 0.8 - 0.5, 0.9 - 0.5, -0.2 - 0.5, -0.1 - 0.5
+    m = _mean(x)
+    sd = math.sqrt(sum((v - m) ** 2 for v in x) / 3 + 1e-8)
+    assert tok.flatten().tolist() == pytest.approx([(v - m) / sd for v in x])
 
 
 # -- KL estimators --------------------------------------------------------------------------
@@ -354,6 +404,24 @@ def test_policy_loss_matches_the_papers(aggregation, level, correction):
         assert 0 < float(out.terms["rollout_masked"].sum()) < float(out.mask_BT.sum())
     if is_level is not None:
         assert float(out.terms["is_capped"].max()) == 1.0  # the cap bit somewhere
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_sequence_weights_over_all_tokens_is_verls_product(aggregation, level):
+    """sequence_weight_all_tokens: each sequence's weight multiplies rho over all its
+    response tokens, the masked ones too (verl), not only over those the loss keeps."""
+    o = replace(_objective(aggregation, level, "sequence", 1.6), seq_weight_all_tokens=True)
+    out = _check_loss(o, seed=7, spread=0.5 if level == "token" else 0.08)
+    kept = _check_loss(
+        replace(o, seq_weight_all_tokens=False), 7, 0.5 if level == "token" else 0.08
+    )
+    masked_rows = (out.terms["rollout_masked"].sum(-1) > 0) & (out.mask_BT.sum(-1) > 0)
+    assert bool(masked_rows.any())  # sequences that lost tokens to the mask and kept others
+    w_all, w_kept = out.terms["is_weight"][masked_rows], kept.terms["is_weight"][masked_rows]
+    assert float((w_all - w_kept).abs().max()) > 1e-3  # their weights differ
+    same = out.terms["rollout_masked"].sum(-1) == 0  # no token masked: the same product
+    torch.testing.assert_close(out.terms["is_weight"][same], kept.terms["is_weight"][same])
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -725,3 +793,6 @@ def test_objective_from_config_reads_every_key():
     assert o.clip_c is None  # GRPO: dual clip off
     dual = replace(cfg, algorithm=replace(cfg.algorithm, clip_ratio_c=3.0))
     assert Objective.from_config(dual).clip_c == 3.0
+    rc = replace(cfg.algorithm.rollout_correction, sequence_weight_all_tokens=True)
+    verl = replace(cfg, algorithm=replace(cfg.algorithm, rollout_correction=rc))
+    assert not o.seq_weight_all_tokens and Objective.from_config(verl).seq_weight_all_tokens

@@ -221,6 +221,8 @@ class Objective:
     is_cap: float = 2.0
     mask_bound: float | None = None
     over_cap: OverCap = "truncate"
+    # Sequence weights: the product over every response token, masked ones included (verl).
+    seq_weight_all_tokens: bool = False
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Objective:
@@ -241,6 +243,7 @@ class Objective:
             is_cap=rc.cap,
             mask_bound=rc.mask_bound,
             over_cap=cast(OverCap, rc.over_cap),
+            seq_weight_all_tokens=rc.sequence_weight_all_tokens,
         )
 
 
@@ -274,6 +277,7 @@ def rollout_correction(
     cap: float,
     mask_bound: float | None,
     over_cap: OverCap = "truncate",
+    all_tokens: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(mask, weights or None, capped) for rho = exp(old - engine), the trainer/engine ratio
     (asynchronous runs: the proximal policy, the trainer's at the start of the step, over
@@ -281,7 +285,8 @@ def rollout_correction(
 
     mask: ``mask_BT`` with tokens whose rho lies outside [1/mask_bound, mask_bound] removed.
     weights: min(rho_t, cap) per token, or min(prod_t rho_t, cap) over each sequence's
-    kept tokens, broadcast to its tokens; detached. capped: 1.0 where the cap bit.
+    kept tokens (``all_tokens``: over all its tokens in ``mask_BT``, the masked ones
+    included, as verl does), broadcast to its tokens; detached. capped: 1.0 where the cap bit.
     ``over_cap="mask"``: a weight above the cap takes its token (sequence level: its
     sequence) out of the mask instead of being truncated (the decoupled objective's rule).
     """
@@ -295,7 +300,8 @@ def rollout_correction(
     if level == "token":
         log_w = log_rho
     else:
-        log_w = segment_broadcast(segment_sum(log_rho * mask, seq_id_BT, num_seqs), seq_id_BT)
+        over = mask_BT if all_tokens else mask
+        log_w = segment_broadcast(segment_sum(log_rho * over, seq_id_BT, num_seqs), seq_id_BT)
     log_cap = math.log(cap)
     capped = (log_w > log_cap).to(mask.dtype)
     weights = torch.exp(log_w.clamp(max=log_cap))
@@ -371,6 +377,7 @@ def policy_loss(
             o.is_cap,
             o.mask_bound,
             o.over_cap,
+            o.seq_weight_all_tokens,
         )
         if o.mask_bound is not None:
             terms["rollout_masked"] = (mask_BT.to(mask.dtype) - mask).detach()
