@@ -315,6 +315,20 @@ CASES = [
          ["plan", "grpo", "cluster=ray", "cluster.address=192.0.2.200:6379", "cluster.connect_timeout_s=2"],
          ["cluster.address=192.0.2.200:6379", "connect_timeout_s=2s"],
          "`rltrain plan` attaches too, with the same bound"),
+    # the embedded default runs in one process (no Ray starts); the cluster keys are checked still
+    Case("cluster-negative-startup-timeout", R, ["grpo", "cluster.startup_timeout_s=-1"],
+         ["cluster.startup_timeout_s=-1.0", "must be > 0"], "checked in the one-process layout too"),
+    Case("cluster-no-cpus", R, ["grpo", "cluster.num_cpus=0"],
+         ["cluster.num_cpus=0", "set cluster.num_cpus>=1, or null"], "checked in the one-process layout too"),
+    Case("cluster-negative-gpus", R, ["grpo", "cluster.num_gpus=-1"],
+         ["cluster.num_gpus=-1", "must be >= 0"], "checked in the one-process layout too"),
+    Case("cluster-tiny-object-store", R, ["grpo", "cluster.object_store_bytes=1000"],
+         ["cluster.object_store_bytes=1000", "75 MiB", "cluster.object_store_bytes>=78643200"],
+         "Ray's minimum object store"),
+    Case("cluster-negative-failure-timeout", R, ["ppo", "cluster.failure_timeout_s=-5"],
+         ["cluster.failure_timeout_s=-5.0", "must be > 0"], "`rltrain ppo` in one process too"),
+    Case("cluster-negative-restarts", R, ["grpo", "cluster.restarts=-1"],
+         ["cluster.restarts=-1", "must be >= 0"], "checked in the one-process layout too"),
     # -- CLI usage --------------------------------------------------------------------------------
     Case("unknown-command", U, ["trian"], ["No such command 'trian'"], "usage box, exit 2",
          usage=True, subprocess=True),
@@ -328,7 +342,7 @@ CASES = [
 
 def _argv(case: Case, tmp: Path) -> list[str]:
     argv = [a.replace("{tmp}", str(tmp)) for a in case.argv]
-    if argv[0] == "grpo" and not case.skip_output_dir:
+    if argv[0] in ("grpo", "ppo") and not case.skip_output_dir:
         argv.append(f"output_dir={tmp}/run")
     return argv
 
