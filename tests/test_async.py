@@ -4,6 +4,7 @@ max_staleness=0, failure handling inside a step, the buffer across a SIGKILL, le
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rltrain.cluster.handles import Streamed
 from rltrain.data.task import PromptItem
 from rltrain.loops import async_grpo
 from rltrain.loops.async_grpo import AsyncController, AsyncState, Group, overlap_seconds
@@ -197,7 +199,9 @@ def test_a_steps_refit_wait_and_log_overlap_the_next_steps_training(monkeypatch)
             events.append("train")
             if meanwhile is not None:
                 meanwhile([])
-            return {"loss": 0.0} if finish else None
+            # the training forward's logprobs: 0.1 off the engine's on every response token
+            old = batch.engine_logprobs_BT + 0.1 * batch.response_mask_BT
+            return Streamed({"loss": 0.0} if finish else None, old)
 
     class InFlight:
         def __init__(self, version):
@@ -232,6 +236,9 @@ def test_a_steps_refit_wait_and_log_overlap_the_next_steps_training(monkeypatch)
     ]  # fmt: skip
     assert [logged[s]["weight_version"] for s in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]
     assert all("time/refit" in m and m["refit/bytes"] == 1.0 for m in logged.values())
+    # the engine-versus-trainer gate over each step's chunks: exp(|0.1|) on every token
+    for m in logged.values():
+        assert m["token_mult_prob_error"] == pytest.approx(math.exp(0.1), rel=1e-6)
 
 
 def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):
@@ -278,6 +285,10 @@ def test_max_staleness_0_gives_the_synchronous_loops_metrics(tmp_path):
         assert b["async/staleness_max"] == 0.0 and b["async/dropped_samples"] == 0.0
         shared = {k for k in a if k in b and not k.startswith(TIMING_PREFIXES)}
         assert {"loss", "reward/mean", "grad_norm", "entropy", "weight_version"} <= shared
+        # the engine-versus-trainer gate, logged by both loops: fp32 torch engine against the
+        # trainer on on-policy tokens, so the logprobs agree to float rounding
+        assert "token_mult_prob_error" in shared
+        assert 1.0 <= b["token_mult_prob_error"] < 1.0 + 1e-4, b["token_mult_prob_error"]
         for k in sorted(shared):
             assert a[k] == b[k], f"step {a['step']} {k}: sync {a[k]} != async {b[k]}"
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rltrain.algorithms.logprobs import mult_prob_error_sums
 from rltrain.cluster.actors import Pending, WorkerError, ready, wait_all
 from rltrain.config.schema import RunConfig
 from rltrain.data import encode_groups, score_groups
@@ -422,6 +423,8 @@ def _step(
     train_intervals: list[tuple[float, float]] = []
     dropped = 0
     adv_abs: list[float] = []
+    # exp(|proximal - engine logprob|) summed over the step's response tokens, and their count
+    mismatch: list[tuple[torch.Tensor, torch.Tensor]] = []
     train_metrics: dict[str, float] = {}
     try:
         while len(trained) < P:
@@ -462,9 +465,15 @@ def _step(
                 out = ctx.policy.accumulate(
                     policy_batch, last=last, begin=not trained, finish=last, meanwhile=meanwhile
                 )
-                if out is not None:
-                    train_metrics = out
+                if out.metrics is not None:
+                    train_metrics = out.metrics
             train_intervals.append((t0, time.time()))
+            # the engine-versus-trainer gate: the training forward's (proximal) logprobs
+            mismatch.append(
+                mult_prob_error_sums(
+                    out.old_logprobs_BT, batch.engine_logprobs_BT, batch.response_mask_BT
+                )
+            )
             trained += groups
         run_previous_tail()
     except BaseException as exc:
@@ -508,6 +517,11 @@ def _step(
         "advantages/abs_mean": sum(adv_abs) / len(trained),
         "response/length_mean": n_tokens / len(finished),
         "response/finished_frac": sum(finished) / len(finished),
+        # as the synchronous loop's token_mult_prob_error, over every chunk of the step
+        "token_mult_prob_error": float(
+            torch.stack([m[0] for m in mismatch]).sum()
+            / torch.stack([m[1] for m in mismatch]).sum().clamp(min=1)
+        ),
         **train_metrics,
         "weight_version": float(version),
         **ctx.task.reward_metrics(),
