@@ -462,6 +462,25 @@ def test_dual_clip_known_values():
     assert "clipped_lower" not in off.terms
 
 
+def test_dual_clip_changes_nothing_on_policy():
+    """One optimizer step per rollout: the old logprobs are the forward's own, every ratio
+    is 1 < c, so loss and gradient are bit for bit those without the dual clip (the
+    embedded PPO default, clip_ratio_c=3.0, logs pg_clipfrac_lower = 0 and otherwise the
+    metrics of clip_ratio_c=null over 40 steps)."""
+    lp0, _, _, _, adv, mask = _loss_inputs(3, spread=0.5)
+    grads, losses = [], []
+    for c in (3.0, None):
+        lp = lp0.clone().requires_grad_(True)
+        o = Objective(clip_c=c)
+        out = policy_loss(lp, lp.detach(), -adv.abs(), mask, padded_seq_id(mask), 6, o)
+        out.loss_sum.backward()
+        losses.append(out.loss_sum.detach())
+        grads.append(lp.grad)
+        if c is not None:
+            assert float(out.terms["clipped_lower"].sum()) == 0.0
+    assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("kl", ["k1", "k2", "k3", "low_var_kl"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_policy_loss_with_kl_and_token_advantages(kl, aggregation):
