@@ -1,5 +1,6 @@
-"""Asynchronous GRPO (loops/async_grpo.py): the staleness bound, the sync-equivalence of
-max_staleness=0, failure handling inside a step, the buffer across a SIGKILL, learning."""
+"""Asynchronous GRPO (loops/async_grpo.py, its buffer in loops/async_buffer.py): the staleness
+bound, the sync-equivalence of max_staleness=0, failure handling inside a step, the buffer
+across a SIGKILL, learning."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch
 
 from rltrain.cluster.handles import Streamed
 from rltrain.data.task import PromptItem
-from rltrain.loops import async_grpo
-from rltrain.loops.async_grpo import AsyncController, AsyncState, Group, overlap_seconds
+from rltrain.loops import async_buffer, async_grpo
+from rltrain.loops.async_buffer import AsyncController, AsyncState, Group, overlap_seconds
 from rltrain.rollout.base import RolloutBatch
 from tests.conftest import tiny_config
 
@@ -91,17 +92,19 @@ def _controller(monkeypatch, k: int, prompts: int = 4, groups_per_call: int = 2,
             return _Pending(_rollout(len(prompt_ids), Pool.version))
 
     monkeypatch.setattr(
-        async_grpo, "encode_groups", lambda tok, items, g: [[1, 2]] * len(items) * g
+        async_buffer, "encode_groups", lambda tok, items, g: [[1, 2]] * len(items) * g
     )
     monkeypatch.setattr(
-        async_grpo,
+        async_buffer,
         "score_groups",
         lambda task, tok, items, resp, fin, g: (
             [SimpleNamespace(reward=1.0, exact_match=1.0)] * len(resp)
         ),
     )
-    monkeypatch.setattr(async_grpo, "ready", lambda pending, timeout: list(range(len(pending))))
-    monkeypatch.setattr(async_grpo, "wait_all", lambda pending, t, what: [p.value for p in pending])
+    monkeypatch.setattr(async_buffer, "ready", lambda pending, timeout: list(range(len(pending))))
+    monkeypatch.setattr(
+        async_buffer, "wait_all", lambda pending, t, what: [p.value for p in pending]
+    )
     ctx = SimpleNamespace(cfg=cfg, rollout=Pool(), task=_Task(), tokenizer=None)
     return AsyncController(ctx, AsyncState()), submitted, Pool
 
@@ -117,7 +120,7 @@ def test_calls_go_out_only_while_their_groups_can_train_within_the_bound(monkeyp
     assert len(submitted) == min(k + 1, 2) * 2
     # the synchronous loop's seeds: step s, call j of calls_per_step
     assert [s for _, s in submitted[:2]] == [
-        async_grpo.step_seed(gen.ctx.cfg.seed, 1) * 2 + j for j in range(2)
+        async_buffer.step_seed(gen.ctx.cfg.seed, 1) * 2 + j for j in range(2)
     ]
 
 
@@ -244,7 +247,7 @@ def test_a_steps_refit_wait_and_log_overlap_the_next_steps_training(monkeypatch)
 def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):
     gen, _, _ = _controller(monkeypatch, k=0)
     gen.timeout_s = 0.0
-    monkeypatch.setattr(async_grpo, "ready", lambda pending, timeout: [])
+    monkeypatch.setattr(async_buffer, "ready", lambda pending, timeout: [])
     gen.submit()
     with pytest.raises(
         Exception, match=r"rollout rank 0 did not return call 0 .*\(4 samples dropped\)"
@@ -256,7 +259,7 @@ def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):
 def test_group_of_rollout_keeps_the_oldest_token_version():
     batch = _rollout(4, 5)
     batch.row_versions = [4, 5, 5, 5]
-    groups = async_grpo.split_groups(batch, torch.zeros(4), torch.zeros(4), 2, call=0)
+    groups = async_buffer.split_groups(batch, torch.zeros(4), torch.zeros(4), 2, call=0)
     assert [g.version for g in groups] == [4, 5]
     assert isinstance(groups[0], Group) and groups[0].rollout.versions() == [4, 5]
 
