@@ -479,3 +479,21 @@ def test_plan_shows_the_objective():
         "sequence-level importance weights min(pi_train/pi_engine, 2.0)"
         in text["rollout correction"]
     )
+    assert "dual clip" not in text["ratio"]  # GRPO: off
+    verl, _ = compose(
+        [
+            "algorithm.adv_estimator=reinforce_pp_baseline",
+            "algorithm.kl_coef=0.01",
+            "algorithm.kl_in_reward=true",
+            "algorithm.kl_in_reward_level=sequence",
+            "algorithm.clip_ratio_c=3",
+            "algorithm.rollout_correction.weights=sequence",
+            "algorithm.rollout_correction.mask_bound=2",
+            "algorithm.rollout_correction.sequence_weight_all_tokens=true",
+        ],
+        algorithm="grpo",
+    )
+    text = objective_summary(verl)
+    assert text["kl"].endswith("in the reward (summed per response, the same on every token)")
+    assert text["ratio"].endswith("dual clip: loss of A < 0 tokens at most -A x 3")
+    assert "over every response token (masked ones included)" in text["rollout correction"]
