@@ -140,6 +140,18 @@ CASES = [
          "lists the shipped recipes"),
     Case("algorithm-override", C, ["grpo", "algorithm=grpo"], ["'algorithm='", "rltrain grpo"],
          "the command picks the algorithm"),
+    Case("dual-clip-at-most-1", C, ["grpo", "algorithm.clip_ratio_c=0.5"],
+         ["algorithm.clip_ratio_c=0.5", "must be > 1", "null to turn the dual clip off"],
+         "the dual clip bounds the ratio above the clip range"),
+    Case("kl-reward-level-group-estimator", C, ["grpo", "algorithm.kl_in_reward_level=sequence"],
+         ["algorithm.kl_in_reward_level=sequence", "algorithm.adv_estimator=grpo always takes its sum",
+          "set algorithm.kl_in_reward_level=token"],
+         "the switch shapes the REINFORCE++ pair's KL only"),
+    Case("sequence-weight-all-tokens-without-mask", C,
+         ["grpo", "algorithm.rollout_correction.weights=sequence",
+          "algorithm.rollout_correction.sequence_weight_all_tokens=true"],
+         ["algorithm.rollout_correction.sequence_weight_all_tokens=true", "mask_bound"],
+         "it changes only sequence weights next to a mask"),
     Case("one-sample-per-prompt", C, ["grpo", "algorithm.samples_per_prompt=1"],
          ["algorithm.samples_per_prompt=1", "at least 2"], "GRPO needs a group of 2 or more"),
     Case("batch-math-micro", C, ["grpo", "algorithm.prompts_per_step=30", "train.packing=false",
@@ -337,6 +349,20 @@ CASES = [
          ["plan", "grpo", "cluster=ray", "cluster.address=192.0.2.200:6379", "cluster.connect_timeout_s=2"],
          ["cluster.address=192.0.2.200:6379", "connect_timeout_s=2s"],
          "`rltrain plan` attaches too, with the same bound"),
+    # the embedded default runs in one process (no Ray starts); the cluster keys are checked still
+    Case("cluster-negative-startup-timeout", R, ["grpo", "cluster.startup_timeout_s=-1"],
+         ["cluster.startup_timeout_s=-1.0", "must be > 0"], "checked in the one-process layout too"),
+    Case("cluster-no-cpus", R, ["grpo", "cluster.num_cpus=0"],
+         ["cluster.num_cpus=0", "set cluster.num_cpus>=1, or null"], "checked in the one-process layout too"),
+    Case("cluster-negative-gpus", R, ["grpo", "cluster.num_gpus=-1"],
+         ["cluster.num_gpus=-1", "must be >= 0"], "checked in the one-process layout too"),
+    Case("cluster-tiny-object-store", R, ["grpo", "cluster.object_store_bytes=1000"],
+         ["cluster.object_store_bytes=1000", "75 MiB", "cluster.object_store_bytes>=78643200"],
+         "Ray's minimum object store"),
+    Case("cluster-negative-failure-timeout", R, ["ppo", "cluster.failure_timeout_s=-5"],
+         ["cluster.failure_timeout_s=-5.0", "must be > 0"], "`rltrain ppo` in one process too"),
+    Case("cluster-negative-restarts", R, ["grpo", "cluster.restarts=-1"],
+         ["cluster.restarts=-1", "must be >= 0"], "checked in the one-process layout too"),
     # -- CLI usage --------------------------------------------------------------------------------
     Case("unknown-command", U, ["trian"], ["No such command 'trian'"], "usage box, exit 2",
          usage=True, subprocess=True),
@@ -350,7 +376,7 @@ CASES = [
 
 def _argv(case: Case, tmp: Path) -> list[str]:
     argv = [a.replace("{tmp}", str(tmp)) for a in case.argv]
-    if argv[0] == "grpo" and not case.skip_output_dir:
+    if argv[0] in ("grpo", "ppo") and not case.skip_output_dir:
         argv.append(f"output_dir={tmp}/run")
     return argv
 

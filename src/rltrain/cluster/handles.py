@@ -15,14 +15,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
 from rltrain.cluster.actors import Actor, Pending, WorkerError, wait_all
 from rltrain.rollout.base import Engine, OnRow, RolloutBatch, SamplingParams
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult, ValueBatch
-from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.fsdp import Accumulated, FSDPTrainer
 from rltrain.train.packing import balance_by_tokens, row_lengths
 from rltrain.train.policy_worker import PolicyWorker
 from rltrain.train.value_worker import ValueWorker
@@ -54,6 +54,15 @@ class Calls:
 
 
 B = TypeVar("B", bound=TrainBatch)
+
+
+class Streamed(NamedTuple):
+    """What :meth:`PolicyGang.accumulate` returns: rank 0's metrics when the call finished
+    the step (else None), and the training forward's logprobs of the rows, in rollout row
+    order (the proximal policy's when the batch came without old logprobs)."""
+
+    metrics: dict[str, float] | None
+    old_logprobs_BT: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -210,27 +219,32 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         begin: bool = False,
         finish: bool = False,
         meanwhile: Callable[[Sequence[Pending[object]]], None] | None = None,
-    ) -> dict[str, float] | None:
+    ) -> Streamed:
         """Forward/backward of ``batch`` inside the open step, rows token-balanced over the dp
         groups, each rank's share over token-planned micro batches; ``last=False``: more
-        rows of this step follow.
+        rows of this step follow. Returns the training forward's logprobs of ``batch``'s rows
+        in rollout row order (the proximal policy's when the batch came without old
+        logprobs) and, with ``finish``, rank 0's metrics (else None).
 
         ``begin``: open the step first, in the same actor call (:meth:`begin_train_step`
         without its round trip). ``finish``: finish the step in that call too, once every
         micro batch went through (a failed one leaves the step open for
-        :meth:`abort_train_step`), and return rank 0's metrics (see
-        :meth:`finish_train_step`); else None. ``meanwhile(work)`` runs once the calls are
-        submitted, with the calls themselves: the controller's own work while the ranks
-        train (it may wait on them beside its own calls, never resolve them)."""
+        :meth:`abort_train_step`), with the metrics of :meth:`finish_train_step`.
+        ``meanwhile(work)`` runs once the calls are submitted, with the calls themselves: the
+        controller's own work while the ranks train (it may wait on them beside its own
+        calls, never resolve them)."""
         shards = shard_rows(batch, self.dp, self.tp, max(batch.size, 1))
         first = (PolicyWorker.begin_train_step,) if begin else ()
-        work: list[Pending[dict[str, float] | None]] = [
+        work: list[Pending[Accumulated]] = [
             a.call_after(first, PolicyWorker.accumulate, s if s.size else None, last, finish)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
         if meanwhile is not None:
             meanwhile(work)
-        return self.calls.wait(work, "train")[0]
+        results = self.calls.wait(work, "train")
+        empty = torch.zeros(0, batch.input_ids_BT.shape[1])
+        parts = [r.token_out_BT if r.token_out_BT is not None else empty for r in results]
+        return Streamed(results[0].metrics, shards.gather(parts, batch.input_ids_BT))
 
     def finish_train_step(self) -> dict[str, float]:
         """Reduce, scale, clip and step on every rank; rank 0's metrics (reduced over dp)."""

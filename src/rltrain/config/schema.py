@@ -21,6 +21,7 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 ISLevel = Literal["token", "sequence"]
+KLRewardLevel = Literal["token", "sequence"]
 OverCap = Literal["truncate", "mask"]
 Algorithm = Literal["grpo", "ppo"]  # the CLI's training commands
 PrecisionName = Literal["fp32", "bf16", "fp16"]  # the precision group's options
@@ -42,6 +43,7 @@ LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+KL_REWARD_LEVELS: tuple[str, ...] = get_args(KLRewardLevel)
 # What algorithm.rollout_correction.weights accepts: an ISLevel or auto (see is_level).
 IS_WEIGHTS: tuple[str, ...] = ("auto", *IS_LEVELS)
 OVER_CAP: tuple[str, ...] = get_args(OverCap)
@@ -107,6 +109,10 @@ class RolloutCorrectionConfig:
     # importance sampling), mask = the token (or sequence) leaves the loss (the decoupled
     # objective's rule for behaviour/proximal ratios past the cap).
     over_cap: str = "truncate"
+    # Sequence weights with mask_bound: false = the product runs over the tokens the mask
+    # kept (the tokens the loss trains on); true = over every response token, the masked
+    # ones included (verl's rollout_is=sequence with rollout_rs).
+    sequence_weight_all_tokens: bool = False
 
 
 @dataclass
@@ -143,6 +149,10 @@ class AlgorithmConfig:
     samples_per_prompt: int = 8
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    # Dual-clip PPO (Ye et al. 2020): the loss of a negative-advantage token is at most
+    # -A x clip_ratio_c, however far its ratio has grown (> 1; null = off). PPO ships 3.0
+    # (verl's default), GRPO null (NeMo-RL's GRPO and TRL); docs/objectives.md.
+    clip_ratio_c: float | None = None
     # KL to the initial policy; 0 disables the reference model.
     kl_coef: float = 0.0
     # KL estimator (KLEstimator): k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2,
@@ -151,6 +161,11 @@ class AlgorithmConfig:
     # false: kl_coef x KL is a term of the loss; true: it is subtracted from the reward
     # (per token for reinforce_pp and PPO, summed over the response otherwise).
     kl_in_reward: bool = False
+    # How reinforce_pp and reinforce_pp_baseline take the KL in the reward (KLRewardLevel):
+    # token = charged per token, reward-to-go (REINFORCE++ eq. 8); sequence = the response's
+    # summed KL off its reward (before the group mean), the same value on every token
+    # (verl's reinforce_plus_plus_baseline). grpo/dr_grpo/rloo always take the sum.
+    kl_in_reward_level: str = "token"
     # Advantage estimator (AdvantageEstimator): grpo (group mean and std), dr_grpo (group
     # mean only), rloo (leave-one-out mean), reinforce_pp (batch-normalised reward-to-go),
     # reinforce_pp_baseline (group mean, then batch std); gae is PPO's (critic).
