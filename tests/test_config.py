@@ -477,7 +477,7 @@ def test_every_cluster_value_is_checked_when_the_run_is_one_process(key):
 
     from rltrain.config.schema import ClusterConfig
     from rltrain.config.validate import validate
-    from rltrain.plan_process import resolve_in_process
+    from rltrain.plan.process import resolve_in_process
     from tests.conftest import tiny_config
 
     free = {"in_process", "address", "ray_logs"}
