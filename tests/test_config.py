@@ -466,6 +466,7 @@ BAD_CLUSTER_VALUES = {
     "failure_timeout_s": 0.0,
     "collective_timeout_s": -1.0,
     "restarts": -1,
+    "gpu_memory_gib": 0.0,
 }
 
 
