@@ -20,10 +20,10 @@ pytestmark = pytest.mark.e2e
 TIMING = ("time/", "overhead/", "throughput/", "wall_time", "refit/")
 
 
-def _cli(out: Path, *overrides: str) -> tuple[subprocess.Popen, str, str]:
+def _cli(out: Path, *overrides: str, algo: str = "grpo") -> tuple[subprocess.Popen, str, str]:
     """The run's process (its pid), stdout and stderr."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    cmd = [sys.executable, "-X", "importtime", "-m", "rltrain.cli", "grpo", f"output_dir={out}"]
+    cmd = [sys.executable, "-X", "importtime", "-m", "rltrain.cli", algo, f"output_dir={out}"]
     cmd += ["seed=3", "max_steps=4", "logger.progress=false", "cluster.torch_threads=1"]
     proc = subprocess.Popen(
         [*cmd, *overrides],
@@ -72,3 +72,39 @@ def test_in_process_run_matches_ray_workers_bit_for_bit(tmp_path):
         same = {k: v for k, v in mine.items() if not k.startswith(TIMING)}
         assert same == {k: theirs[k] for k in same}, mine["step"]
     assert rows[-1]["weight_version"] == 4.0 and rows[-1]["time/refit"] >= 0.0
+
+
+@pytest.mark.timeout(400)
+def test_ppo_critic_beside_the_policy_matches_the_serial_order(tmp_path):
+    """On Ray workers PPO's critic runs beside the policy (its values while the policy's
+    logprobs are computed, its update while the policy trains and refits); in one process the
+    same calls run one after the other. The runs agree bit for bit."""
+    from types import SimpleNamespace
+
+    from rltrain.config.compose import load_run_config
+    from rltrain.loops.ppo import critic_beside_policy
+
+    runs = {}
+    for mode in ("true", "false"):
+        out = tmp_path / mode
+        # kl_coef > 0: the policy's reference pass runs beside the critic's values too
+        proc, stdout, stderr = _cli(
+            out, f"cluster.in_process={mode}", "algorithm.kl_coef=0.05", algo="ppo"
+        )
+        assert proc.returncode == 0, stdout + stderr[-3000:]
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["in_process"] == (mode == "true")
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[mode] = rows
+    assert load_run_config(tmp_path / "false" / "config.yaml").algorithm.name == "ppo"
+    serial, beside = runs["true"], runs["false"]
+    assert [r["step"] for r in serial] == [r["step"] for r in beside] == [1, 2, 3, 4]
+    for mine, theirs in zip(serial, beside, strict=True):
+        same = {k: v for k, v in mine.items() if not k.startswith(TIMING)}
+        assert same == {k: theirs[k] for k in same}, mine["step"]
+        assert "value/loss" in same
+    # The rule the Ray run followed: on CPU (no GPU layout) the critic's processes are its
+    # own; a critic on the policy's GPUs runs after it.
+    assert critic_beside_policy(SimpleNamespace(plan=SimpleNamespace(gpu_layout=None)))
+    shared = SimpleNamespace(gpu_layout=SimpleNamespace(value_colocated=True))
+    assert not critic_beside_policy(SimpleNamespace(plan=shared))

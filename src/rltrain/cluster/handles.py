@@ -66,6 +66,17 @@ class Streamed(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Later(Generic[R]):
+    """A gang's call in flight (its ranks already working); :meth:`result` waits for it and
+    puts the ranks' answers together. Lets the controller run another gang meanwhile."""
+
+    finish: Callable[[], R]
+
+    def result(self) -> R:
+        return self.finish()
+
+
+@dataclass(frozen=True)
 class Shards(Generic[B]):
     """A batch cut over a gang's ranks: per rank its rows (tp ranks of one dp group share
     them), their global row indices, and its row count per mini batch."""
@@ -266,23 +277,33 @@ class ValueGang(TrainerGang[ValueWorker]):
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Right-shifted values_BT of every row in rollout order (0 outside the response mask)."""
+        return self.submit_values(batch).result()
+
+    def submit_values(self, batch: TrainBatch) -> Later[torch.Tensor]:
+        """:meth:`values`, submitted: the critic's ranks start at once; ``result()`` waits."""
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
             a.call(ValueWorker.values, s) for a, s in zip(self.actors, shards.batches, strict=True)
         ]
-        return shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT)
+        return Later(
+            lambda: shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT)
+        )
 
     def train(self, batch: ValueBatch) -> dict[str, float]:
         """Critic update(s) on the batch; rank 0's metrics (already reduced over the critic's
         dp ranks)."""
+        return self.submit_train(batch).result()
+
+    def submit_train(self, batch: ValueBatch) -> Later[dict[str, float]]:
+        """:meth:`train`, submitted: the critic's ranks start at once; ``result()`` waits."""
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
             a.call(ValueWorker.train, s, c)
             for a, s, c in zip(self.actors, shards.batches, shards.counts, strict=True)
         ]
-        return self.calls.wait(pending, "value train")[0]
+        return Later(lambda: self.calls.wait(pending, "value train")[0])
 
 
 def merge_parts(parts: list[RolloutBatch]) -> RolloutBatch:

@@ -27,6 +27,14 @@ from rltrain.loops.step import (
 from rltrain.train.batch import PolicyBatch, ValueBatch, build_train_batch
 
 
+def critic_beside_policy(ctx: RunContext) -> bool:
+    """Whether the critic's passes run beside the policy's: its ranks have GPUs (or, on CPU,
+    processes) of their own. Sharing the policy's GPUs they would compete for its memory, so
+    they run one after the other; in one process every call runs at once anyway."""
+    layout = ctx.plan.gpu_layout
+    return layout is None or not layout.value_colocated
+
+
 def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` PPO steps on ``ctx.policy``, ``ctx.value`` and ``ctx.rollout``.
 
@@ -42,6 +50,7 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
     a = cfg.algorithm
     sampling = sampling_params(cfg)
     fuse_old_logprobs = fuses_old_logprobs(ctx)
+    beside = critic_beside_policy(ctx)
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
@@ -63,14 +72,20 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
                 lengths, cfg.rollout.max_new_tokens, a.overlong.buffer, a.overlong.penalty
             )
 
-        # step 4: values of the state before every token (critic, right-shifted)
+        # step 4: values of the state before every token (critic, right-shifted). With GPUs
+        # of its own the critic's forward runs while step 5 runs on the policy's.
         with timer("values"):
-            old_values_BT = value.values(batch)
+            values_later = value.submit_values(batch)
+            if not beside:
+                old_values_BT = values_later.result()
 
         # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
         need_old = not (fuse_old_logprobs and trains_policy)
         before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer)
         kl_BT = before.kl_BT
+        if beside:
+            with timer("values"):  # what is left of the critic's forward: its exposed time
+                old_values_BT = values_later.result()
 
         # step 6: GAE: the score on the last response token (minus the KL penalty per token)
         rewards_BT = token_rewards(shaped, mask, kl_BT, a.kl_coef)
@@ -85,9 +100,12 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             whiten=a.whiten_advantages,
         )
 
-        # step 7: critic update(s) first: its targets were computed with the old values
+        # step 7: critic update(s): its targets come from the old values, so nothing in the
+        # actor's update waits for it; with GPUs of its own it trains while steps 8-9 run
         with timer("train_value"):
-            value_metrics = value.train(ValueBatch.of(batch, returns_BT, old_values_BT))
+            value_later = value.submit_train(ValueBatch.of(batch, returns_BT, old_values_BT))
+            if not beside:
+                value_metrics = value_later.result()
 
         # step 8: actor update(s) (ppo epochs x mini batches), after the critic's warm-up
         policy_metrics: dict[str, float] = {}
@@ -105,6 +123,10 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
                 {"refit/bytes": float(refit.bytes)}
                 | {f"time/refit_{k}": v for k, v in refit.extra.items()}
             )
+
+        if beside:
+            with timer("train_value"):  # what is left of the critic's update
+                value_metrics = value_later.result()
 
         # step 10: metrics and checkpoint
         step_s = time.perf_counter() - t_step
