@@ -46,7 +46,9 @@ def _messages() -> list[dict[str, str]]:
 def _trajectory(tokenizer, call_ids: list[int]) -> Trajectory:
     """The conversation built as segments: the templated prompt, the model's turns as ids
     (the call ends at the closing tag, the answer at <|im_end|>), the observation framed."""
-    prompt = tokenizer.apply_chat_template(_messages()[:2], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        _messages()[:2], tokenize=False, add_generation_prompt=True
+    )
     traj = Trajectory(list(tokenizer(prompt, add_special_tokens=False).input_ids))
     traj.add_turn(call_ids, [0.0] * len(call_ids), [0] * len(call_ids))
     frame = ObservationFrame.of(tokenizer, "tool")

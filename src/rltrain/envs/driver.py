@@ -188,8 +188,10 @@ class TurnDriver:
         ended_eos = bool(ids) and ids[-1] == self.eos_id
         body = ids[:-1] if ended_eos else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
-        stopped = not ended_eos and bool(ids) and (
-            ids[-1] in self.stop_ids or any(s in text for s in self.stop_strings)
+        stopped = (
+            not ended_eos
+            and bool(ids)
+            and (ids[-1] in self.stop_ids or any(s in text for s in self.stop_strings))
         )
         return Turn(text, list(ids), ended_eos, stopped)
 
@@ -254,8 +256,7 @@ class TurnDriver:
             "env/turns_mean": sum(len(t.turns) for t in trajs) / B,
             "env/tool_calls_mean": tool_calls / B,
             "env/tool_errors": float(tool_errors),
-            "env/observation_tokens_mean": sum(len(t.mask) - t.sampled_tokens for t in trajs)
-            / B,
+            "env/observation_tokens_mean": sum(len(t.mask) - t.sampled_tokens for t in trajs) / B,
             "env/observation_truncated": float(truncated_obs),
             "env/template_drift_tokens": drift / B,
             "time/env_drift": time.perf_counter() - t0,

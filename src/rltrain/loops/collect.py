@@ -210,7 +210,5 @@ def collect_dynamic(
         rounds=len(rounds),
         dropped_groups=len(informative) - sum(informative) - filled,
         filled_groups=filled,
-        metrics={
-            k: sum(r.metrics[k] for r in rounds) / len(rounds) for k in rounds[0].metrics
-        },
+        metrics={k: sum(r.metrics[k] for r in rounds) / len(rounds) for k in rounds[0].metrics},
     )

@@ -222,7 +222,10 @@ class TorchEngine:
         )
 
     def _stop_strings(
-        self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, done_B: torch.Tensor,
+        self,
+        tokens_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        done_B: torch.Tensor,
         stop: tuple[str, ...],
     ) -> torch.Tensor:
         """Rows still running whose decoded tail contains one of ``stop`` (a tail of as many
