@@ -232,6 +232,9 @@ CASES = [
     Case("env-with-async", E, ["grpo", "env=tool_copy", "algorithm.async_rollout.enabled=true"],
          ["env=tool_copy", "algorithm.async_rollout.enabled=true", "set algorithm.async_rollout.enabled=false"],
          "the asynchronous loop runs single-turn rollouts only"),
+    Case("env-with-overlong-buffer", E, ["grpo", "env=tool_copy", "algorithm.overlong.buffer=2"],
+         ["algorithm.overlong.buffer=2", "algorithm.overlong.buffer=0"],
+         "the soft overlong penalty measures single responses"),
     Case("env-with-eval", E, ["grpo", "env=tool_copy", "eval.every_n_steps=10"],
          ["eval.every_n_steps=10", "eval.every_n_steps=0"], "evaluation runs single-turn prompts"),
     # -- sweep values ------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ DISCRETE = (
 )
 
 
-def _run(out: Path, *overrides: str, timeout: float = 300) -> list[dict]:
+def _run(out: Path, *overrides: str, timeout: float = 300, command: str = "grpo") -> list[dict]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    cmd = [sys.executable, "-m", "rltrain.cli", "grpo", f"output_dir={out}", "logger.progress=false",
+    argv = [sys.executable, "-m", "rltrain.cli", command, f"output_dir={out}", "logger.progress=false",
            "logger.tensorboard=false", "checkpoint.save_final=false", *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -78,3 +78,16 @@ def test_tool_copy_learns_to_call_the_tool(tmp_path, seed):
     assert rows[-1]["env/turns_mean"] == pytest.approx(2.0, abs=0.05)
     assert rows[-1]["env/observation_truncated"] == 0.0
     assert abs(rows[-1]["token_mult_prob_error"] - 1.0) < 1e-3  # sampled tokens only
+
+
+@pytest.mark.timeout(300)
+def test_ppo_runs_multi_turn_episodes(tmp_path):
+    """`rltrain ppo env=tool_copy`: the critic values whole trajectories and GAE runs over the
+    sampled tokens; the run's metrics carry the episodes."""
+    rows = _run(tmp_path / "ppo", "env=tool_copy", "max_steps=3", "algorithm.prompts_per_step=8",
+                command="ppo")  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 1.0 <= r["env/turns_mean"] <= 2.0 and r["env/observation_tokens_mean"] > 0
+        assert abs(r["token_mult_prob_error"] - 1.0) < 1e-3
+        assert r["value/loss"] == r["value/loss"]  # finite, not nan

@@ -388,6 +388,12 @@ def _validate_env(cfg: RunConfig) -> None:
             "algorithm.async_rollout.enabled=true yet; set algorithm.async_rollout.enabled=false "
             "or env=single_turn."
         )
+    if cfg.algorithm.overlong.buffer:
+        raise ConfigError(
+            f"algorithm.overlong.buffer={cfg.algorithm.overlong.buffer} measures a response "
+            f"against rollout.max_new_tokens, not the turns of env={e.name}; set "
+            "algorithm.overlong.buffer=0 (env.max_total_tokens bounds an episode)."
+        )
     if cfg.eval.every_n_steps:
         raise ConfigError(
             f"eval.every_n_steps={cfg.eval.every_n_steps}: evaluation runs single-turn prompts, "
