@@ -341,3 +341,19 @@ def test_id_drift_counts_differing_tokens(seed):
     changed = list(ref)
     changed[10:12] = [99, 98, 97]  # two tokens became three
     assert id_drift(ref, changed) == 3
+
+
+def test_dynamic_sampling_keeps_masks_and_versions_with_their_rows():
+    """Dynamic sampling's row selection and concatenation carry the per-token response
+    mask and versions of multi-turn rows along with their ids."""
+    from rltrain.loops.collect import concat_rollouts, select_rows
+
+    rollout, (a, b) = _two_turn_rollout()
+    both = concat_rollouts([rollout, rollout])
+    assert both.response_mask == [a.mask, b.mask, a.mask, b.mask]
+    picked = select_rows(both, [3, 0])
+    assert picked.response_ids == [b.ids, a.ids]
+    assert picked.response_mask == [b.mask, a.mask]
+    assert picked.response_versions == [b.versions, a.versions]
+    single = RolloutBatch([[1]], [[2]], [[0.0]], [True], 0)
+    assert select_rows(concat_rollouts([single, single]), [1]).response_mask is None

@@ -7,10 +7,11 @@ optional reward and whether the episode is done. Both are batched: a list of
 episodes in, one result per episode out.
 
 Concurrency: the driver calls ``step`` from a thread pool (``env.workers`` threads,
-each on its own slice of the batch) and may do so while the engine generates. An
-environment keeps what an episode needs in that episode's ``state`` (each episode is
-handled by one thread at a time) and shares no mutable state with the engine or
-between threads; anything shared (a pool of sandbox processes) must be thread-safe.
+each on its own slice of the batch). An environment keeps what an episode needs in
+that episode's ``state`` (each episode is handled by one thread at a time) and shares
+no mutable state with the engine or between threads; anything shared (a pool of
+sandbox processes) must be thread-safe. So a driver may step some episodes while the
+engine generates for others (the driver here waits for each turn's generate call).
 
 A new environment is a class with ``reset`` and ``step`` that takes
 ``(cfg: EnvConfig, task: Task, tokenizer, seed: int, **env.options)``; select it with
