@@ -1,0 +1,1 @@
+"""Environments for multi-turn, tool-using rollouts."""

@@ -1,0 +1,426 @@
+"""Run model-written Python in an isolated, bounded process: ``run_python(code)``.
+
+A pool starts one fork server (this file run as ``python -I sandbox.py --serve``). As
+root the server unshares a mount, a network and a pid namespace, becomes pid 1 of the
+new pid namespace, mounts a fresh /proc and /sys, makes every mount read-only except the
+folder that holds the calls' folders, and imports the common stdlib modules once. It
+keeps ``size`` workers forked ahead: each makes its own folder, sets its rlimits, drops
+to its own unprivileged uid and waits on a pipe for exactly one job. The far ends of the
+worker's pipes reach the trainer over a unix socket (SCM_RIGHTS). A call takes a ready
+worker, writes the job, reads stdout and stderr itself (bounded, both at once) and asks
+the server to SIGKILL the worker at the wall-clock deadline or on an output flood. The
+server reaps the worker, deletes its folder, reports the wait status and forks a
+replacement. docs/sandbox.md says what is enforced where and what falls back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import queue
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from rltrain.envs import sandbox_server
+from rltrain.envs.sandbox_server import MINIMAL_ENV, SETUP_FAILED, SETUP_MARK
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MEMORY_MB = 512
+DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024
+KILL_GRACE_S = 5.0  # from SIGKILL to the server's report; past it the server is restarted
+START_TIMEOUT_S = 30.0  # for the server's start and for a free worker
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one piece of code did. ``exit_code`` < 0 means killed by signal ``-exit_code``.
+
+    ``timed_out``: killed at the wall-clock deadline or by the CPU time limit.
+    ``truncated``: stdout or stderr reached ``max_output_bytes`` (the process was stopped).
+    ``seconds``: wall time of the call, waiting for a worker included.
+    ``error``: one line saying what went wrong (None when the code exited 0 in time).
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    timed_out: bool
+    truncated: bool
+    seconds: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def check_limits(timeout_s: float, memory_mb: int, max_output_bytes: int) -> None:
+    """Raise ValueError naming the first argument that is not a positive finite number."""
+    for name, value, fix in (
+        ("timeout_s", timeout_s, f"pass seconds, e.g. timeout_s={DEFAULT_TIMEOUT_S}"),
+        ("memory_mb", memory_mb, f"pass MiB, e.g. memory_mb={DEFAULT_MEMORY_MB}"),
+        ("max_output_bytes", max_output_bytes, f"e.g. {DEFAULT_MAX_OUTPUT_BYTES}"),
+    ):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number; {fix}")
+        if name != "timeout_s" and value != int(value):
+            raise ValueError(f"{name}={value!r} must be a whole number; {fix}")
+
+
+# ---- the trainer's side ----
+
+
+@dataclass
+class _Worker:
+    wid: int
+    out: int
+    err: int
+    job: int
+    generation: int
+    done: threading.Event = field(default_factory=threading.Event)
+    status: int | None = None  # os.wait status; None when the server stopped first
+    cpu_s: float = 0.0
+
+
+_GONE = object()  # put on the ready queue when a server stops: waiters start the next one
+
+
+class SandboxPool:
+    """A fork server and ``size`` pre-isolated workers; ``run`` is safe from many threads.
+
+    The server starts on the first call (about 0.1-0.3 s). ``isolation`` says what this
+    machine enforces (filled after the start). ``close()`` stops every worker and deletes
+    the pool's folder; a call on a closed pool raises RuntimeError.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        if size < 1:
+            raise ValueError(f"size={size} must be at least 1 (the number of idle workers)")
+        self.size = size
+        self.isolation: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._generation = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._folder = ""
+        self._ready: queue.Queue[object] = queue.Queue()
+        self._workers: dict[int, _Worker] = {}
+
+    @property
+    def server_pid(self) -> int | None:
+        """The pid of the server process as the trainer sees it (None before the start)."""
+        return self._proc.pid if self._proc else None
+
+    @property
+    def calls_folder(self) -> str:
+        """Where the calls' folders are made (each is deleted when its worker ends)."""
+        return os.path.join(self._folder, "calls") if self._folder else ""
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the server now rather than on the first call."""
+        self._current()
+
+    def _current(self) -> tuple[queue.Queue[object], int]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this SandboxPool is closed; make a new one")
+            if self._proc is None:
+                self._start()
+            return self._ready, self._generation
+
+    def _start(self) -> None:
+        self._generation += 1
+        self._ready = queue.Queue()
+        self._folder = tempfile.mkdtemp(prefix="rltrain-sandbox-")
+        calls = os.path.join(self._folder, "calls")
+        os.mkdir(calls)
+        for path in (self._folder, calls):
+            os.chmod(path, 0o711)  # workers pass through, and list nothing
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        log_path = os.path.join(self._folder, "server.log")
+        with open(log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", os.path.abspath(sandbox_server.__file__), "--serve"]
+                + [str(theirs.fileno()), os.path.realpath(calls), str(self.size)],
+                pass_fds=[theirs.fileno()],
+                env=dict(MINIMAL_ENV),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,  # no controlling terminal, out of the trainer's group
+                cwd="/",
+            )
+        theirs.close()
+        ours.settimeout(START_TIMEOUT_S)
+        try:
+            hello = ours.recv(1 << 16)
+        except OSError:
+            hello = b""
+        if not hello.startswith(b"I "):
+            ours.close()
+            self._stop_server()
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise RuntimeError(f"the sandbox server did not start: {tail.strip() or 'no output'}")
+        ours.settimeout(None)
+        self.isolation = json.loads(hello[2:])
+        self._sock = ours
+        args = (ours, self._generation, self._ready)
+        threading.Thread(target=self._read_server, args=args, daemon=True).start()
+
+    def _read_server(self, sock: socket.socket, generation: int, ready: queue.Queue) -> None:
+        """Route the server's messages: R = a worker is ready (with its 3 fds), X = it ended."""
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 256, 3, socket.MSG_CMSG_CLOEXEC)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                break
+            kind, wid, *rest = msg.decode().split()
+            if kind == "R":
+                worker = _Worker(int(wid), fds[0], fds[1], fds[2], generation)
+                with self._lock:
+                    self._workers[worker.wid] = worker
+                ready.put(worker)
+            elif kind == "X":
+                with self._lock:
+                    ended = self._workers.pop(int(wid), None)
+                if ended is not None:
+                    ended.status, ended.cpu_s = int(rest[0]), float(rest[1])
+                    ended.done.set()
+        with self._lock:  # the server is gone: nothing more will be reported
+            for w in [w for w in self._workers.values() if w.generation == generation]:
+                self._workers.pop(w.wid)
+                w.done.set()
+            if generation == self._generation:
+                self._stop_server()
+        ready.put(_GONE)
+
+    def _stop_server(self) -> None:
+        """Kill the server (its pid namespace dies with it) and delete its folder; lock held."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):  # the server may have closed its end
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = ""
+
+    def close(self) -> None:
+        """Stop the server and every worker, delete the pool's folder. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._stop_server()
+        self._ready.put(_GONE)
+
+    def _send(self, text: str) -> None:
+        with self._send_lock:
+            try:
+                if self._sock is not None:
+                    self._sock.send(text.encode())
+            except OSError:
+                pass  # the server is gone; the reader thread ends every wait
+
+    def _take(self, until: float) -> _Worker | None:
+        """A ready worker of the current server (started if needed), or None at ``until``."""
+        while True:
+            ready, _ = self._current()
+            try:
+                item = ready.get(timeout=max(0.0, until - time.monotonic()))
+            except queue.Empty:
+                return None
+            if item is _GONE:
+                ready.put(_GONE)  # wake the next waiter on this stopped server too
+                if self._closed:
+                    raise RuntimeError("this SandboxPool is closed; make a new one")
+                continue
+            assert isinstance(item, _Worker)
+            if not item.done.is_set():
+                self._send(f"T {item.wid}")  # the server forks a replacement now
+                return item
+            _close_fds(item.out, item.err, item.job)  # died while idle
+
+    def run(
+        self,
+        code: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> SandboxResult:
+        """Run ``code`` in one fresh worker; returns within about timeout_s + KILL_GRACE_S."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str of Python source, not {type(code).__name__}")
+        check_limits(timeout_s, memory_mb, max_output_bytes)
+        start = time.monotonic()
+        job = json.dumps({"timeout_s": timeout_s, "memory_mb": int(memory_mb)}).encode()
+        job += b"\n" + code.encode("utf-8", "replace")
+        for _ in range(3):  # a worker that died before reading its job is skipped
+            worker = self._take(start + START_TIMEOUT_S)
+            if worker is None:
+                text = f"no sandbox worker was ready within {START_TIMEOUT_S:g} s"
+                return SandboxResult("", "", -1, False, False, time.monotonic() - start, text)
+            deadline = time.monotonic() + timeout_s
+            if _write_all(worker.job, job, deadline):
+                break
+            worker.done.wait(KILL_GRACE_S)
+            _close_fds(worker.out, worker.err)
+        else:
+            raise RuntimeError("three sandbox workers in a row died before their job")
+        return self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
+
+    def _collect(
+        self, w: _Worker, start: float, deadline: float, timeout_s: float, limit: int
+    ) -> SandboxResult:
+        """Read both pipes up to ``limit`` bytes each, kill at the deadline, await the status."""
+        bufs = {w.out: bytearray(), w.err: bytearray()}
+        sel = selectors.DefaultSelector()
+        for fd in bufs:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        reason = ""  # why the trainer's side killed the worker: "timeout" or the flooded stream
+        until = deadline
+        while sel.get_map() or not w.done.is_set():
+            now = time.monotonic()
+            if now >= until:
+                if reason:  # killed but unreported: the server is stuck; restart it
+                    with self._lock:
+                        if w.generation == self._generation:
+                            self._stop_server()
+                    break
+                reason, until = "timeout", now + KILL_GRACE_S
+                self._send(f"K {w.wid}")
+            if not sel.get_map():
+                w.done.wait(until - now)
+                continue
+            for key, _ in sel.select(until - now):
+                fd = int(key.fd)
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    sel.unregister(fd)
+                    continue
+                buf = bufs[fd]
+                buf += data[: max(0, limit - len(buf))]
+                if len(buf) >= limit and not reason:
+                    reason, until = ("stdout" if fd == w.out else "stderr"), now + KILL_GRACE_S
+                    self._send(f"K {w.wid}")
+        sel.close()
+        _close_fds(w.out, w.err)
+        stdout, stderr = (bytes(bufs[fd]).decode("utf-8", "replace") for fd in (w.out, w.err))
+        return _result(w, stdout, stderr, reason, timeout_s, limit, time.monotonic() - start)
+
+
+def _result(
+    w: _Worker, stdout: str, stderr: str, reason: str, timeout_s: float, limit: int, seconds: float
+) -> SandboxResult:
+    cpu_limit = max(1, math.ceil(timeout_s))
+    code = -signal.SIGKILL if w.status is None else os.waitstatus_to_exitcode(w.status)
+    sig = -code if code < 0 else 0
+    cpu_out = sig == signal.SIGXCPU or (
+        sig == signal.SIGKILL and not reason and w.cpu_s >= cpu_limit
+    )
+    last = stderr.strip().splitlines()[-1:] if stderr.strip() else []
+    if w.status is None:
+        error = "the sandbox server stopped before the code ended (it was restarted)"
+    elif reason == "timeout":
+        error = f"timed out after {timeout_s:g} s of wall-clock time; the process was killed"
+    elif reason:
+        error = f"{reason} reached max_output_bytes={limit}; output truncated, process stopped"
+    elif cpu_out:
+        error = f"exceeded the CPU time limit of {cpu_limit} s; the process was killed"
+    elif code == SETUP_FAILED and stderr.startswith(SETUP_MARK):
+        error = stderr.strip()
+    elif sig:
+        crash = " (the interpreter crashed)" if sig in _CRASH_SIGNALS else ""
+        error = f"killed by {signal.Signals(sig).name}{crash}"
+    elif code:
+        error = f"exited with code {code}" + (f": {last[0]}" if last else "")
+    else:
+        error = None
+    timed_out = reason == "timeout" or cpu_out
+    return SandboxResult(
+        stdout, stderr, code, timed_out, reason in ("stdout", "stderr"), seconds, error
+    )
+
+
+def _write_all(fd: int, data: bytes, deadline: float) -> bool:
+    """Write the job and close the pipe; False if the worker is gone (or stuck) before it."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_WRITE)
+            while view:
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    return False
+                view = view[os.write(fd, view) :]
+        return True
+    except (BrokenPipeError, BlockingIOError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+_default_pool: SandboxPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> SandboxPool:
+    """The module's shared pool, made on first use and closed at interpreter exit."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None:
+            _default_pool = SandboxPool()
+            atexit.register(_default_pool.close)
+        return _default_pool
+
+
+def run_python(
+    code: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    pool: SandboxPool | None = None,
+) -> SandboxResult:
+    """Run model-written ``code`` in the sandbox (``pool`` or the shared default pool).
+
+    Whatever the code does, this returns a SandboxResult within about timeout_s plus a
+    few seconds; non-positive limits raise ValueError naming the argument.
+    """
+    check_limits(timeout_s, memory_mb, max_output_bytes)
+    return (pool or default_pool()).run(code, timeout_s, memory_mb, max_output_bytes)
