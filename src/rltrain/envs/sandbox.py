@@ -284,24 +284,30 @@ class SandboxPool:
         start = time.monotonic()
         job = json.dumps({"timeout_s": timeout_s, "memory_mb": int(memory_mb)}).encode()
         job += b"\n" + code.encode("utf-8", "replace")
-        for _ in range(3):  # a worker that died before reading its job is skipped
+        for _ in range(3):  # a worker killed before it took its job is skipped
             worker = self._take(start + START_TIMEOUT_S)
             if worker is None:
                 text = f"no sandbox worker was ready within {START_TIMEOUT_S:g} s"
                 return SandboxResult("", "", -1, False, False, time.monotonic() - start, text)
             deadline = time.monotonic() + timeout_s
-            if _write_all(worker.job, job, deadline):
-                break
-            worker.done.wait(KILL_GRACE_S)
-            _close_fds(worker.out, worker.err)
-        else:
-            raise RuntimeError("three sandbox workers in a row died before their job")
-        return self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
+            if not _write_all(worker.job, job, deadline):
+                worker.done.wait(KILL_GRACE_S)
+                _close_fds(worker.out, worker.err)
+                continue
+            result = self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
+            if result is not None:
+                return result
+        raise RuntimeError("three sandbox workers in a row were killed before taking their job")
 
     def _collect(
         self, w: _Worker, start: float, deadline: float, timeout_s: float, limit: int
-    ) -> SandboxResult:
-        """Read both pipes up to ``limit`` bytes each, kill at the deadline, await the status."""
+    ) -> SandboxResult | None:
+        """Read both pipes up to ``limit`` bytes each, kill at the deadline, await the status.
+
+        None: the worker died by a signal before it acknowledged its job (the first byte
+        on stdout), so the code never ran; the caller tries another worker.
+        """
+        started = False
         bufs = {w.out: bytearray(), w.err: bytearray()}
         sel = selectors.DefaultSelector()
         for fd in bufs:
@@ -328,13 +334,18 @@ class SandboxPool:
                 if not data:
                     sel.unregister(fd)
                     continue
+                if fd == w.out and not started:
+                    started, data = True, data[1:]
                 buf = bufs[fd]
-                buf += data[: max(0, limit - len(buf))]
-                if len(buf) >= limit and not reason:
+                room = limit - len(buf)
+                buf += data[: max(0, room)]
+                if len(data) > room and not reason:
                     reason, until = ("stdout" if fd == w.out else "stderr"), now + KILL_GRACE_S
                     self._send(f"K {w.wid}")
         sel.close()
         _close_fds(w.out, w.err)
+        if not started and not reason and w.status is not None and os.WIFSIGNALED(w.status):
+            return None
         stdout, stderr = (bytes(bufs[fd]).decode("utf-8", "replace") for fd in (w.out, w.err))
         return _result(w, stdout, stderr, reason, timeout_s, limit, time.monotonic() - start)
 

@@ -224,7 +224,7 @@ def server_main(ctl_fd: int, calls_dir: str, size: int) -> None:
         else f"not isolated: the trainer's uid {os.getuid()} (setuid needs root)"
     )
     report["limits"] = (
-        "RLIMIT_NPROC=0 (no fork, thread or exec), RLIMIT_AS and RLIMIT_FSIZE=memory_mb, "
+        "RLIMIT_NPROC=0 (no fork or thread), RLIMIT_AS and RLIMIT_FSIZE=memory_mb, "
         f"RLIMIT_CPU=ceil(timeout_s), RLIMIT_NOFILE={MAX_OPEN_FILES}, RLIMIT_CORE=0"
     )
     for name in PRELOAD:
@@ -334,6 +334,7 @@ def _worker_main(job_r: int, out_w: int, err_w: int, folder: str, uid: int | Non
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         for limit in (resource.RLIMIT_AS, resource.RLIMIT_FSIZE):
             resource.setrlimit(limit, (limits["memory_mb"] << 20,) * 2)
+        os.write(1, b"+")  # the job is taken: the trainer strips this first byte
     except BaseException as e:
         os.write(2, f"{SETUP_MARK}{e!r}\n".encode())
         os._exit(SETUP_FAILED)
