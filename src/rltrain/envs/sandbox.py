@@ -435,3 +435,37 @@ def run_python(
     """
     check_limits(timeout_s, memory_mb, max_output_bytes)
     return (pool or default_pool()).run(code, timeout_s, memory_mb, max_output_bytes)
+
+
+def measure_calls_per_s(n: int, threads: int = 1, pool: SandboxPool | None = None) -> float:
+    """Calls per second of ``print(1 + 1)`` through a warm pool, ``n`` calls over ``threads``.
+
+    Every result is checked; a pool is made (and closed) when none is given. Shared with
+    the benchmarks (scripts/bench_sandbox.py and the multi-turn one).
+    """
+    own = pool is None
+    pool = pool or SandboxPool()
+    try:
+        for _ in range(max(4, pool.size)):  # warm: the server runs, every idle worker forked
+            pool.run("print(1 + 1)")
+        counts = [n // threads + (i < n % threads) for i in range(threads)]
+        bad: list[SandboxResult] = []
+
+        def calls(count: int) -> None:
+            bad.extend(
+                r for r in (pool.run("print(1 + 1)") for _ in range(count)) if r.stdout != "2\n"
+            )
+
+        workers = [threading.Thread(target=calls, args=(c,)) for c in counts]
+        start = time.perf_counter()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        seconds = time.perf_counter() - start
+        if bad:
+            raise RuntimeError(f"{len(bad)} of {n} sandbox calls failed, e.g. {bad[0]}")
+        return n / seconds
+    finally:
+        if own:
+            pool.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import gc
 import heapq
 import io
 import json
@@ -229,6 +230,7 @@ def server_main(ctl_fd: int, calls_dir: str, size: int) -> None:
     )
     for name in PRELOAD:
         __import__(name)
+    gc.freeze()  # the collector in a worker leaves the server's objects (and pages) alone
     sock = socket.socket(fileno=ctl_fd)
     sock.send(b"I " + json.dumps(report).encode())
     _serve(sock, calls_dir, size, root)
@@ -280,7 +282,7 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
                     wid = by_pid.pop(pid)
                     _, folder, slot = live.pop(wid)
                     idle.discard(wid)
-                    shutil.rmtree(folder, ignore_errors=True)
+                    _remove(folder)
                     heapq.heappush(free_slots, slot)
                     cpu_s = usage.ru_utime + usage.ru_stime
                     sock.send(f"X {wid} {status} {cpu_s:.3f}".encode())
@@ -297,6 +299,13 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
                 idle.discard(wid)
             elif kind == b"K" and wid in live:
                 os.kill(live[wid][0], signal.SIGKILL)
+
+
+def _remove(folder: str) -> None:
+    try:
+        os.rmdir(folder)  # most calls leave their folder empty
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _worker_main(job_r: int, out_w: int, err_w: int, folder: str, uid: int | None) -> None:
