@@ -21,6 +21,7 @@ import json
 import math
 import os
 import queue
+import select
 import selectors
 import shutil
 import signal
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rltrain.envs import sandbox_server
 from rltrain.envs.sandbox_server import MINIMAL_ENV, SETUP_FAILED, SETUP_MARK
@@ -85,14 +86,23 @@ def check_limits(timeout_s: float, memory_mb: int, max_output_bytes: int) -> Non
 
 @dataclass
 class _Worker:
+    """A ready worker as the trainer holds it: its pipe ends (stdout, stderr, job, status)."""
+
     wid: int
     out: int
     err: int
     job: int
+    status_fd: int
     generation: int
-    done: threading.Event = field(default_factory=threading.Event)
     status: int | None = None  # os.wait status; None when the server stopped first
     cpu_s: float = 0.0
+
+    def read_status(self) -> None:
+        """Read the server's report (the status pipe is readable: report or end of file)."""
+        report = os.read(self.status_fd, 64).split()
+        if report:
+            self.status, self.cpu_s = int(report[0]), float(report[1])
+        os.close(self.status_fd)
 
 
 _GONE = object()  # put on the ready queue when a server stops: waiters start the next one
@@ -119,7 +129,6 @@ class SandboxPool:
         self._sock: socket.socket | None = None
         self._folder = ""
         self._ready: queue.Queue[object] = queue.Queue()
-        self._workers: dict[int, _Worker] = {}
 
     @property
     def server_pid(self) -> int | None:
@@ -190,30 +199,17 @@ class SandboxPool:
         threading.Thread(target=self._read_server, args=args, daemon=True).start()
 
     def _read_server(self, sock: socket.socket, generation: int, ready: queue.Queue) -> None:
-        """Route the server's messages: R = a worker is ready (with its 3 fds), X = it ended."""
+        """Queue each worker the server announces (``R <id>`` with its 4 pipe ends)."""
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(sock, 256, 3, socket.MSG_CMSG_CLOEXEC)
+                msg, fds, _, _ = socket.recv_fds(sock, 256, 4, socket.MSG_CMSG_CLOEXEC)
             except OSError:
                 msg, fds = b"", []
             if not msg:
                 break
-            kind, wid, *rest = msg.decode().split()
-            if kind == "R":
-                worker = _Worker(int(wid), fds[0], fds[1], fds[2], generation)
-                with self._lock:
-                    self._workers[worker.wid] = worker
-                ready.put(worker)
-            elif kind == "X":
-                with self._lock:
-                    ended = self._workers.pop(int(wid), None)
-                if ended is not None:
-                    ended.status, ended.cpu_s = int(rest[0]), float(rest[1])
-                    ended.done.set()
-        with self._lock:  # the server is gone: nothing more will be reported
-            for w in [w for w in self._workers.values() if w.generation == generation]:
-                self._workers.pop(w.wid)
-                w.done.set()
+            out, err, job, status = fds
+            ready.put(_Worker(int(msg.split()[1]), out, err, job, status, generation))
+        with self._lock:  # the server is gone (the workers' status pipes end too)
             if generation == self._generation:
                 self._stop_server()
         ready.put(_GONE)
@@ -249,7 +245,7 @@ class SandboxPool:
                 if self._sock is not None:
                     self._sock.send(text.encode())
             except OSError:
-                pass  # the server is gone; the reader thread ends every wait
+                pass  # the server is gone: every status pipe ends, which ends every wait
 
     def _take(self, until: float) -> _Worker | None:
         """A ready worker of the current server (started if needed), or None at ``until``."""
@@ -265,10 +261,10 @@ class SandboxPool:
                     raise RuntimeError("this SandboxPool is closed; make a new one")
                 continue
             assert isinstance(item, _Worker)
-            if not item.done.is_set():
+            if not select.select([item.status_fd], [], [], 0)[0]:
                 self._send(f"T {item.wid}")  # the server forks a replacement now
                 return item
-            _close_fds(item.out, item.err, item.job)  # died while idle
+            _close_fds(item.out, item.err, item.job, item.status_fd)  # ended while idle
 
     def run(
         self,
@@ -291,8 +287,7 @@ class SandboxPool:
                 return SandboxResult("", "", -1, False, False, time.monotonic() - start, text)
             deadline = time.monotonic() + timeout_s
             if not _write_all(worker.job, job, deadline):
-                worker.done.wait(KILL_GRACE_S)
-                _close_fds(worker.out, worker.err)
+                _close_fds(worker.out, worker.err, worker.status_fd)
                 continue
             result = self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
             if result is not None:
@@ -302,7 +297,7 @@ class SandboxPool:
     def _collect(
         self, w: _Worker, start: float, deadline: float, timeout_s: float, limit: int
     ) -> SandboxResult | None:
-        """Read both pipes up to ``limit`` bytes each, kill at the deadline, await the status.
+        """Read stdout and stderr up to ``limit`` bytes each and the status, kill at the deadline.
 
         None: the worker died by a signal before it acknowledged its job (the first byte
         on stdout), so the code never ran; the caller tries another worker.
@@ -310,12 +305,12 @@ class SandboxPool:
         started = False
         bufs = {w.out: bytearray(), w.err: bytearray()}
         sel = selectors.DefaultSelector()
-        for fd in bufs:
+        for fd in (w.out, w.err, w.status_fd):
             os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
         reason = ""  # why the trainer's side killed the worker: "timeout" or the flooded stream
         until = deadline
-        while sel.get_map() or not w.done.is_set():
+        while sel.get_map():
             now = time.monotonic()
             if now >= until:
                 if reason:  # killed but unreported: the server is stuck; restart it
@@ -325,11 +320,12 @@ class SandboxPool:
                     break
                 reason, until = "timeout", now + KILL_GRACE_S
                 self._send(f"K {w.wid}")
-            if not sel.get_map():
-                w.done.wait(until - now)
-                continue
             for key, _ in sel.select(until - now):
                 fd = int(key.fd)
+                if fd == w.status_fd:
+                    sel.unregister(fd)
+                    w.read_status()
+                    continue
                 data = os.read(fd, 1 << 16)
                 if not data:
                     sel.unregister(fd)
@@ -342,6 +338,8 @@ class SandboxPool:
                 if len(data) > room and not reason:
                     reason, until = ("stdout" if fd == w.out else "stderr"), now + KILL_GRACE_S
                     self._send(f"K {w.wid}")
+        if w.status_fd in sel.get_map():  # unread only after a stuck server
+            _close_fds(w.status_fd)
         sel.close()
         _close_fds(w.out, w.err)
         if not started and not reason and w.status is not None and os.WIFSIGNALED(w.status):

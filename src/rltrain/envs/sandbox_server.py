@@ -4,8 +4,9 @@ Standard library only: it runs by path, in isolated mode, outside the trainer's 
 path. :mod:`rltrain.envs.sandbox` starts it and talks to it over a unix socket:
 
 * server -> trainer: ``I <json>`` once (what this machine enforces), ``R <id>`` with the
-  worker's stdout, stderr and job pipe ends (SCM_RIGHTS), ``X <id> <wait status> <cpu s>``
-  after the worker was reaped and its folder deleted;
+  worker's stdout, stderr, job and status pipe ends (SCM_RIGHTS); on the status pipe
+  ``<wait status> <cpu s>`` once the worker was reaped and its folder deleted (end of
+  file without it: the server stopped);
 * trainer -> server: ``T <id>`` (taken: fork a replacement), ``K <id>`` (SIGKILL it).
   End of file on the socket stops every worker and the server.
 """
@@ -242,7 +243,7 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    live: dict[int, tuple[int, str, int]] = {}  # worker id -> (pid, folder, slot)
+    live: dict[int, tuple[int, str, int, int]] = {}  # id -> (pid, folder, slot, status fd)
     by_pid: dict[int, int] = {}
     idle: set[int] = set()
     free_slots = list(range(MAX_SLOTS))
@@ -258,15 +259,16 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
             job_r, job_w = os.pipe()
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
+            status_r, status_w = os.pipe()
             pid = os.fork()
             if pid == 0:
                 _worker_main(job_r, out_w, err_w, folder, UID_BASE + slot if root else None)
             for fd in (job_r, out_w, err_w):
                 os.close(fd)
-            socket.send_fds(sock, [f"R {wid}".encode()], [out_r, err_r, job_w])
-            for fd in (out_r, err_r, job_w):
+            socket.send_fds(sock, [f"R {wid}".encode()], [out_r, err_r, job_w, status_r])
+            for fd in (out_r, err_r, job_w, status_r):
                 os.close(fd)
-            live[wid] = (pid, folder, slot)
+            live[wid] = (pid, folder, slot, status_w)
             by_pid[pid] = wid
             idle.add(wid)
         for key, _ in sel.select():
@@ -280,16 +282,17 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
                     if pid == 0:
                         break
                     wid = by_pid.pop(pid)
-                    _, folder, slot = live.pop(wid)
+                    _, folder, slot, status_w = live.pop(wid)
                     idle.discard(wid)
                     _remove(folder)
                     heapq.heappush(free_slots, slot)
                     cpu_s = usage.ru_utime + usage.ru_stime
-                    sock.send(f"X {wid} {status} {cpu_s:.3f}".encode())
+                    os.write(status_w, f"{status} {cpu_s:.3f}".encode())
+                    os.close(status_w)
                 continue
             msg = sock.recv(64)
             if not msg:  # the trainer closed the pool or died: stop every worker, clean up
-                for pid, folder, _ in live.values():
+                for pid, folder, _, _ in live.values():
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     shutil.rmtree(folder, ignore_errors=True)
