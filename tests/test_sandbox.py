@@ -97,7 +97,9 @@ def test_the_limits_are_set_in_the_worker(pool):
 def test_memory_is_bounded(pool, code):
     r = pool.run(code, timeout_s=5, memory_mb=200)
     assert r.exit_code == 1 and not r.timed_out
-    assert r.stderr.rstrip().endswith("MemoryError") and r.error == "exited with code 1: MemoryError"
+    assert (
+        r.stderr.rstrip().endswith("MemoryError") and r.error == "exited with code 1: MemoryError"
+    )
 
 
 @pytest.mark.parametrize(
@@ -276,14 +278,16 @@ def test_each_calls_folder_is_deleted(pool):
     assert not any(os.path.exists(f.strip()) for f in folders)
 
 
-def test_close_deletes_the_pools_folder():
+def test_close_deletes_the_pools_folder_and_closes_its_pipes():
     pattern = os.path.join(tempfile.gettempdir(), "rltrain-sandbox-*")
-    before = set(glob.glob(pattern))
-    p = SandboxPool(size=1)
-    assert p.run("print(1)").stdout == "1\n"
+    before, fds = set(glob.glob(pattern)), len(os.listdir("/proc/self/fd"))
+    p = SandboxPool(size=3)
+    assert [p.run("print(1)", timeout_s=1).stdout for _ in range(4)] == ["1\n"] * 4
+    assert p.run("while True: pass", timeout_s=0.2).timed_out
     assert len(set(glob.glob(pattern)) - before) == 1
     p.close()
     assert set(glob.glob(pattern)) == before
+    assert len(os.listdir("/proc/self/fd")) == fds  # idle workers' pipe ends included
     with pytest.raises(RuntimeError, match="closed"):
         p.run("print(1)")
 

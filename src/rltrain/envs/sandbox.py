@@ -94,6 +94,7 @@ class _Worker:
     job: int
     status_fd: int
     generation: int
+    server: socket.socket  # its own server's socket: a message never reaches a later server
     status: int | None = None  # os.wait status; None when the server stopped first
     cpu_s: float = 0.0
 
@@ -127,6 +128,7 @@ class SandboxPool:
         self._generation = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._reader: threading.Thread | None = None
         self._folder = ""
         self._ready: queue.Queue[object] = queue.Queue()
 
@@ -196,7 +198,8 @@ class SandboxPool:
         self.isolation = json.loads(hello[2:])
         self._sock = ours
         args = (ours, self._generation, self._ready)
-        threading.Thread(target=self._read_server, args=args, daemon=True).start()
+        self._reader = threading.Thread(target=self._read_server, args=args, daemon=True)
+        self._reader.start()
 
     def _read_server(self, sock: socket.socket, generation: int, ready: queue.Queue) -> None:
         """Queue each worker the server announces (``R <id>`` with its 4 pipe ends)."""
@@ -208,20 +211,25 @@ class SandboxPool:
             if not msg:
                 break
             out, err, job, status = fds
-            ready.put(_Worker(int(msg.split()[1]), out, err, job, status, generation))
+            ready.put(_Worker(int(msg.split()[1]), out, err, job, status, generation, sock))
         with self._lock:  # the server is gone (the workers' status pipes end too)
             if generation == self._generation:
                 self._stop_server()
-        ready.put(_GONE)
+        _drain(ready)
 
-    def _stop_server(self) -> None:
-        """Kill the server (its pid namespace dies with it) and delete its folder; lock held."""
+    def _stop_server(self, kill: bool = False) -> None:
+        """Stop the server (its pid namespace dies with it), delete its folder; lock held.
+
+        Closing the socket ends a healthy server at once; ``kill`` is for a stuck one.
+        """
         if self._sock is not None:
             with contextlib.suppress(OSError):  # the server may have closed its end
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
             self._sock = None
         if self._proc is not None:
+            if kill:
+                self._proc.kill()  # the relay; pid 1 of the namespace follows (PDEATHSIG)
             try:
                 self._proc.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
@@ -237,15 +245,15 @@ class SandboxPool:
         with self._lock:
             self._closed = True
             self._stop_server()
-        self._ready.put(_GONE)
+            reader = self._reader
+        if reader is not None:  # it drains the queue of the server it served
+            reader.join(KILL_GRACE_S)
+        _drain(self._ready)
 
-    def _send(self, text: str) -> None:
-        with self._send_lock:
-            try:
-                if self._sock is not None:
-                    self._sock.send(text.encode())
-            except OSError:
-                pass  # the server is gone: every status pipe ends, which ends every wait
+    def _send(self, w: _Worker, kind: str) -> None:
+        """Tell the worker's server ``T`` (taken) or ``K`` (kill it)."""
+        with self._send_lock, contextlib.suppress(OSError):  # a server that is gone has
+            w.server.send(f"{kind} {w.wid}".encode())  # ended every status pipe already
 
     def _take(self, until: float) -> _Worker | None:
         """A ready worker of the current server (started if needed), or None at ``until``."""
@@ -262,7 +270,7 @@ class SandboxPool:
                 continue
             assert isinstance(item, _Worker)
             if not select.select([item.status_fd], [], [], 0)[0]:
-                self._send(f"T {item.wid}")  # the server forks a replacement now
+                self._send(item, "T")  # the server forks a replacement now
                 return item
             _close_fds(item.out, item.err, item.job, item.status_fd)  # ended while idle
 
@@ -316,10 +324,10 @@ class SandboxPool:
                 if reason:  # killed but unreported: the server is stuck; restart it
                     with self._lock:
                         if w.generation == self._generation:
-                            self._stop_server()
+                            self._stop_server(kill=True)
                     break
                 reason, until = "timeout", now + KILL_GRACE_S
-                self._send(f"K {w.wid}")
+                self._send(w, "K")
             for key, _ in sel.select(until - now):
                 fd = int(key.fd)
                 if fd == w.status_fd:
@@ -337,7 +345,7 @@ class SandboxPool:
                 buf += data[: max(0, room)]
                 if len(data) > room and not reason:
                     reason, until = ("stdout" if fd == w.out else "stderr"), now + KILL_GRACE_S
-                    self._send(f"K {w.wid}")
+                    self._send(w, "K")
         if w.status_fd in sel.get_map():  # unread only after a stuck server
             _close_fds(w.status_fd)
         sel.close()
@@ -397,6 +405,18 @@ def _write_all(fd: int, data: bytes, deadline: float) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _drain(ready: queue.Queue[object]) -> None:
+    """Close the pipes of the workers left on a stopped server's queue, then wake waiters."""
+    while True:
+        try:
+            item = ready.get_nowait()
+        except queue.Empty:
+            break
+        if isinstance(item, _Worker):
+            _close_fds(item.out, item.err, item.job, item.status_fd)
+    ready.put(_GONE)
 
 
 def _close_fds(*fds: int) -> None:
