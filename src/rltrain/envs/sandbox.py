@@ -270,7 +270,6 @@ class SandboxPool:
                 continue
             assert isinstance(item, _Worker)
             if not select.select([item.status_fd], [], [], 0)[0]:
-                self._send(item, "T")  # the server forks a replacement now
                 return item
             _close_fds(item.out, item.err, item.job, item.status_fd)  # ended while idle
 
@@ -297,6 +296,7 @@ class SandboxPool:
             if not _write_all(worker.job, job, deadline):
                 _close_fds(worker.out, worker.err, worker.status_fd)
                 continue
+            self._send(worker, "T")  # taken: the server forks a replacement while it runs
             result = self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
             if result is not None:
                 return result
