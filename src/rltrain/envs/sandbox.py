@@ -72,7 +72,7 @@ def check_limits(timeout_s: float, memory_mb: int, max_output_bytes: int) -> Non
     for name, value, fix in (
         ("timeout_s", timeout_s, f"pass seconds, e.g. timeout_s={DEFAULT_TIMEOUT_S}"),
         ("memory_mb", memory_mb, f"pass MiB, e.g. memory_mb={DEFAULT_MEMORY_MB}"),
-        ("max_output_bytes", max_output_bytes, f"e.g. {DEFAULT_MAX_OUTPUT_BYTES}"),
+        ("max_output_bytes", max_output_bytes, "pass bytes, e.g. max_output_bytes=65536"),
     ):
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or value <= 0:
