@@ -49,6 +49,7 @@ def test_trivial_code_and_the_shared_pool(pool):
         None,
     )
     assert r.ok and 0 < r.seconds < 5
+    assert pool.run("print(1)", timeout_s=1e9, memory_mb=10**6).stdout == "1\n"  # huge is fine
     assert run_python("print(6 * 7)").stdout == "42\n"  # the module's default pool
 
 
@@ -100,6 +101,12 @@ def test_memory_is_bounded(pool, code):
     assert (
         r.stderr.rstrip().endswith("MemoryError") and r.error == "exited with code 1: MemoryError"
     )
+
+
+def test_file_size_is_bounded(pool):
+    code = "with open('big', 'wb') as f:\n    for _ in range(100):\n        f.write(bytes(2**20))"
+    r = pool.run(code, timeout_s=5, memory_mb=50)
+    assert r.exit_code == 1 and "File too large" in r.error, r.error
 
 
 @pytest.mark.parametrize(

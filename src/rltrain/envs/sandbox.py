@@ -328,7 +328,7 @@ class SandboxPool:
                     break
                 reason, until = "timeout", now + KILL_GRACE_S
                 self._send(w, "K")
-            for key, _ in sel.select(until - now):
+            for key, _ in sel.select(_wait_s(until)):
                 fd = int(key.fd)
                 if fd == w.status_fd:
                     sel.unregister(fd)
@@ -362,6 +362,8 @@ def _result(
     cpu_limit = max(1, math.ceil(timeout_s))
     code = -signal.SIGKILL if w.status is None else os.waitstatus_to_exitcode(w.status)
     sig = -code if code < 0 else 0
+    if reason == "timeout" and sig != signal.SIGKILL:
+        reason = ""  # it ended on its own before the kill arrived
     cpu_out = sig == signal.SIGXCPU or (
         sig == signal.SIGKILL and not reason and w.cpu_s >= cpu_limit
     )
@@ -371,7 +373,8 @@ def _result(
     elif reason == "timeout":
         error = f"timed out after {timeout_s:g} s of wall-clock time; the process was killed"
     elif reason:
-        error = f"{reason} reached max_output_bytes={limit}; output truncated, process stopped"
+        stopped = ", process stopped" if sig else ""
+        error = f"{reason} reached max_output_bytes={limit}; output truncated{stopped}"
     elif cpu_out:
         error = f"exceeded the CPU time limit of {cpu_limit} s; the process was killed"
     elif code == SETUP_FAILED and stderr.startswith(SETUP_MARK):
@@ -397,8 +400,10 @@ def _write_all(fd: int, data: bytes, deadline: float) -> bool:
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_WRITE)
             while view:
-                if not sel.select(max(0.0, deadline - time.monotonic())):
-                    return False
+                if not sel.select(_wait_s(deadline)):
+                    if time.monotonic() >= deadline:
+                        return False
+                    continue
                 view = view[os.write(fd, view) :]
         return True
     except (BrokenPipeError, BlockingIOError):
@@ -417,6 +422,11 @@ def _drain(ready: queue.Queue[object]) -> None:
         if isinstance(item, _Worker):
             _close_fds(item.out, item.err, item.job, item.status_fd)
     ready.put(_GONE)
+
+
+def _wait_s(until: float) -> float:
+    """Seconds to wait for ``until`` (monotonic), at most an hour per wait (epoll's range)."""
+    return min(max(0.0, until - time.monotonic()), 3600.0)
 
 
 def _close_fds(*fds: int) -> None:
