@@ -1,16 +1,17 @@
 """Run model-written Python in an isolated, bounded process: ``run_python(code)``.
 
-A pool starts one fork server (this file run as ``python -I sandbox.py --serve``). As
-root the server unshares a mount, a network and a pid namespace, becomes pid 1 of the
-new pid namespace, mounts a fresh /proc and /sys, makes every mount read-only except the
-folder that holds the calls' folders, and imports the common stdlib modules once. It
-keeps ``size`` workers forked ahead: each makes its own folder, sets its rlimits, drops
-to its own unprivileged uid and waits on a pipe for exactly one job. The far ends of the
-worker's pipes reach the trainer over a unix socket (SCM_RIGHTS). A call takes a ready
-worker, writes the job, reads stdout and stderr itself (bounded, both at once) and asks
-the server to SIGKILL the worker at the wall-clock deadline or on an output flood. The
-server reaps the worker, deletes its folder, reports the wait status and forks a
-replacement. docs/sandbox.md says what is enforced where and what falls back.
+A pool starts one fork server (:mod:`rltrain.envs.sandbox_server`, run as ``python -I
+sandbox_server.py --serve``). As root the server unshares a mount, a network and a pid
+namespace, becomes pid 1 of the new pid namespace, mounts a fresh /proc and /sys, makes
+every mount read-only except the folder that holds the calls' folders, and imports the
+common stdlib modules once. It keeps ``size`` workers forked ahead: each makes its own
+folder, sets its rlimits, drops to its own unprivileged uid and waits on a pipe for
+exactly one job. The worker's pipe ends reach the trainer over a unix socket
+(SCM_RIGHTS). A call takes a ready worker, writes the job, reads stdout, stderr and the
+status pipe itself (bounded, all at once) and asks the server to SIGKILL the worker at
+the wall-clock deadline or on an output flood. The server reaps the worker, deletes its
+folder, writes the wait status and forks a replacement. docs/sandbox.md says what is
+enforced where and what falls back.
 """
 
 from __future__ import annotations
