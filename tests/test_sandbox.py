@@ -156,6 +156,19 @@ def test_writes_outside_its_folder_fail(pool, tmp_path):
     assert lines[0] == "refused EROFS"  # /tmp is writable by anyone, but not from here
 
 
+def test_only_the_system_and_the_interpreter_are_in_sight(pool):
+    _enforced(pool, "filesystem")
+    code = (
+        "import os, sys\n"
+        f"print(os.path.exists({__file__!r}), os.listdir('/tmp'), os.listdir('/run'))\n"
+        "print(os.path.isdir(os.path.dirname(os.__file__)), os.path.isdir('/usr/bin'))"
+    )
+    hidden, kept = pool.run(code).stdout.splitlines()
+    pool_folder = os.path.basename(os.path.dirname(pool.calls_folder))
+    assert hidden == f"False [{pool_folder!r}] []"  # this file, other temp files, sockets
+    assert kept == "True True"
+
+
 def test_the_environment_is_minimal(monkeypatch):
     monkeypatch.setenv("RLTRAIN_SANDBOX_SECRET", "do-not-leak")
     with SandboxPool(size=1) as fresh:  # started after the secret was set

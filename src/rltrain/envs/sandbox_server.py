@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import errno
 import gc
 import heapq
 import io
@@ -148,46 +149,73 @@ def _mounts() -> list[tuple[str, str]]:
     return out
 
 
-def _expose_interpreter() -> None:
-    """Reach the interpreter's files from an unprivileged uid (lazy imports need them).
+# Top-level folders the code keeps seeing (read-only): the system. Every other one (the
+# project, data, checkpoints, /tmp, /run, /home, /root, ...) is covered by an empty tmpfs.
+SYSTEM_FOLDERS = (
+    "bin",
+    "dev",
+    "etc",
+    "lib",
+    "lib32",
+    "lib64",
+    "libx32",
+    "proc",
+    "sbin",
+    "sys",
+    "usr",
+)
 
-    Where a folder above them is closed to others (/root is 0700 when Python lives in
-    /root/.pyenv), a tmpfs covers that folder in this mount namespace and only the
-    needed entries are bound back in: the rest of it stays out of sight.
+
+def _hide_folders(calls_dir: str) -> list[str]:
+    """Cover the non-system folders with empty tmpfs; bind back what a worker needs.
+
+    Kept: the interpreter's prefixes and import path (lazy imports read them) and
+    calls_dir (writable). A kept path keeps its own name, and a folder closed to others
+    on its way (/root is 0700 when Python lives in /root/.pyenv) is covered too, so an
+    unprivileged uid reaches it. Returns the covered folders.
     """
-    needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path}
-    closed: dict[str, set[str]] = {}
-    for path in {os.path.realpath(p) for p in needed if p and os.path.exists(p)}:
+    wanted = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path}
+    keep = sorted({os.path.realpath(p) for p in wanted if p and os.path.exists(p)} | {calls_dir})
+    keep = [p for i, p in enumerate(keep) if not any(p.startswith(q + "/") for q in keep[:i])]
+    covered = {f"/{e.name}" for e in os.scandir("/") if e.is_dir(follow_symlinks=False)}
+    covered -= {f"/{name}" for name in SYSTEM_FOLDERS}
+    covered.add("/dev/shm")
+    for path in keep:  # a closed folder on the way to a kept path, outside the covered ones
         parts = path.strip("/").split("/")
         for i in range(1, len(parts)):
             folder = "/" + "/".join(parts[:i])
-            if not os.stat(folder).st_mode & stat.S_IXOTH:
-                closed.setdefault(folder, set()).add(parts[i])
+            if folder in covered:
                 break
-    for folder, entries in closed.items():
-        fds = {e: os.open(os.path.join(folder, e), os.O_PATH) for e in entries}
-        _mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=755,size=64k")
-        for entry, fd in fds.items():
-            target = os.path.join(folder, entry)
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                covered.add(folder)
+                break
+    fds = {p: os.open(p, os.O_PATH) for p in keep}
+    for folder in sorted(covered):
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            _mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=755,size=64k")
+    for path, fd in fds.items():
+        if any(path.startswith(c + "/") for c in covered):
             if stat.S_ISDIR(os.fstat(fd).st_mode):
-                os.mkdir(target)
+                os.makedirs(path, 0o755, exist_ok=True)
             else:
-                open(target, "x").close()
-            _mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND | _MS_REC)
-            os.close(fd)
+                os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+                open(path, "a").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        os.close(fd)
+    return sorted(covered)
 
 
 def _lock_filesystem(calls_dir: str, flags: int, report: dict[str, str]) -> None:
-    """In the new mount namespace: fresh /proc and /sys, everything read-only but calls_dir."""
+    """In the new mount namespace: fresh /proc and /sys, the non-system folders hidden,
+    everything read-only but calls_dir."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    _mount(calls_dir, calls_dir, None, _MS_BIND)
     if flags & _CLONE_NEWPID:  # /proc lists the processes of the mounter's pid namespace
         _detach("/proc")
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     if flags & _CLONE_NEWNET:  # /sys/class/net shows the mounter's network namespace
         _detach("/sys")
         _mount("sysfs", "/sys", "sysfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    _expose_interpreter()
+    covered = _hide_folders(calls_dir)
     failed = []
     for point, options in _mounts():
         if point == calls_dir:
@@ -196,9 +224,14 @@ def _lock_filesystem(calls_dir: str, flags: int, report: dict[str, str]) -> None
         try:
             _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | keep)
         except OSError as e:
-            failed.append(f"{point} ({e.strerror})")
-    report["filesystem"] = "read-only mount namespace; writable: only the call's own folder" + (
-        f"; still writable: {', '.join(failed)}" if failed else ""
+            hidden = any(point.startswith(c + "/") for c in covered)
+            if not (hidden and e.errno in (errno.ENOENT, errno.EINVAL)):  # under a cover
+                failed.append(f"{point} ({e.strerror})")
+    report["filesystem"] = (
+        "read-only mount namespace; writable: only the call's own folder; hidden (empty): "
+        + ", ".join(covered)
+        + " except the interpreter's folders"
+        + (f"; still writable: {', '.join(failed)}" if failed else "")
     )
 
 
