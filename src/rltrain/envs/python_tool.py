@@ -74,7 +74,7 @@ class PythonToolEnv:
     def _step(self, e: Episode, t: Turn) -> StepResult:
         if t.stopped:
             code = tool_code(t.text)
-            if code is None:
+            if not code:
                 return StepResult(observation="error: no code between the tool tags",
                                   tool_call=True, tool_error=True)  # fmt: skip
             observation, failed = self.run_tool(code)
