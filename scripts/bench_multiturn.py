@@ -9,8 +9,9 @@ turn machinery costs (env=bench_turns against one turn of the same sampled token
   24 observation tokens an episode) against ``env=single_turn`` with 32 new tokens, EOS
   blocked in both so every row samples every token: median per-step generate, env and
   train milliseconds.
-* ``sandbox_calls_per_s``: ``scripts/bench_sandbox.py::measure_calls_per_s`` where the
-  sandbox is present (left out otherwise).
+* ``sandbox_calls_per_s``: ``scripts/bench_sandbox.py::measure_calls_per_s(200)`` where the
+  sandbox is present (left out otherwise); ``--sandbox-only`` measures it alone and adds
+  it to an existing result file.
 
 The machine may be shared with other work: ``load`` records ``os.getloadavg()`` before
 and after, and the timings are only as quiet as it was. Writes
@@ -30,6 +31,8 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_default import ROOT, run_seed  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's rltrain (the sandbox), not another
 
 NO_EOS = "model.blocked_tokens=['<eos>']"
 QUIET = ("logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false")
@@ -76,6 +79,18 @@ def sandbox_calls_per_s() -> float | None:
     return float(measure_calls_per_s(200))
 
 
+def add_sandbox(out: Path) -> None:
+    """Measure the sandbox's calls/s now and add it to an existing result file."""
+    result = json.loads(out.read_text())
+    rate = sandbox_calls_per_s()
+    if rate is None:
+        raise SystemExit("rltrain.envs.sandbox is not present in this checkout")
+    result["summary"]["sandbox_calls_per_s"] = rate
+    result["load"]["sandbox"] = os.getloadavg()
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu2", help="name of the machine in the result file")
@@ -84,7 +99,14 @@ def main() -> None:
     ap.add_argument("--turn-steps", type=int, default=12)
     ap.add_argument("--timeout-s", type=float, default=1200.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--sandbox-only", action="store_true", help="add the sandbox figure to the result file"
+    )
     args = ap.parse_args()
+    out = args.out or ROOT / "scripts" / "results" / f"bench_multiturn-{args.device}.json"
+    if args.sandbox_only:
+        add_sandbox(out)
+        return
     load_before = os.getloadavg()
     per_seed = []
     for seed in args.seeds:
@@ -120,7 +142,6 @@ def main() -> None:
         "per_seed": per_seed,
         "turns": turns,
     }
-    out = args.out or ROOT / "scripts" / "results" / f"bench_multiturn-{args.device}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
