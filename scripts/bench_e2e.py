@@ -45,7 +45,9 @@ crash, the budget) is recorded with its error and the next one runs. Writes
 ``scripts/results/bench_e2e-<device>-2gpu.json``: ``runs`` (per ``<algo>_<layout>``: the
 command, the plan check, per-step stage times, GPU memory per role and rank) and
 ``summary`` (per ``<algo>_<layout>``: medians of the step and its stages, ``other_s``,
-tokens/s, the refit's share of the step, peak GPU memory per role in GiB).
+tokens/s, the refit's share of the step, peak GPU memory per role in GiB). Both modes keep,
+per process, the plan's memory estimate beside the measured peak (``memory``:
+``memory_estimate_gib``, ``memory_peak_gib``; scripts/memory_estimate.py).
 
     python scripts/bench_e2e.py --gpus 2 --steps 12 --max-new-tokens 256 --out $OUT
     python scripts/bench_e2e.py --gpus 2 --only grpo_split,grpo_dp2 --out $OUT
@@ -69,6 +71,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from memory_estimate import estimate_vs_peak  # noqa: E402
 
 DATA = ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl"
 # Seconds an interrupted run gets to shut its workers down before it is killed.
@@ -95,7 +100,11 @@ def parse_args() -> argparse.Namespace:
         "--micro-tokens", type=int, default=4096, help="train.max_tokens_per_micro_batch"
     )
     p.add_argument("--standalone-steps", type=int, default=4)
-    p.add_argument("--cuda-graphs", action="store_true", help="rollout.vllm.enforce_eager=false")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="rollout.vllm.enforce_eager=true (default: the engine's own choice, CUDA graphs)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on the loop's run (s)")
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
@@ -231,7 +240,7 @@ def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> l
         "rollout.colocated=true",
         f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}",
         f"rollout.vllm.max_model_len={prompt_tokens + args.max_new_tokens}",
-        f"rollout.vllm.enforce_eager={str(not args.cuda_graphs).lower()}",
+        *(["rollout.vllm.enforce_eager=true"] if args.eager else []),
         "cluster.device=cuda",
         *args.overrides,
     ]
@@ -487,7 +496,7 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
 
 # The layouts of the two-GPU benchmark: the overrides that express them on a 2-GPU node, and
 # what the plan must show for them (plan.json's gpu_layout), else the layout is not run.
-# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan_gpus.py),
+# The project colocates every rollout replica on policy rank 0's GPU (rltrain/plan/gpus.py),
 # so `dp2` is dp=2 trainers with one colocated vLLM replica on GPU 0 (CUDA IPC refit);
 # GPU 1 holds policy rank 1 (and PPO's value rank 1) only.
 LAYOUTS: dict[str, dict] = {
@@ -558,7 +567,7 @@ def two_gpu_overrides(
         *spec["overrides"],
         "rollout=vllm",
         f"rollout.vllm.max_model_len={PROMPT_TOKENS + args.max_new_tokens}",
-        f"rollout.vllm.enforce_eager={str(not args.cuda_graphs).lower()}",
+        *(["rollout.vllm.enforce_eager=true"] if args.eager else []),
         *(
             [f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"]
             if spec["colocated"]
@@ -733,6 +742,7 @@ def run_two_gpu_layout(
     entry["startup_s"] = rs.get("startup_s")
     entry["startup_phases"] = rs.get("startup_phases")
     entry["gpu_memory"] = gpu_memory
+    entry["memory"] = plan_estimate_vs_peak(run_dir, gpu_memory)
     entry["steps"] = [
         {
             "step": r["step"],
@@ -754,7 +764,18 @@ def run_two_gpu_layout(
     if entry["status"] != "ok" and not args.dry_run and not args.no_ray_stop:
         stop_ray()
     entry["figures"] = summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else None
+    if entry["figures"] is not None:
+        entry["figures"]["memory"] = entry["memory"]
     return entry
+
+
+def plan_estimate_vs_peak(run_dir: Path, gpu_memory: dict | None) -> dict | None:
+    """Per process of the run: the plan's estimate (its plan.json) beside the measured peak
+    (``memory_estimate_gib``, ``memory_peak_gib``; see scripts/memory_estimate.py)."""
+    plan = run_dir / "plan.json"
+    if not plan.is_file():
+        return None
+    return estimate_vs_peak(json.loads(plan.read_text()).get("memory") or {}, gpu_memory)
 
 
 def two_gpu_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -906,7 +927,9 @@ def main() -> None:
         "args": {k: v for k, v in vars(args).items() if k != "standalone_worker"},
         "errors": {},
     }
-    name = f"bench_e2e-{device}.json"
+    # The defaults' own file: no engine flag and no override changes what a user gets.
+    defaults = not (args.eager or args.overrides or args.smoke)
+    name = f"bench_e2e-{device}{'-defaults' if defaults else ''}.json"
     paths = [ROOT / "scripts" / "results" / name] + ([Path(args.out) / name] if args.out else [])
 
     def save() -> None:
@@ -933,6 +956,9 @@ def main() -> None:
     result["loop"] = {k: v for k, v in loop.items() if k not in ("rows", "log_tail")}
     result["config"] = (
         (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else None
+    )
+    result["memory"] = plan_estimate_vs_peak(
+        run_dir, (loop.get("run_summary") or {}).get("gpu_memory")
     )
     result["steps"] = [
         {

@@ -1,9 +1,11 @@
-"""Asynchronous GRPO (loops/async_grpo.py): the staleness bound, the sync-equivalence of
-max_staleness=0, failure handling inside a step, the buffer across a SIGKILL, learning."""
+"""Asynchronous GRPO (loops/async_grpo.py, its buffer in loops/async_buffer.py): the staleness
+bound, the sync-equivalence of max_staleness=0, failure handling inside a step, the buffer
+across a SIGKILL, learning."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -15,9 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rltrain.cluster.handles import Streamed
 from rltrain.data.task import PromptItem
-from rltrain.loops import async_grpo
-from rltrain.loops.async_grpo import AsyncController, AsyncState, Group, overlap_seconds
+from rltrain.loops import async_buffer, async_grpo
+from rltrain.loops.async_buffer import AsyncController, AsyncState, Group, overlap_seconds
 from rltrain.rollout.base import RolloutBatch
 from tests.conftest import tiny_config
 
@@ -89,17 +92,19 @@ def _controller(monkeypatch, k: int, prompts: int = 4, groups_per_call: int = 2,
             return _Pending(_rollout(len(prompt_ids), Pool.version))
 
     monkeypatch.setattr(
-        async_grpo, "encode_groups", lambda tok, items, g: [[1, 2]] * len(items) * g
+        async_buffer, "encode_groups", lambda tok, items, g: [[1, 2]] * len(items) * g
     )
     monkeypatch.setattr(
-        async_grpo,
+        async_buffer,
         "score_groups",
         lambda task, tok, items, resp, fin, g: (
             [SimpleNamespace(reward=1.0, exact_match=1.0)] * len(resp)
         ),
     )
-    monkeypatch.setattr(async_grpo, "ready", lambda pending, timeout: list(range(len(pending))))
-    monkeypatch.setattr(async_grpo, "wait_all", lambda pending, t, what: [p.value for p in pending])
+    monkeypatch.setattr(async_buffer, "ready", lambda pending, timeout: list(range(len(pending))))
+    monkeypatch.setattr(
+        async_buffer, "wait_all", lambda pending, t, what: [p.value for p in pending]
+    )
     ctx = SimpleNamespace(cfg=cfg, rollout=Pool(), task=_Task(), tokenizer=None)
     return AsyncController(ctx, AsyncState()), submitted, Pool
 
@@ -115,7 +120,7 @@ def test_calls_go_out_only_while_their_groups_can_train_within_the_bound(monkeyp
     assert len(submitted) == min(k + 1, 2) * 2
     # the synchronous loop's seeds: step s, call j of calls_per_step
     assert [s for _, s in submitted[:2]] == [
-        async_grpo.step_seed(gen.ctx.cfg.seed, 1) * 2 + j for j in range(2)
+        async_buffer.step_seed(gen.ctx.cfg.seed, 1) * 2 + j for j in range(2)
     ]
 
 
@@ -197,7 +202,9 @@ def test_a_steps_refit_wait_and_log_overlap_the_next_steps_training(monkeypatch)
             events.append("train")
             if meanwhile is not None:
                 meanwhile([])
-            return {"loss": 0.0} if finish else None
+            # the training forward's logprobs: 0.1 off the engine's on every response token
+            old = batch.engine_logprobs_BT + 0.1 * batch.response_mask_BT
+            return Streamed({"loss": 0.0} if finish else None, old)
 
     class InFlight:
         def __init__(self, version):
@@ -232,12 +239,15 @@ def test_a_steps_refit_wait_and_log_overlap_the_next_steps_training(monkeypatch)
     ]  # fmt: skip
     assert [logged[s]["weight_version"] for s in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]
     assert all("time/refit" in m and m["refit/bytes"] == 1.0 for m in logged.values())
+    # the engine-versus-trainer gate over each step's chunks: exp(|0.1|) on every token
+    for m in logged.values():
+        assert m["token_mult_prob_error"] == pytest.approx(math.exp(0.1), rel=1e-6)
 
 
 def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):
     gen, _, _ = _controller(monkeypatch, k=0)
     gen.timeout_s = 0.0
-    monkeypatch.setattr(async_grpo, "ready", lambda pending, timeout: [])
+    monkeypatch.setattr(async_buffer, "ready", lambda pending, timeout: [])
     gen.submit()
     with pytest.raises(
         Exception, match=r"rollout rank 0 did not return call 0 .*\(4 samples dropped\)"
@@ -249,7 +259,7 @@ def test_a_call_past_its_deadline_fails_naming_the_replica(monkeypatch):
 def test_group_of_rollout_keeps_the_oldest_token_version():
     batch = _rollout(4, 5)
     batch.row_versions = [4, 5, 5, 5]
-    groups = async_grpo.split_groups(batch, torch.zeros(4), torch.zeros(4), 2, call=0)
+    groups = async_buffer.split_groups(batch, torch.zeros(4), torch.zeros(4), 2, call=0)
     assert [g.version for g in groups] == [4, 5]
     assert isinstance(groups[0], Group) and groups[0].rollout.versions() == [4, 5]
 
@@ -278,6 +288,10 @@ def test_max_staleness_0_gives_the_synchronous_loops_metrics(tmp_path):
         assert b["async/staleness_max"] == 0.0 and b["async/dropped_samples"] == 0.0
         shared = {k for k in a if k in b and not k.startswith(TIMING_PREFIXES)}
         assert {"loss", "reward/mean", "grad_norm", "entropy", "weight_version"} <= shared
+        # the engine-versus-trainer gate, logged by both loops: fp32 torch engine against the
+        # trainer on on-policy tokens, so the logprobs agree to float rounding
+        assert "token_mult_prob_error" in shared
+        assert 1.0 <= b["token_mult_prob_error"] < 1.0 + 1e-4, b["token_mult_prob_error"]
         for k in sorted(shared):
             assert a[k] == b[k], f"step {a['step']} {k}: sync {a[k]} != async {b[k]}"
 

@@ -83,6 +83,25 @@ SETUPS = {
             "intermediate_size": 8960,
         },
     ),
+    "qwen_1_5b_and_rows": lambda tmp: (
+        _folder(
+            tmp,
+            "qwen",
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "hidden_size": 1536,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 2,
+                "intermediate_size": 8960,
+                "vocab_size": 151936,
+                "tie_word_embeddings": True,
+                "max_position_embeddings": 32768,
+            },
+        ),
+        _jsonl(tmp, "rows.jsonl", [{"question": "1+1", "answer": "#### 2"}] * 3),
+    ),
     "causal_and_empty": lambda tmp: (
         _folder(tmp, "qwen", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}),
         (tmp / "empty").mkdir(),
@@ -121,6 +140,18 @@ CASES = [
          "lists the shipped recipes"),
     Case("algorithm-override", C, ["grpo", "algorithm=grpo"], ["'algorithm='", "rltrain grpo"],
          "the command picks the algorithm"),
+    Case("dual-clip-at-most-1", C, ["grpo", "algorithm.clip_ratio_c=0.5"],
+         ["algorithm.clip_ratio_c=0.5", "must be > 1", "null to turn the dual clip off"],
+         "the dual clip bounds the ratio above the clip range"),
+    Case("kl-reward-level-group-estimator", C, ["grpo", "algorithm.kl_in_reward_level=sequence"],
+         ["algorithm.kl_in_reward_level=sequence", "algorithm.adv_estimator=grpo always takes its sum",
+          "set algorithm.kl_in_reward_level=token"],
+         "the switch shapes the REINFORCE++ pair's KL only"),
+    Case("sequence-weight-all-tokens-without-mask", C,
+         ["grpo", "algorithm.rollout_correction.weights=sequence",
+          "algorithm.rollout_correction.sequence_weight_all_tokens=true"],
+         ["algorithm.rollout_correction.sequence_weight_all_tokens=true", "mask_bound"],
+         "it changes only sequence weights next to a mask"),
     Case("one-sample-per-prompt", C, ["grpo", "algorithm.samples_per_prompt=1"],
          ["algorithm.samples_per_prompt=1", "at least 2"], "GRPO needs a group of 2 or more"),
     Case("batch-math-micro", C, ["grpo", "algorithm.prompts_per_step=30", "train.packing=false",
@@ -143,6 +174,21 @@ CASES = [
          ["plan", "ppo", "cluster.device=cuda", "cluster.num_gpus=1", "value.dtensor.dp=2"],
          ["value.dtensor.dp=2", "set value.dtensor.dp<=1", "cluster.num_gpus"],
          "a critic wider than the GPUs it can share: names the critic's mesh keys"),
+    Case("layout-over-gpu-memory", C,
+         ["plan", "ppo", "recipe=qwen1.5b-gsm8k", "cluster.num_gpus=2", "dtensor.dp=1",
+          "rollout.replicas=1", "rollout.colocated=false", "cluster.gpu_memory_gib=80"],
+         ["GPU 0: policy rank 0 39.6 + value rank 0 30.1 GiB", "cluster.gpu_memory_gib=80",
+          "dtensor.cpu_offload=true", "rollout.colocated=true"],
+         "the per-GPU estimate is over the GPU: names the GPU, its processes' GiB and the changes that fit"),
+    Case("run-over-gpu-memory", C,
+         ["ppo", "recipe=qwen1.5b-gsm8k", "model.path={tmp}/qwen", "data.path={tmp}/rows.jsonl",
+          "cluster.num_gpus=2", "dtensor.dp=1", "rollout.replicas=1", "rollout.colocated=false",
+          "cluster.gpu_memory_gib=80"],
+         ["GPU 0: policy rank 0 39.6 + value rank 0 30.1 GiB", "93.6 GiB with the margins"],
+         "the run itself stops at the plan, before Ray starts or the output folder is written",
+         setup="qwen_1_5b_and_rows"),
+    Case("zero-gpu-memory", C, ["plan", "grpo", "cluster.gpu_memory_gib=0"],
+         ["cluster.gpu_memory_gib=0", "> 0"], "a GPU's memory must be positive (null: read it from the GPU)"),
     Case("fp16-without-scaler", C, ["grpo", "precision=fp16", "precision.grad_scaler.enabled=false"],
          ["precision.grad_scaler.enabled"], "fp16 needs its grad scaler"),
     Case("negative-skip-limit", C, ["grpo", "precision.grad_scaler.max_consecutive_skips=-1"],
@@ -327,6 +373,20 @@ CASES = [
          ["plan", "grpo", "cluster=ray", "cluster.address=192.0.2.200:6379", "cluster.connect_timeout_s=2"],
          ["cluster.address=192.0.2.200:6379", "connect_timeout_s=2s"],
          "`rltrain plan` attaches too, with the same bound"),
+    # the embedded default runs in one process (no Ray starts); the cluster keys are checked still
+    Case("cluster-negative-startup-timeout", R, ["grpo", "cluster.startup_timeout_s=-1"],
+         ["cluster.startup_timeout_s=-1.0", "must be > 0"], "checked in the one-process layout too"),
+    Case("cluster-no-cpus", R, ["grpo", "cluster.num_cpus=0"],
+         ["cluster.num_cpus=0", "set cluster.num_cpus>=1, or null"], "checked in the one-process layout too"),
+    Case("cluster-negative-gpus", R, ["grpo", "cluster.num_gpus=-1"],
+         ["cluster.num_gpus=-1", "must be >= 0"], "checked in the one-process layout too"),
+    Case("cluster-tiny-object-store", R, ["grpo", "cluster.object_store_bytes=1000"],
+         ["cluster.object_store_bytes=1000", "75 MiB", "cluster.object_store_bytes>=78643200"],
+         "Ray's minimum object store"),
+    Case("cluster-negative-failure-timeout", R, ["ppo", "cluster.failure_timeout_s=-5"],
+         ["cluster.failure_timeout_s=-5.0", "must be > 0"], "`rltrain ppo` in one process too"),
+    Case("cluster-negative-restarts", R, ["grpo", "cluster.restarts=-1"],
+         ["cluster.restarts=-1", "must be >= 0"], "checked in the one-process layout too"),
     # -- CLI usage --------------------------------------------------------------------------------
     Case("unknown-command", U, ["trian"], ["No such command 'trian'"], "usage box, exit 2",
          usage=True, subprocess=True),
@@ -340,7 +400,7 @@ CASES = [
 
 def _argv(case: Case, tmp: Path) -> list[str]:
     argv = [a.replace("{tmp}", str(tmp)) for a in case.argv]
-    if argv[0] == "grpo" and not case.skip_output_dir:
+    if argv[0] in ("grpo", "ppo") and not case.skip_output_dir:
         argv.append(f"output_dir={tmp}/run")
     return argv
 

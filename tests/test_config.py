@@ -199,15 +199,6 @@ BAD_CASES = [
         ["refit=nccl"], ["refit.transport=nccl", "CPU", "refit=gloo"], id="refit-nccl-cpu"
     ),
     pytest.param(["refit=ipc"], ["refit.transport=ipc", "refit=gloo"], id="refit-ipc-cpu"),
-    pytest.param(
-        [
-            "algorithm.async_rollout.enabled=true",
-            "algorithm.async_rollout.partial_rollouts=true",
-            "rollout.engine=vllm",
-        ],
-        ["algorithm.async_rollout.partial_rollouts=true", "rollout.engine=vllm", "engine=torch"],
-        id="partial-rollouts-vllm",
-    ),
 ]
 
 
@@ -457,3 +448,45 @@ def test_vllm_plan_and_gpu_options():
     assert gpu_plan.role("policy").world_size == 4
     cfg, _ = compose(["rollout=vllm", "rollout.colocated=true"])
     assert make_plan(cfg, Resources(num_cpus=16, num_gpus=2)).colocated
+
+
+# One impossible value per cluster key with a range or a choice; in_process, address and
+# ray_logs take any value of their type.
+BAD_CLUSTER_VALUES = {
+    "mode": "cloud",
+    "num_cpus": 0,
+    "num_gpus": -1,
+    "device": "tpu",
+    "object_store_bytes": 2**20,
+    "torch_threads": 0,
+    "startup_timeout_s": -1.0,
+    "connect_timeout_s": 0.0,
+    "placement": "diagonal",
+    "policy_resources": {"trainer_node": 0.0},
+    "rollout_resources": {"GPU": 1.0},
+    "call_timeout_s": -5.0,
+    "failure_timeout_s": 0.0,
+    "collective_timeout_s": -1.0,
+    "restarts": -1,
+    "gpu_memory_gib": 0.0,
+}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_CLUSTER_VALUES))
+def test_every_cluster_value_is_checked_when_the_run_is_one_process(key):
+    """The embedded default runs in the command's process (no Ray starts), and still an
+    impossible cluster.* value is refused by validate, naming the key."""
+    from dataclasses import fields
+
+    from rltrain.config.schema import ClusterConfig
+    from rltrain.config.validate import validate
+    from rltrain.plan.process import resolve_in_process
+    from tests.conftest import tiny_config
+
+    free = {"in_process", "address", "ray_logs"}
+    assert {f.name for f in fields(ClusterConfig)} == set(BAD_CLUSTER_VALUES) | free
+    cfg = tiny_config()
+    assert resolve_in_process(cfg, "cpu", 1, 0)[0]  # the layout these values go unread in
+    setattr(cfg.cluster, key, BAD_CLUSTER_VALUES[key])
+    with pytest.raises(ConfigError, match=rf"cluster\.{key}"):
+        validate(cfg)

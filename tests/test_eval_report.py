@@ -162,8 +162,11 @@ def test_plan_reads_the_model_size_from_the_hf_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     qwen15 = {
+        "model_type": "qwen2",
         "hidden_size": 1536,
-        "num_hidden_layers": 28,
+        "num_hidden_layers": 14,  # not the known architecture's 28: read from the cache
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
         "vocab_size": 151936,
         "intermediate_size": 8960,
         "tie_word_embeddings": True,
@@ -172,10 +175,9 @@ def test_plan_reads_the_model_size_from_the_hf_cache(tmp_path, monkeypatch):
     args = ["recipe=qwen1.5b-gsm8k"] + ([] if VLLM_LANDED else ["rollout=torch"])
     result = runner.invoke(app, ["plan", "grpo", *args, "--json"])
     assert result.exit_code == 0, result.output
-    # The plan's estimate: embeddings (tied) + 28 x (attention 4h^2 + MLP 3 h x inter).
-    assert json.loads(result.stdout)["memory"]["num_params"] == 151936 * 1536 + 28 * (
-        4 * 1536**2 + 3 * 1536 * 8960
-    )
+    # Exact: embeddings (tied) + 14 x (q/k/v with bias, o, gate/up/down, two norms) + norm.
+    layer = 1536 * 1536 + 1536 + 2 * (1536 * 256 + 256) + 1536 * 1536 + 3 * 1536 * 8960 + 2 * 1536
+    assert json.loads(result.stdout)["memory"]["num_params"] == 151936 * 1536 + 14 * layer + 1536
 
 
 def test_model_check_before_any_cluster(tmp_path, monkeypatch):

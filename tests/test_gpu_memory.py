@@ -182,7 +182,7 @@ def test_bench_two_gpu_layouts_plan_as_intended(tmp_path, algo, layout):
         steps=50,
         recipe="qwen1.5b-gsm8k",
         data=str(bench.DATA),
-        cuda_graphs=False,
+        eager=True,
         gpu_memory_utilization=0.3,
         split_gpu_memory_utilization=0.8,
         overrides=[],

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),  # the engines
     ("refit",),
     ("algorithms",),  # pure math: advantages, GAE, losses, logprobs
-    ("plan", "plan_view", "plan_gpus", "plan_process", "plan_batch", "plan_objective"),
+    ("plan",),  # the package: core, batch, gpus, process, objective, memory, view
     ("data",),
     ("rewards",),
     (

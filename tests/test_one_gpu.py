@@ -85,11 +85,10 @@ def test_one_gpu_plans(algorithm, engine):
     assert any(sleeps in n for n in roles["rollout"].notes)
     if ppo:
         assert plan.value_batch is not None and plan.value_batch.dp == 1
-        assert plan.memory.shared_gpu_bytes == (
-            plan.memory.policy_bytes_per_rank
-            + plan.memory.value_bytes_per_rank
-            + plan.memory.rollout_weight_bytes_per_replica
-        )
+    # The one GPU's estimate holds every process on it, each once.
+    (gpu,) = plan.memory.gpus
+    assert [p.name for p in gpu.processes] == on_gpu
+    assert gpu.peak_bytes == sum(p.total_bytes for p in gpu.processes)
     # One placement group with one whole-GPU bundle; each process asks for its share.
     (group,) = role_bundles(plan, cfg.cluster)
     assert group.role == ("policy+value+rollout" if ppo else "policy+rollout")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RunConfig
 from rltrain.plan import Resources, estimate_num_params, make_plan
-from rltrain.plan_view import plan_tree
+from rltrain.plan.view import plan_tree
 
 CPU2 = Resources(num_cpus=2, num_gpus=0)
 GPU4 = Resources(num_cpus=16, num_gpus=4)
@@ -182,7 +182,8 @@ def test_gpu_tp2_with_two_free_gpus():
     assert policy.mesh == {"dp": 1, "tp": 2}
     assert policy.world_size == 2
     assert plan.role("rollout").world_size == 2
-    assert plan.memory.policy_bytes_per_rank == 16 * plan.memory.num_params // 2
+    # tp=2 halves each rank's fp32 master weights (4 bytes a parameter)
+    assert plan.memory.gpus[0].processes[0].parts["weights"] == 4 * -(-plan.memory.num_params // 2)
 
 
 def test_gpu_tp_not_dividing_free_gpus_is_an_error():
@@ -273,12 +274,12 @@ def test_precision_memory_and_json():
     cfg.precision.param_dtype = cfg.precision.rollout_dtype = cfg.precision.refit_dtype = "bfloat16"
     plan = make_plan(cfg, CPU2, {"precision": "bf16"})
     n = plan.memory.num_params
-    assert plan.memory.policy_bytes_per_rank == 16 * n // 2
-    assert plan.memory.rollout_weight_bytes_per_replica == 2 * n
     assert plan.memory.refit_bytes_per_step == 2 * n
+    assert plan.memory.gpus == ()  # a CPU run: no per-GPU estimate
     assert plan.role("policy").dtype == "bfloat16"
     d = json.loads(plan.to_json())
     assert d["batch"]["dp"] == 2 and d["choices"] == {"precision": "bf16"}
+    assert d["memory"]["num_params"] == n and d["memory"]["refit_bytes_per_step"] == 2 * n
     assert d["precision"]["policy"]["param"] == "bfloat16"
 
 

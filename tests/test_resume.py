@@ -121,21 +121,7 @@ def _kill_after_step(args: list[str], out: Path, step: int, timeout_s: float) ->
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        "grpo",
-        # ppo: policy and value gangs. Two fresh ppo runs have been seen to differ in the
-        # last float bit of advantages/abs_mean at step 1, before any kill, so the run
-        # itself is not yet bitwise reproducible; this case stays informative until it is.
-        pytest.param(
-            "ppo",
-            marks=pytest.mark.xfail(
-                reason="fresh ppo runs are not yet bitwise reproducible", strict=False
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: the policy and the critic
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, algorithm):
     common = [
         algorithm,

@@ -26,6 +26,10 @@ def _cfg() -> RunConfig:
     cfg.model.blocked_tokens = list(BLOCKED)
     cfg.model.tiny.max_position_embeddings = 192
     cfg.rollout.vllm.cpu_kv_cache_gib = 0.25
+    # Refits may land while a generate is in flight (one engine serves every test here:
+    # vLLM's engine processes take a while to start on a 2-core machine).
+    cfg.algorithm.async_rollout.enabled = True
+    cfg.algorithm.async_rollout.partial_rollouts = True
     return cfg
 
 
@@ -144,12 +148,10 @@ def test_direct_landing_finds_vllms_fused_parameters_and_cpu_falls_back(engine, 
     qkv_proj); on CPU vLLM has repacked and emptied them after loading, so the landing is
     refused with that reason and the engine loads through reload_weights. (On CUDA the
     mapped rows are checked against the trainer's weights in the gpu tier.)"""
-    from rltrain.rollout.vllm_landing import build_landing
-
     params = {n: p.detach() for n, p in trainer_model.named_parameters()}
     manifest = plan_buckets([(n, tuple(p.shape)) for n, p in params.items()], "float32", 1 << 16)
-    landing, why = build_landing(manifest, engine._model(), True)
-    assert landing is None
+    # Built where the weights live: in vLLM's worker process.
+    why = engine.landing_check(manifest)
     assert "self_attn.qkv_proj.weight" in why and "(0,)" in why, why
 
 
@@ -207,3 +209,124 @@ def test_refit_through_gloo_replaces_weights(engine, trainer_model):
     at_07 = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=6, seed=5))
     worst, mult = _max_logprob_diff(engine, new_model, prompts, at_07, 0.7)
     assert worst < 1e-4 and mult < 1.0001, (worst, mult)
+
+
+def _perturbed(model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_rows_stream_out_as_they_finish(engine):
+    """``on_row`` hears of every row once, with what the batch returns for it, before the
+    call returns: a caller can score rows while the rest still generate."""
+    prompts = _encode(engine, PROMPTS) * 2
+    heard: dict[int, tuple[list[int], list[float], bool]] = {}
+    order: list[int] = []
+
+    def on_row(i, ids, lps, finished):
+        heard[i] = (ids, lps, finished)
+        order.append(i)
+
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=9), on_row=on_row)
+    assert sorted(order) == list(range(len(prompts)))
+    for i, (ids, lps, finished) in heard.items():
+        assert ids == out.response_ids[i] and lps == out.response_logprobs[i]
+        assert finished == out.finished[i]
+    # Rows are heard as they end, not in request order: the shortest row is heard before
+    # the last of the longest ones.
+    lengths = {i: len(heard[i][0]) for i in order}
+    short = min(lengths, key=lambda i: (lengths[i], order.index(i)))
+    longest = [i for i in order if lengths[i] == max(lengths.values())]
+    assert lengths[short] < lengths[longest[-1]], lengths
+    assert order.index(short) < order.index(longest[-1])
+
+
+def test_refit_lands_while_requests_are_in_flight(engine):
+    """Partial rollouts on vLLM: a refit lands while a generate's requests are in flight.
+    The scheduler pauses keeping them, the weights land, their KV is recomputed with the new
+    weights, and they go on: each token carries the version of the weights that sampled it,
+    and its logprob is that model's over everything before it."""
+    import asyncio
+
+    # Known weights to start from (whatever earlier tests of this module left in the engine).
+    start = _perturbed(load_model(_cfg()).eval(), 0)
+    new = _perturbed(load_model(_cfg()).eval(), 11)
+    manifest = plan_buckets(
+        [(n, tuple(p.shape)) for n, p in start.named_parameters()], "float32", 1 << 20
+    )
+    port = free_port()
+    sender: dict[str, GlooRefitSender] = {}
+    t = threading.Thread(
+        target=lambda: sender.setdefault("s", GlooRefitSender(manifest, "127.0.0.1", port, 2, 60.0))
+    )
+    t.start()
+    engine.init_refit(RefitGroup(manifest, "127.0.0.1", port, 2), 1)
+    t.join()
+
+    def refit(model, version: int):
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        box: dict = {}
+        th = threading.Thread(
+            target=lambda: box.setdefault("s", sender["s"].send(fill_from(params), version))
+        )
+        th.start()
+        stats = engine.refit_receive()
+        th.join()
+        return stats
+
+    base = engine.weight_version()
+    refit(start, base + 1)
+    prompts = _encode(engine, PROMPTS) * 3
+    first_tokens = threading.Event()
+
+    def on_tokens() -> None:
+        if not first_tokens.is_set():
+            # Freeze the scheduler where it is (the refit pauses it again and resumes it).
+            asyncio.ensure_future(engine.llm.pause_generation(mode="keep", clear_cache=False))
+            first_tokens.set()
+
+    engine.on_tokens = on_tokens
+    box: dict = {}
+    gen = threading.Thread(
+        target=lambda: box.setdefault(
+            "out", engine.generate(prompts, SamplingParams(max_new_tokens=48, seed=4))
+        )
+    )
+    gen.start()
+    try:
+        assert first_tokens.wait(300)
+        stats = refit(new, base + 2)
+    finally:
+        engine.on_tokens = None
+    gen.join(300)
+    out = box["out"]
+    assert stats.weight_version == base + 2 == engine.weight_version()
+    v0, v1 = base + 1, base + 2
+    assert out.response_versions is not None
+    seen = set()
+    for versions in out.response_versions:
+        # A row's tokens: the old version, then the new one (never back).
+        assert versions == sorted(versions) and set(versions) <= {v0, v1}, versions
+        seen |= set(versions)
+    assert seen == {v0, v1}
+    assert out.row_versions == [min(v) for v in out.response_versions]
+    # Each token's logprob is that of the weights that sampled it, over the whole row so far.
+    for prompt, resp, lps, versions in zip(
+        prompts, out.response_ids, out.response_logprobs, out.response_versions, strict=True
+    ):
+        ids = torch.tensor([prompt + resp])
+        with torch.no_grad():
+            ref = {
+                v: token_logprobs(m(input_ids=ids).logits, ids, 1.0, _blocked_ids(engine))[0][
+                    0, len(prompt) :
+                ]
+                for v, m in ((v0, start), (v1, new))
+            }
+        for j, v in enumerate(versions):
+            assert abs(lps[j] - float(ref[v][j])) < 1e-4, (j, v, lps[j], float(ref[v][j]))
+    # After the refit, a new call samples with the new weights only.
+    after = engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, seed=1))
+    assert after.row_versions == [v1] * 4

@@ -113,7 +113,7 @@ def plan(
     if as_json:
         sys.stdout.write(run_plan.to_json() + "\n")
         return
-    from rltrain.plan_view import plan_tree
+    from rltrain.plan.view import plan_tree
 
     console.print(plan_tree(run_plan))
 

@@ -21,11 +21,12 @@ class EnvVar:
     meaning: str
 
 
-VLLM_IN_PROCESS = EnvVar(
-    "VLLM_ENABLE_V1_MULTIPROCESSING",
-    "0",
-    "set in a vLLM rollout replica's process: the engine core runs in the actor's own "
-    "process instead of a child process per replica",
+VLLM_PICKLE_RPC = EnvVar(
+    "VLLM_ALLOW_INSECURE_SERIALIZATION",
+    "1",
+    "set in a vLLM rollout replica's process: the refit group, its manifest and the refit's "
+    "stats cross between the replica and its own vLLM engine process (collective_rpc into "
+    "rltrain.rollout.vllm_worker) as pickles, which vLLM's message encoding allows only then",
 )
 HUB_OFFLINE = EnvVar(
     "HF_HUB_OFFLINE",
@@ -49,7 +50,7 @@ TRIAL_UNBUFFERED = EnvVar(
 )
 
 REGISTRY: tuple[EnvVar, ...] = (
-    VLLM_IN_PROCESS,
+    VLLM_PICKLE_RPC,
     HUB_OFFLINE,
     TRITON_FP32_IEEE,
     TRIAL_UNBUFFERED,

@@ -57,13 +57,7 @@ def _perturb(worker, seed: int) -> None:
 
 def _vllm_params(engine) -> dict[str, torch.Tensor]:
     """vLLM's own parameters (its names and fused layout), copied to the CPU."""
-
-    def read(worker):
-        model = worker.model_runner.model
-        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-
-    (params,) = engine.llm.collective_rpc(read)
-    return params
+    return engine.named_parameters()
 
 
 def _engine_weights(engine, kind: str) -> dict[str, torch.Tensor]:
@@ -145,7 +139,8 @@ def _ranks(
     manifest = pickle.loads(store.get("manifest"))
     engine.init_refit(RefitGroup(manifest, HOST, ports[1], 2, transport), 1)
     out["in_place"] = getattr(engine, "refit_in_place", False)
-    out["direct"] = getattr(engine, "landing", None) is not None  # vLLM: buckets land directly
+    # vLLM: buckets land directly in its parameters (in its worker process)
+    out["direct"] = getattr(engine, "landing_note", "").startswith("direct")
     if kind == "vllm" and transport == "ipc":  # the colocated order: generate, sleep, refit wakes
         engine.generate(prompts, sampling)
         engine.sleep()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rltrain.algorithms.gae import masked_whiten
-from rltrain.config.schema import AdvantageEstimator
+from rltrain.config.schema import AdvantageEstimator, KLRewardLevel
 
 
 def _groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -67,12 +67,30 @@ def reward_to_go(
     return returns
 
 
+def _kl_off_rewards(
+    rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """Each response's reward minus its KL penalty summed over its valid tokens: [B]."""
+    if kl_BT is None:
+        return rewards_B.float()
+    return rewards_B.float() - (kl_BT.float() * mask_BT).sum(-1)
+
+
 def reinforce_pp_advantages(
-    rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None = None
+    rewards_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    kl_BT: torch.Tensor | None = None,
+    kl_level: KLRewardLevel = "token",
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): reward-to-go (with the KL penalty per token when it sits in
     the reward), whitened over every valid token of the step: (x - mean) / sqrt(var + 1e-8)
-    with the unbiased variance (:func:`rltrain.algorithms.gae.masked_whiten`): [B, T]."""
+    with the unbiased variance (:func:`rltrain.algorithms.gae.masked_whiten`): [B, T].
+    ``kl_level="sequence"``: the response's summed penalty comes off its reward instead,
+    the same return on every token."""
+    if kl_level == "sequence":
+        return masked_whiten(
+            reward_to_go(_kl_off_rewards(rewards_B, mask_BT, kl_BT), mask_BT), mask_BT
+        )
     return masked_whiten(reward_to_go(rewards_B, mask_BT, kl_BT), mask_BT)
 
 
@@ -81,9 +99,19 @@ def reinforce_pp_baseline_advantages(
     group_size: int,
     mask_BT: torch.Tensor,
     kl_BT: torch.Tensor | None = None,
+    kl_level: KLRewardLevel = "token",
 ) -> torch.Tensor:
     """REINFORCE++-baseline: the group mean subtracted from each reward, then the
-    reward-to-go whitened over every valid token of the step (batch std): [B, T]."""
+    reward-to-go whitened over every valid token of the step (batch std): [B, T].
+
+    ``kl_level="token"``: the group mean of the rewards, the KL penalty charged per token
+    from t on (as :func:`reinforce_pp_advantages`). ``"sequence"`` (verl's
+    reinforce_plus_plus_baseline): each response's summed penalty comes off its reward,
+    the group mean of those is subtracted, and every token gets the result."""
+    if kl_level == "sequence":
+        r = _groups(_kl_off_rewards(rewards_B, mask_BT, kl_BT), group_size)
+        centred = (r - r.mean(dim=1, keepdim=True)).reshape(-1)
+        return masked_whiten(reward_to_go(centred, mask_BT), mask_BT)
     r = _groups(rewards_B, group_size)
     centred = (r - r.mean(dim=1, keepdim=True)).reshape(-1)
     return masked_whiten(reward_to_go(centred, mask_BT, kl_BT), mask_BT)
@@ -97,19 +125,21 @@ def outcome_advantages(
     kl_BT: torch.Tensor | None = None,
     normalize_by_std: bool = True,
     eps: float = 1e-6,
+    kl_level: KLRewardLevel = "token",
 ) -> torch.Tensor:
     """The configured estimator (``algorithm.adv_estimator``): [B] or [B, T].
 
     ``kl_BT`` is the scaled per-token KL penalty when KL sits in the reward: the
-    token estimators charge it per token (reward-to-go); the sequence estimators
-    subtract its sum over the response from the reward before the baseline.
+    token estimators charge it per token (reward-to-go), or with ``kl_level="sequence"``
+    (``algorithm.kl_in_reward_level``) as its sum; the sequence estimators subtract
+    its sum over the response from the reward before the baseline.
     """
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         if estimator == "reinforce_pp":
-            return reinforce_pp_advantages(rewards_B, mask_BT, kl_BT)
-        return reinforce_pp_baseline_advantages(rewards_B, group_size, mask_BT, kl_BT)
+            return reinforce_pp_advantages(rewards_B, mask_BT, kl_BT, kl_level)
+        return reinforce_pp_baseline_advantages(rewards_B, group_size, mask_BT, kl_BT, kl_level)
     if kl_BT is not None:
-        rewards_B = rewards_B.float() - (kl_BT.float() * mask_BT).sum(-1)
+        rewards_B = _kl_off_rewards(rewards_B, mask_BT, kl_BT)
     if estimator == "grpo":
         return grpo_advantages(rewards_B, group_size, normalize_by_std, eps)
     if estimator == "dr_grpo":

@@ -197,9 +197,17 @@ def chunked_token_logprobs(
     return logprobs_BT, entropy_BT
 
 
+def mult_prob_error_sums(
+    train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over response tokens of exp(|train logprob - engine logprob|), token count): the
+    parts of :func:`token_mult_prob_error`, for a step whose rows come in several chunks."""
+    return ((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum(), mask_BT.sum()
+
+
 def token_mult_prob_error(
     train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> float:
     """Mean over response tokens of exp(|train logprob - engine logprob|); 1.0 = exact agreement."""
-    n = mask_BT.sum().clamp(min=1)
-    return float(((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum() / n)
+    total, n = mult_prob_error_sums(train_lp_BT, engine_lp_BT, mask_BT)
+    return float(total / n.clamp(min=1))

@@ -207,6 +207,8 @@ class Objective:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # Dual clip: a negative-advantage token's loss is at most -A x clip_c (None = off).
+    clip_c: float | None = None
     ratio_level: RatioLevel = "token"
     seq_clip_low: float = 3e-4
     seq_clip_high: float = 4e-4
@@ -219,6 +221,8 @@ class Objective:
     is_cap: float = 2.0
     mask_bound: float | None = None
     over_cap: OverCap = "truncate"
+    # Sequence weights: the product over every response token, masked ones included (verl).
+    seq_weight_all_tokens: bool = False
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Objective:
@@ -227,6 +231,7 @@ class Objective:
         return cls(
             clip_low=a.clip_ratio_low,
             clip_high=a.clip_ratio_high,
+            clip_c=a.clip_ratio_c,
             ratio_level=cast(RatioLevel, a.ratio_level),
             seq_clip_low=a.seq_clip_ratio_low,
             seq_clip_high=a.seq_clip_ratio_high,
@@ -238,6 +243,7 @@ class Objective:
             is_cap=rc.cap,
             mask_bound=rc.mask_bound,
             over_cap=cast(OverCap, rc.over_cap),
+            seq_weight_all_tokens=rc.sequence_weight_all_tokens,
         )
 
 
@@ -249,7 +255,8 @@ class PolicyLoss:
     ``tokens`` and ``sequences`` are this micro batch's counts of loss tokens and of
     sequences with at least one; ``mask_BT`` is the loss mask after rollout masking.
     ``terms`` holds detached per-token values for metrics: ``pg``, ``ratio``, ``clipped``,
-    and ``kl``, ``is_weight``, ``is_capped``, ``rollout_masked`` when those are on.
+    and ``clipped_lower`` (the dual clip), ``kl``, ``is_weight``, ``is_capped``,
+    ``rollout_masked`` when those are on.
     """
 
     loss_sum: torch.Tensor
@@ -270,6 +277,7 @@ def rollout_correction(
     cap: float,
     mask_bound: float | None,
     over_cap: OverCap = "truncate",
+    all_tokens: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(mask, weights or None, capped) for rho = exp(old - engine), the trainer/engine ratio
     (asynchronous runs: the proximal policy, the trainer's at the start of the step, over
@@ -277,7 +285,8 @@ def rollout_correction(
 
     mask: ``mask_BT`` with tokens whose rho lies outside [1/mask_bound, mask_bound] removed.
     weights: min(rho_t, cap) per token, or min(prod_t rho_t, cap) over each sequence's
-    kept tokens, broadcast to its tokens; detached. capped: 1.0 where the cap bit.
+    kept tokens (``all_tokens``: over all its tokens in ``mask_BT``, the masked ones
+    included, as verl does), broadcast to its tokens; detached. capped: 1.0 where the cap bit.
     ``over_cap="mask"``: a weight above the cap takes its token (sequence level: its
     sequence) out of the mask instead of being truncated (the decoupled objective's rule).
     """
@@ -291,7 +300,8 @@ def rollout_correction(
     if level == "token":
         log_w = log_rho
     else:
-        log_w = segment_broadcast(segment_sum(log_rho * mask, seq_id_BT, num_seqs), seq_id_BT)
+        over = mask_BT if all_tokens else mask
+        log_w = segment_broadcast(segment_sum(log_rho * over, seq_id_BT, num_seqs), seq_id_BT)
     log_cap = math.log(cap)
     capped = (log_w > log_cap).to(mask.dtype)
     weights = torch.exp(log_w.clamp(max=log_cap))
@@ -343,7 +353,8 @@ def policy_loss(
     exp(mean_t (lp - old) over the sequence's loss tokens), used per token as
     exp(lp_t - sg(lp_t) + sg(log s_i)) so its value is s_i and its gradient
     s_i * grad lp_t, clipped by the sequence clip range. per token:
-    l_t = w_t * -min(r_t A, clip(r_t) A) + kl_coef * KL_t, with w the truncated
+    l_t = w_t * pg_t + kl_coef * KL_t with pg_t = -min(r_t A, clip(r_t) A), and with the
+    dual clip (``clip_c``) pg_t = min(pg_t, -A clip_c) where A < 0; w the truncated
     importance weights (1 when off). ``advantages`` is [B] or [B, T];
     ``mask_BT`` the loss mask (response tokens not filtered out).
     """
@@ -366,6 +377,7 @@ def policy_loss(
             o.is_cap,
             o.mask_bound,
             o.over_cap,
+            o.seq_weight_all_tokens,
         )
         if o.mask_bound is not None:
             terms["rollout_masked"] = (mask_BT.to(mask.dtype) - mask).detach()
@@ -388,9 +400,16 @@ def policy_loss(
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - lo, 1.0 + hi) * adv
     pg = -torch.minimum(surr1, surr2)
+    terms["clipped"] = (surr2 < surr1).to(logprobs_BT.dtype)
+    if o.clip_c is not None:
+        # Dual clip: past ratio clip_c a negative-advantage token's loss stops growing
+        # (and its gradient is 0), so one bad token cannot dominate the step.
+        bound = -adv * o.clip_c
+        negative = adv < 0
+        terms["clipped_lower"] = (negative & (pg > bound)).to(logprobs_BT.dtype)
+        pg = torch.where(negative, torch.minimum(pg, bound), pg)
     terms["pg"] = pg.detach()
     terms["ratio"] = ratio.detach()
-    terms["clipped"] = (surr2 < surr1).to(logprobs_BT.dtype)
     per_token = pg if weights is None else pg * weights
     if ref_logprobs_BT is not None and o.kl_coef > 0:
         kl = kl_estimate(logprobs_BT, ref_logprobs_BT, o.kl_estimator)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -150,6 +152,44 @@ class WorkerHost:
             getattr(self.worker, name)()
         return out
 
+    def call_streaming(
+        self, before: tuple[str, ...], method: str, args: tuple, kwargs: dict[str, Any]
+    ) -> Iterator[tuple[str, Any]]:
+        """``method(*args, on_row=..., **kwargs)`` after the argument-less ``before``, as a
+        stream (a Ray streaming call): ``("rows", [(i, ids, logprobs, finished), ...])`` as
+        rows finish, then ``("done", result)``. The method runs on a thread of its own so
+        that its rows go out while it runs; its exception ends the stream."""
+        for name in before:
+            getattr(self.worker, name)()
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+        def on_row(i: int, ids: list[int], logprobs: list[float], finished: bool) -> None:
+            events.put(("row", (i, ids, logprobs, finished)))
+
+        def run() -> None:
+            try:
+                events.put(("done", getattr(self.worker, method)(*args, on_row=on_row, **kwargs)))
+            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's side
+                events.put(("error", exc))
+
+        threading.Thread(target=run, name=f"stream-{method}", daemon=True).start()
+        while True:
+            kind, value = events.get()
+            rows = []
+            while kind == "row":  # every row that is ready goes out in one item
+                rows.append(value)
+                if events.empty():
+                    kind, value = "", None
+                    break
+                kind, value = events.get()
+            if rows:
+                yield "rows", rows
+            if kind == "done":
+                yield "done", value
+                return
+            if kind == "error":
+                raise value
+
 
 # Rollout replicas with partial rollouts: besides the default group (one thread, calls in
 # submission order, as on RemoteHost) a "refit" group with a thread of its own, so that a
@@ -232,6 +272,20 @@ class Actor(Generic[W]):
         call = self.handle.call.options(concurrency_group=REFIT_GROUP)
         return Pending(call.remote(method.__name__, *args, **kwargs), self.name)
 
+    def stream_after(
+        self,
+        before: Sequence[Callable[[W], object]],
+        method: Callable[..., R],
+        *args: Any,
+        **kwargs: Any,
+    ) -> RowStream[R]:
+        """Like :meth:`call_after`, for a method that takes ``on_row`` (an engine's
+        ``generate``): its rows come back through the stream as they finish, then its
+        result (:class:`RowStream`)."""
+        names = tuple(m.__name__ for m in before)
+        call = self.handle.call_streaming.options(num_returns="streaming")
+        return RowStream(call.remote(names, method.__name__, args, kwargs), self.name)
+
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs
     ) -> Pending[bool]:
@@ -257,6 +311,37 @@ class Actor(Generic[W]):
         import ray
 
         ray.kill(self.handle)
+
+
+class RowStream(Generic[R_co]):
+    """The events of one streaming call (:meth:`Actor.stream_after`), in order:
+    ``("rows", [(i, ids, logprobs, finished), ...])`` while the call runs, then
+    ``("done", result)``. A failed or dead actor raises the same :class:`WorkerError`, naming
+    it, as :func:`wait_all` would."""
+
+    def __init__(self, source: Any, name: str) -> None:
+        self.source = source  # a Ray ObjectRefGenerator, or a LocalActor's list of events
+        self.name = name
+
+    def events(self, timeout_s: float | None, what: str) -> Iterator[tuple[str, Any]]:
+        if isinstance(self.source, list):
+            for kind, value in self.source:
+                if kind == "error":
+                    raise WorkerError(_failed(what, self.name, value)) from value
+                yield kind, value
+            return
+        while True:
+            # Ray's generator: the next item's ref, or a nil ref when none came in time.
+            try:
+                ref = self.source._next_sync(-1 if timeout_s is None else timeout_s)
+            except StopIteration:
+                return
+            if ref.is_nil():
+                raise WorkerError(
+                    f"{what}: {self.name} did not answer within {timeout_s}s", "timeout"
+                )
+            (event,) = wait([ref], [self.name], timeout_s, what)
+            yield event
 
 
 class LocalActor(Actor[W]):
@@ -294,6 +379,28 @@ class LocalActor(Actor[W]):
         self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> Pending[R]:
         raise NotImplementedError("a worker in the driver's process runs nothing beside a call")
+
+    def stream_after(
+        self,
+        before: Sequence[Callable[[W], object]],
+        method: Callable[..., R],
+        *args: Any,
+        **kwargs: Any,
+    ) -> RowStream[R]:
+        """The call runs at once; its rows and result are the stream's events."""
+        rows: list[tuple[int, list[int], list[float], bool]] = []
+
+        def on_row(i: int, ids: list[int], logprobs: list[float], finished: bool) -> None:
+            rows.append((i, ids, logprobs, finished))
+
+        names = tuple(m.__name__ for m in before)
+        try:
+            out = self.host.call_between(
+                names, method.__name__, args, (), {**kwargs, "on_row": on_row}
+            )
+            return RowStream([("rows", rows), ("done", out)], self.name)
+        except Exception as exc:  # noqa: BLE001 - raised by the stream, naming the worker
+            return RowStream([("error", exc)], self.name)
 
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs

@@ -10,17 +10,19 @@ ranks), calls the worker class's own method on every actor through
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
 from rltrain.cluster.actors import Actor, Pending, WorkerError, wait_all
-from rltrain.rollout.base import Engine, RolloutBatch, SamplingParams
+from rltrain.rollout.base import Engine, OnRow, RolloutBatch, SamplingParams
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult, ValueBatch
-from rltrain.train.fsdp import FSDPTrainer
+from rltrain.train.fsdp import Accumulated, FSDPTrainer
 from rltrain.train.packing import balance_by_tokens, row_lengths
 from rltrain.train.policy_worker import PolicyWorker
 from rltrain.train.value_worker import ValueWorker
@@ -52,6 +54,15 @@ class Calls:
 
 
 B = TypeVar("B", bound=TrainBatch)
+
+
+class Streamed(NamedTuple):
+    """What :meth:`PolicyGang.accumulate` returns: rank 0's metrics when the call finished
+    the step (else None), and the training forward's logprobs of the rows, in rollout row
+    order (the proximal policy's when the batch came without old logprobs)."""
+
+    metrics: dict[str, float] | None
+    old_logprobs_BT: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -208,27 +219,32 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         begin: bool = False,
         finish: bool = False,
         meanwhile: Callable[[Sequence[Pending[object]]], None] | None = None,
-    ) -> dict[str, float] | None:
+    ) -> Streamed:
         """Forward/backward of ``batch`` inside the open step, rows token-balanced over the dp
         groups, each rank's share over token-planned micro batches; ``last=False``: more
-        rows of this step follow.
+        rows of this step follow. Returns the training forward's logprobs of ``batch``'s rows
+        in rollout row order (the proximal policy's when the batch came without old
+        logprobs) and, with ``finish``, rank 0's metrics (else None).
 
         ``begin``: open the step first, in the same actor call (:meth:`begin_train_step`
         without its round trip). ``finish``: finish the step in that call too, once every
         micro batch went through (a failed one leaves the step open for
-        :meth:`abort_train_step`), and return rank 0's metrics (see
-        :meth:`finish_train_step`); else None. ``meanwhile(work)`` runs once the calls are
-        submitted, with the calls themselves: the controller's own work while the ranks
-        train (it may wait on them beside its own calls, never resolve them)."""
+        :meth:`abort_train_step`), with the metrics of :meth:`finish_train_step`.
+        ``meanwhile(work)`` runs once the calls are submitted, with the calls themselves: the
+        controller's own work while the ranks train (it may wait on them beside its own
+        calls, never resolve them)."""
         shards = shard_rows(batch, self.dp, self.tp, max(batch.size, 1))
         first = (PolicyWorker.begin_train_step,) if begin else ()
-        work: list[Pending[dict[str, float] | None]] = [
+        work: list[Pending[Accumulated]] = [
             a.call_after(first, PolicyWorker.accumulate, s if s.size else None, last, finish)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
         if meanwhile is not None:
             meanwhile(work)
-        return self.calls.wait(work, "train")[0]
+        results = self.calls.wait(work, "train")
+        empty = torch.zeros(0, batch.input_ids_BT.shape[1])
+        parts = [r.token_out_BT if r.token_out_BT is not None else empty for r in results]
+        return Streamed(results[0].metrics, shards.gather(parts, batch.input_ids_BT))
 
     def finish_train_step(self) -> dict[str, float]:
         """Reduce, scale, clip and step on every rank; rank 0's metrics (reduced over dp)."""
@@ -269,6 +285,34 @@ class ValueGang(TrainerGang[ValueWorker]):
         return self.calls.wait(pending, "value train")[0]
 
 
+def merge_parts(parts: list[RolloutBatch]) -> RolloutBatch:
+    """The replicas' batches of one call, in request order (each replica took consecutive rows)."""
+    return RolloutBatch(
+        prompt_ids=[p for b in parts for p in b.prompt_ids],
+        response_ids=[r for b in parts for r in b.response_ids],
+        response_logprobs=[lp for b in parts for lp in b.response_logprobs],
+        finished=[f for b in parts for f in b.finished],
+        weight_version=min(b.weight_version for b in parts),
+        engine_seconds=max(b.engine_seconds for b in parts),
+        started_at=min(b.started_at for b in parts),
+        # Partial rollouts: versions per row and per token (None when no part has them).
+        row_versions=[v for b in parts for v in b.versions()]
+        if any(b.row_versions is not None for b in parts)
+        else None,
+        response_versions=[
+            v
+            for b in parts
+            for v in (
+                b.response_versions
+                if b.response_versions is not None
+                else [[b.weight_version] * len(r) for r in b.response_ids]
+            )
+        ]
+        if any(b.response_versions is not None for b in parts)
+        else None,
+    )
+
+
 class RolloutPool:
     """``ctx.rollout``: the engine replicas; prompts fan out over them, rows come back in
     request order.
@@ -277,10 +321,20 @@ class RolloutPool:
     weights and go back to sleep after generating, so that the trainers get the memory.
     """
 
-    def __init__(self, actors: list[Actor[Engine]], colocated: bool, calls: Calls) -> None:
+    def __init__(
+        self,
+        actors: list[Actor[Engine]],
+        colocated: bool,
+        calls: Calls,
+        streams_rows: bool = False,
+    ) -> None:
         self.actors = actors
         self.colocated = colocated
         self.calls = calls
+        # The engines finish rows at their own pace (vLLM: a request per row), so that a
+        # caller gains from scoring them as they come (generate_streaming); the torch
+        # engine ends every row of a call together.
+        self.streams_rows = streams_rows
         # Which replicas hold GPU memory now (colocated engines sleep between steps).
         self.awake = [True] * len(actors)
         # Sleep calls still running after a generate returned (see generate), and the seconds
@@ -333,30 +387,56 @@ class RolloutPool:
             for i in busy:
                 self.awake[i] = True
         parts = self.calls.wait(pending, "generate")
-        return RolloutBatch(
-            prompt_ids=[p for b in parts for p in b.prompt_ids],
-            response_ids=[r for b in parts for r in b.response_ids],
-            response_logprobs=[lp for b in parts for lp in b.response_logprobs],
-            finished=[f for b in parts for f in b.finished],
-            weight_version=min(b.weight_version for b in parts),
-            engine_seconds=max(b.engine_seconds for b in parts),
-            started_at=min(b.started_at for b in parts),
-            # Partial rollouts: versions per row and per token (None when no part has them).
-            row_versions=[v for b in parts for v in b.versions()]
-            if any(b.row_versions is not None for b in parts)
-            else None,
-            response_versions=[
-                v
-                for b in parts
-                for v in (
-                    b.response_versions
-                    if b.response_versions is not None
-                    else [[b.weight_version] * len(r) for r in b.response_ids]
-                )
-            ]
-            if any(b.response_versions is not None for b in parts)
-            else None,
-        )
+        return merge_parts(parts)
+
+    def generate_streaming(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, on_row: OnRow
+    ) -> RolloutBatch:
+        """:meth:`generate`, with ``on_row`` called in this thread for each row (its index in
+        ``prompt_ids``) as soon as its replica reports it finished, while the others still
+        generate: the caller scores rows as they come. The batch is the same."""
+        n = len(self.actors)
+        chunks = [
+            prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
+        ]
+        offsets = [i * len(prompt_ids) // n for i in range(n)]
+        seeded = [
+            sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * n + i)
+            for i in range(n)
+        ]
+        wake = (Engine.wake_up,) if self.colocated else ()
+        busy = [i for i, c in enumerate(chunks) if c]
+        streams = {i: self.actors[i].stream_after(wake, Engine.generate, chunks[i], seeded[i])
+                   for i in busy}  # fmt: skip
+        if self.colocated:
+            # As in generate: each replica's sleep is queued behind its streaming call.
+            asleep = [i for i, c in enumerate(chunks) if c or self.awake[i]]
+            self._sleeping += [self.actors[i].call(Engine.sleep) for i in asleep]
+            for i in asleep:
+                self.awake[i] = False
+        events: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
+
+        def pump(i: int) -> None:
+            try:
+                for kind, value in streams[i].events(self.calls.timeout_s, "generate"):
+                    events.put((i, kind, value))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                events.put((i, "error", exc))
+
+        for i in busy:
+            threading.Thread(target=pump, args=(i,), name=f"rollout-{i}", daemon=True).start()
+        parts: dict[int, RolloutBatch] = {}
+        while len(parts) < len(busy):
+            i, kind, value = events.get()
+            if kind == "rows":
+                for j, ids, logprobs, finished in value:
+                    on_row(offsets[i] + j, ids, logprobs, finished)
+            elif kind == "done":
+                parts[i] = value
+            else:
+                self.calls.failed = True
+                raise value
+        return merge_parts([parts[i] for i in busy])
 
     def submit(
         self, replica: int, prompt_ids: list[list[int]], sampling: SamplingParams

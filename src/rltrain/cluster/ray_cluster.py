@@ -27,7 +27,34 @@ def local_resources(cfg: ClusterConfig) -> Resources:
         import torch
 
         num_gpus = torch.cuda.device_count()
-    return Resources(num_cpus=num_cpus, num_gpus=num_gpus)
+    found = detect_gpu_memory() if num_gpus and cfg.device != "cpu" else None
+    if found is None:
+        return Resources(num_cpus=num_cpus, num_gpus=num_gpus)
+    return Resources(num_cpus, num_gpus, gpu_memory_bytes=found[0], gpu_name=found[1])
+
+
+def detect_gpu_memory() -> tuple[int, str] | None:
+    """(total bytes, name) of this machine's first visible GPU, for the plan's memory check;
+    None without one. NVML first (no CUDA context in this process), else torch.cuda."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(0))
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        try:  # NVML >= 11.5: what CUDA can use is the total less the driver's reservation
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            return int(info.total - info.reserved), name
+        except (AttributeError, TypeError):
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), name
+    except Exception:  # NVML missing or not answering: ask torch
+        props = torch.cuda.get_device_properties(0)
+        return int(props.total_memory), str(props.name)
 
 
 def cluster_resources() -> Resources:

@@ -154,7 +154,9 @@ class Workers:
         if value_role is not None:
             value_actors = gang("value", value_role.world_size)
         colocated = plan.colocated
-        self.rollout = RolloutPool(rollout_actors, colocated, self.calls)
+        self.rollout = RolloutPool(
+            rollout_actors, colocated, self.calls, streams_rows=cfg.rollout.engine == "vllm"
+        )
         self.policy = PolicyGang(
             policy_actors,
             plan.batch.dp,

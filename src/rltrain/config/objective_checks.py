@@ -10,15 +10,19 @@ from rltrain.config.schema import (
     ADV_ESTIMATORS,
     IS_WEIGHTS,
     KL_ESTIMATORS,
+    KL_REWARD_LEVELS,
     LOSS_AGGREGATIONS,
     OVER_CAP,
     PRECISIONS,
     RATIO_LEVELS,
     RunConfig,
+    is_level,
 )
 
 # The estimators of `rltrain grpo` (outcome rewards, no critic); PPO's is gae.
 OUTCOME_ESTIMATORS = tuple(e for e in ADV_ESTIMATORS if e != "gae")
+# The per-token estimators, whose KL in the reward algorithm.kl_in_reward_level shapes.
+REINFORCE_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
 # Estimators whose advantages depend on one prompt group alone (the asynchronous loop's).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
@@ -52,9 +56,23 @@ def validate_objective(cfg: RunConfig) -> None:
                 f"algorithm.{key}={value} clips the ratio below at 1 - {value} <= 0; "
                 f"set algorithm.{key} in [0, 1)."
             )
+    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1:
+        raise ConfigError(
+            f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip bounds a "
+            "negative-advantage token's loss at ratio clip_ratio_c, above the clip range); "
+            "set it > 1 (3.0 is usual) or null to turn the dual clip off."
+        )
     if a.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
     check_choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+    check_choice("algorithm.kl_in_reward_level", a.kl_in_reward_level, KL_REWARD_LEVELS)
+    if a.kl_in_reward_level == "sequence" and a.adv_estimator not in REINFORCE_ESTIMATORS:
+        how = "charges it per token" if a.adv_estimator == "gae" else "always takes its sum"
+        raise ConfigError(
+            "algorithm.kl_in_reward_level=sequence shapes the KL of reinforce_pp and "
+            f"reinforce_pp_baseline only (algorithm.adv_estimator={a.adv_estimator} {how}); "
+            "set algorithm.kl_in_reward_level=token."
+        )
     ds = a.dynamic_sampling
     if ds.enabled:
         if a.samples_per_prompt < 2:
@@ -97,6 +115,13 @@ def validate_objective(cfg: RunConfig) -> None:
             "kept while 1/bound <= ratio <= bound); set it >= 1, or null to mask nothing."
         )
     check_choice("algorithm.rollout_correction.over_cap", rc.over_cap, OVER_CAP)
+    if rc.sequence_weight_all_tokens and (rc.mask_bound is None or is_level(cfg) != "sequence"):
+        raise ConfigError(
+            "algorithm.rollout_correction.sequence_weight_all_tokens=true changes only sequence "
+            "weights next to a mask (it puts the masked tokens back into each sequence's "
+            "product); set algorithm.rollout_correction.weights=sequence and mask_bound, or "
+            "sequence_weight_all_tokens=false."
+        )
     _validate_async(cfg)
 
 
@@ -146,14 +171,6 @@ def _validate_async(cfg: RunConfig) -> None:
             "algorithm.async_rollout.enabled=true with rollout.colocated=true: colocated engines "
             "sleep while the trainer trains, so nothing can overlap; set rollout.colocated=false "
             "(engines on their own GPUs) or algorithm.async_rollout.enabled=false."
-        )
-    if ar.partial_rollouts and cfg.rollout.engine == "vllm":
-        raise ConfigError(
-            "algorithm.async_rollout.partial_rollouts=true with rollout.engine=vllm: vLLM's "
-            "offline LLM.generate runs its engine loop to the end in the calling thread, so a "
-            "refit cannot land between its steps (docs/async.md, Partial rollouts); set "
-            "algorithm.async_rollout.partial_rollouts=false (refits wait for the call in "
-            "flight) or rollout.engine=torch."
         )
     ro = cfg.rollout
     groups = ar.groups_per_call

@@ -23,6 +23,7 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 ISLevel = Literal["token", "sequence"]
+KLRewardLevel = Literal["token", "sequence"]
 OverCap = Literal["truncate", "mask"]
 Algorithm = Literal["grpo", "ppo"]  # the CLI's training commands
 PrecisionName = Literal["fp32", "bf16", "fp16"]  # the precision group's options
@@ -44,6 +45,7 @@ LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+KL_REWARD_LEVELS: tuple[str, ...] = get_args(KLRewardLevel)
 # What algorithm.rollout_correction.weights accepts: an ISLevel or auto (see is_level).
 IS_WEIGHTS: tuple[str, ...] = ("auto", *IS_LEVELS)
 OVER_CAP: tuple[str, ...] = get_args(OverCap)
@@ -109,6 +111,10 @@ class RolloutCorrectionConfig:
     # importance sampling), mask = the token (or sequence) leaves the loss (the decoupled
     # objective's rule for behaviour/proximal ratios past the cap).
     over_cap: str = "truncate"
+    # Sequence weights with mask_bound: false = the product runs over the tokens the mask
+    # kept (the tokens the loss trains on); true = over every response token, the masked
+    # ones included (verl's rollout_is=sequence with rollout_rs).
+    sequence_weight_all_tokens: bool = False
 
 
 @dataclass
@@ -145,6 +151,10 @@ class AlgorithmConfig:
     samples_per_prompt: int = 8
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    # Dual-clip PPO (Ye et al. 2020): the loss of a negative-advantage token is at most
+    # -A x clip_ratio_c, however far its ratio has grown (> 1; null = off). PPO ships 3.0
+    # (verl's default), GRPO null (NeMo-RL's GRPO and TRL); docs/objectives.md.
+    clip_ratio_c: float | None = None
     # KL to the initial policy; 0 disables the reference model.
     kl_coef: float = 0.0
     # KL estimator (KLEstimator): k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2,
@@ -153,6 +163,11 @@ class AlgorithmConfig:
     # false: kl_coef x KL is a term of the loss; true: it is subtracted from the reward
     # (per token for reinforce_pp and PPO, summed over the response otherwise).
     kl_in_reward: bool = False
+    # How reinforce_pp and reinforce_pp_baseline take the KL in the reward (KLRewardLevel):
+    # token = charged per token, reward-to-go (REINFORCE++ eq. 8); sequence = the response's
+    # summed KL off its reward (before the group mean), the same value on every token
+    # (verl's reinforce_plus_plus_baseline). grpo/dr_grpo/rloo always take the sum.
+    kl_in_reward_level: str = "token"
     # Advantage estimator (AdvantageEstimator): grpo (group mean and std), dr_grpo (group
     # mean only), rloo (leave-one-out mean), reinforce_pp (batch-normalised reward-to-go),
     # reinforce_pp_baseline (group mean, then batch std); gae is PPO's (critic).
@@ -326,8 +341,13 @@ class VLLMEngineConfig:
     # step's sequences at once (waking and sleeping costs grow with the cache; the rest of
     # the GPU stays with the trainer), other engines what gpu_memory_utilization leaves.
     kv_cache_gib: float | None = None
-    # Eager mode (no CUDA graphs / torch.compile): fast start, required on CPU.
-    enforce_eager: bool = True
+    # Eager mode (no CUDA graphs / torch.compile). null = auto: CUDA graphs on GPUs (decoding
+    # ~2.8x faster at 1.5B shapes for ~17 s more start-up), eager on CPU (required there).
+    enforce_eager: bool | None = None
+    # With CUDA graphs: compile the model with vLLM's torch.compile pipeline (piecewise graphs
+    # around attention) or not (full CUDA graphs of decode steps over the eager model, prefill
+    # eager: no Inductor compile at start-up). null = auto: no compile.
+    torch_compile: bool | None = None
     # Longest prompt + response; null = the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -454,6 +474,10 @@ class ClusterConfig:
     address: str | None = None  # ray mode: null = "auto"
     num_cpus: int | None = None  # local mode: null = all cores of this machine
     num_gpus: int | None = None  # local mode: null = all GPUs found
+    # Memory of one GPU in GiB: the plan refuses a layout whose per-GPU estimate is over it
+    # (exit 2 before any cluster starts). null = this machine's GPU in local mode (NVML or
+    # torch.cuda); not checked where none is found (a CPU machine, cluster=ray).
+    gpu_memory_gib: float | None = None
     device: str = "auto"  # auto | cpu | cuda
     # Local mode: Ray's object store size (Ray's own default takes gigabytes).
     object_store_bytes: int = 200 * 2**20

@@ -224,11 +224,7 @@ def validate(cfg: RunConfig) -> None:
         validate_dataset(cfg)
     validate_reward_eval(cfg)
 
-    c = cfg.cluster
-    check_choice("cluster.mode", c.mode, CLUSTER_MODES)
-    check_choice("cluster.device", c.device, DEVICES)
-    if c.torch_threads is not None:
-        check_positive("cluster.torch_threads", c.torch_threads)
+    _validate_cluster(cfg)
     check_choice("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
@@ -325,12 +321,48 @@ def _validate_vllm(cfg: RunConfig) -> None:
         )
 
 
-def _validate_faults(cfg: RunConfig) -> None:
-    """Timeouts, placement and the overflow-storm limit."""
+# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
+MIN_OBJECT_STORE_BYTES = 75 * 2**20
+
+
+def _validate_cluster(cfg: RunConfig) -> None:
+    """Every ``cluster.*`` value, whatever the layout: a run in one process
+    (``cluster.in_process``) starts no Ray, but the same command with Ray workers
+    (another machine, a sweep trial, a restart) would, so an impossible value is refused
+    here, not where Ray would read it."""
     c = cfg.cluster
-    for key in ("connect_timeout_s", "call_timeout_s", "failure_timeout_s", "collective_timeout_s"):
+    check_choice("cluster.mode", c.mode, CLUSTER_MODES)
+    check_choice("cluster.device", c.device, DEVICES)
+    if c.num_cpus is not None and c.num_cpus < 1:
+        raise ConfigError(
+            f"cluster.num_cpus={c.num_cpus} leaves no CPU for a single process; set "
+            "cluster.num_cpus>=1, or null for all cores of this machine."
+        )
+    if c.num_gpus is not None and c.num_gpus < 0:
+        raise ConfigError(
+            f"cluster.num_gpus={c.num_gpus} must be >= 0 (0 = none), or null for all GPUs found."
+        )
+    if c.object_store_bytes < MIN_OBJECT_STORE_BYTES:
+        raise ConfigError(
+            f"cluster.object_store_bytes={c.object_store_bytes} is below Ray's minimum object "
+            f"store of 75 MiB; set cluster.object_store_bytes>={MIN_OBJECT_STORE_BYTES}."
+        )
+    if c.torch_threads is not None:
+        check_positive("cluster.torch_threads", c.torch_threads)
+    if c.gpu_memory_gib is not None and not c.gpu_memory_gib > 0:
+        raise ConfigError(
+            f"cluster.gpu_memory_gib={c.gpu_memory_gib} must be > 0 (GiB of one GPU), or null "
+            "to read it from this machine's GPU."
+        )
+    for key in (
+        "startup_timeout_s",
+        "connect_timeout_s",
+        "call_timeout_s",
+        "failure_timeout_s",
+        "collective_timeout_s",
+    ):
         value = getattr(c, key)
-        if value <= 0:
+        if not value > 0:
             raise ConfigError(f"cluster.{key}={value} must be > 0 (seconds).")
     check_choice("cluster.placement", c.placement, PLACEMENT_STRATEGIES)
     for role in ("policy", "rollout"):
@@ -342,6 +374,11 @@ def _validate_faults(cfg: RunConfig) -> None:
                 )
     if c.restarts < 0:
         raise ConfigError(f"cluster.restarts={c.restarts} must be >= 0 (0 = no restarts).")
+
+
+def _validate_faults(cfg: RunConfig) -> None:
+    """Restarts need checkpoints; the overflow-storm limit."""
+    c = cfg.cluster
     if c.restarts and not cfg.checkpoint.every_n_steps:
         raise ConfigError(
             f"cluster.restarts={c.restarts} restarts from the last checkpoint, but "

@@ -6,14 +6,16 @@ resumed before it; the loops (grpo.py, ppo.py) go on from the scored rollout.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from rltrain.algorithms.shaping import fill_groups, informative_groups
 from rltrain.data import encode_groups, score_groups
+from rltrain.data.task import RewardResult
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
@@ -82,22 +84,48 @@ def collect(
     a = ctx.cfg.algorithm
     items = ctx.task.sample(a.prompts_per_step)
     prompt_ids = encode_groups(ctx.tokenizer, items, a.samples_per_prompt)
+    seeded = replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_))
+    g = a.samples_per_prompt
+    scored: list[RewardResult | None] = [None] * len(prompt_ids)
+    streamed_s = 0.0
+
+    def score_row(i: int, ids: list[int], logprobs: list[float], finished: bool) -> None:
+        # Called in this thread as each row finishes, while the engines still generate.
+        nonlocal streamed_s
+        t0 = time.perf_counter()
+        text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
+        scored[i] = ctx.task.reward(items[i // g], text, finished)
+        streamed_s += time.perf_counter() - t0
+
     with timer("generate"):
-        rollout = ctx.rollout.generate(
-            prompt_ids, replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_))
-        )
+        if ctx.rollout.streams_rows:
+            rollout = ctx.rollout.generate_streaming(prompt_ids, seeded, score_row)
+        else:
+            rollout = ctx.rollout.generate(prompt_ids, seeded)
     assert rollout.weight_version == weight_version, "rollout used stale weights"
+    # What is left to score once the last row is in (every row for engines that end rows
+    # together): the reward's exposed time.
     with timer("reward"):
-        scored = score_groups(
-            ctx.task,
-            ctx.tokenizer,
-            items,
-            rollout.response_ids,
-            rollout.finished,
-            a.samples_per_prompt,
-        )
-        rewards = torch.tensor([s.reward for s in scored])
-        exact = torch.tensor([s.exact_match for s in scored])
+        left = [i for i, r in enumerate(scored) if r is None]
+        if left:
+            for i, r in zip(
+                left,
+                score_groups(
+                    ctx.task,
+                    ctx.tokenizer,
+                    [items[i // g] for i in left],
+                    [rollout.response_ids[i] for i in left],
+                    [rollout.finished[i] for i in left],
+                    1,
+                ),
+                strict=True,
+            ):
+                scored[i] = r
+        results = cast(list[RewardResult], scored)
+        rewards = torch.tensor([s.reward for s in results])
+        exact = torch.tensor([s.exact_match for s in results])
+    if ctx.rollout.streams_rows:  # scored inside the generate stage, beside the engines
+        timer.seconds["reward_streamed"] += streamed_s
     return Collected(rollout, rewards, exact)
 
 

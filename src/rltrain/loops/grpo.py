@@ -14,7 +14,7 @@ import torch
 from rltrain.algorithms.advantages import outcome_advantages
 from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty
-from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig
+from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig, KLRewardLevel
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.collect import Collected, collector, sampling_params
 from rltrain.loops.context import RunContext
@@ -77,6 +77,7 @@ def group_advantages(
         None if kl_BT is None else a.kl_coef * kl_BT,
         a.normalize_adv_by_std,
         a.adv_eps,
+        cast(KLRewardLevel, a.kl_in_reward_level),
     )
     if advantages.dim() == 2:
         return advantages, float(

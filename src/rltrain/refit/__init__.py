@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rltrain.config.schema import REFIT_TRANSPORTS
-from rltrain.refit.base import RefitError, RefitManifest, RefitReceiver, RefitSender
+from rltrain.refit.base import RefitError, RefitGroup, RefitManifest, RefitReceiver, RefitSender
 
 # What refit.transport=auto resolves to: the transports that exist.
 TRANSPORTS = tuple(t for t in REFIT_TRANSPORTS if t != "auto")
@@ -97,3 +97,24 @@ def make_refit_receiver(
     from rltrain.refit.gloo import GlooRefitReceiver
 
     return GlooRefitReceiver(manifest, host, port, rank, world_size, timeout_s, verify)
+
+
+def join_refit_group(
+    group: RefitGroup,
+    rank: int,
+    timeout_s: float,
+    device: torch.device | str = "cpu",
+    verify: bool = False,
+) -> RefitReceiver:
+    """:func:`make_refit_receiver` for group rank ``rank`` (>= 1) of ``group``."""
+    return make_refit_receiver(
+        group.transport,
+        group.manifest,
+        group.host,
+        group.port,
+        rank,
+        group.world_size,
+        timeout_s,
+        device,
+        verify,
+    )

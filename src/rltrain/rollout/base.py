@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,6 +63,12 @@ class RolloutBatch:
         return [self.weight_version] * len(self.response_ids)
 
 
+# Hears of each row of a generate call as it finishes: (row index, response ids, their
+# logprobs, stopped at EOS). Called on the engine's own thread before the call returns; it
+# must be quick and thread-safe (hand the row on).
+OnRow = Callable[[int, list[int], list[float], bool], None]
+
+
 class Engine(Protocol):
     """A rollout engine replica: every method the rollout pool (``cluster/workers.py``) calls.
 
@@ -82,7 +89,12 @@ class Engine(Protocol):
     anything.
     """
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, on_row: OnRow | None = None
+    ) -> RolloutBatch:
+        """One response per prompt row, in request order; ``on_row`` hears of each row as it
+        finishes (engines that decode rows in lockstep call it once the batch is done)."""
+        ...
 
     def weight_version(self) -> int: ...
 

@@ -25,7 +25,7 @@ from rltrain.config.schema import RunConfig
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
 from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitGroup, RefitStats
-from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 
 
 def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -113,7 +113,9 @@ class TorchEngine:
         self.model = None  # type: ignore[assignment]
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, on_row: OnRow | None = None
+    ) -> RolloutBatch:
         """Sample one response per prompt (repeat prompts for several samples).
 
         Prompts are left-padded into one batch; each step feeds the last token
@@ -126,7 +128,13 @@ class TorchEngine:
         the version cannot change during the call and those per-row fields stay None.
         """
         with self._generate_lock:
-            return self._generate(prompt_ids, sampling)
+            out = self._generate(prompt_ids, sampling)
+        if on_row is not None:  # rows decode in lockstep: they all end with the batch
+            for i, (ids, lps, fin) in enumerate(
+                zip(out.response_ids, out.response_logprobs, out.finished, strict=True)
+            ):
+                on_row(i, ids, lps, fin)
+        return out
 
     def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         t0, started_at = time.perf_counter(), time.time()

@@ -1,9 +1,22 @@
-"""vLLM rollout engine: vLLM's offline ``LLM`` inside the replica's process.
+"""vLLM rollout engine: vLLM's asynchronous engine (``AsyncLLM``) driven from the replica.
 
 Drop-in for the torch engine (same ``generate`` / ``init_refit`` /
 ``refit_receive`` / ``weight_version`` contract, see ``rollout/base.py``).
 Plain Python: ``cluster/`` hosts it in a Ray actor. vLLM is imported only
 when an engine is built, so nothing the CLI or the GPU scripts load pays for it.
+
+The engine's coroutines run on an event loop of their own (a thread of the
+replica's process); the replica's calls wait on them. Every row of a generate
+call is a request of its own: rows come back as they finish (``on_row``), so a
+caller can score them while the rest still generate, and a refit can land while
+requests are in flight (partial rollouts): vLLM's scheduler pauses keeping its
+requests (``pause_generation(mode="keep")``), the weights land, the KV of the
+kept requests is recomputed with the new weights, and generation resumes; the
+tokens after the pause carry the new weight version.
+
+vLLM's engine core runs in a process of its own, and the weights with it: the
+refit's receiving end lives there too (``vllm_worker.py``, called through
+``collective_rpc``).
 
 How it stays on-policy with the trainer:
 
@@ -11,10 +24,11 @@ How it stays on-policy with the trainer:
 * ``logprobs_mode="processed_logprobs"``: logprobs after temperature and the
   blocked-token mask, i.e. the distribution ``algorithms/logprobs.py`` scores
   (vLLM's default, raw logprobs, ignores the temperature); blocked tokens are
-  excluded through ``allowed_token_ids`` (every id of the model but them);
+  masked for the whole batch by a logits processor of vLLM's sampler
+  (``vllm_blocked.py``);
 * weights are replaced in place after every refit: with one tensor-parallel
-  rank in this process, each received bucket lands straight in vLLM's
-  parameters with one fused copy (the fused qkv / gate_up layouts are mapped
+  rank, each received bucket lands straight in vLLM's parameters (in vLLM's
+  worker process) with one fused copy (the fused qkv / gate_up layouts are mapped
   once from the manifest, see ``vllm_landing.py``); otherwise through the
   worker's ``reload_weights`` (checkpoint-format names, so the HF names of the
   trainer load as they are). Then the prefix cache is dropped so no KV
@@ -25,29 +39,35 @@ How it stays on-policy with the trainer:
   vLLM keeps the model's buffers) and refuses to generate until a refit landed.
 
 Engine settings come from ``rollout.vllm`` (config fields, no environment):
-the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-set here before vLLM is imported: a second process per replica would double
-start-up and memory), eager mode, the KV cache size in bytes on CPU and a
-memory fraction on GPUs.
+CUDA graphs on GPUs and eager mode on CPU (``rollout.vllm.enforce_eager=null``),
+the KV cache size in bytes on CPU and a memory fraction on GPUs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
 from rltrain import env
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
-from rltrain.refit import RefitReceiver, make_refit_receiver
-from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats
-from rltrain.rollout.base import RolloutBatch, SamplingParams
-from rltrain.rollout.vllm_landing import VllmLanding, build_landing
+from rltrain.models.shapes import ModelShape, shape_from_config_json
+from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
+from rltrain.refit import RefitReceiver, join_refit_group
+from rltrain.refit.base import RefitGroup, RefitStats
+from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
+from rltrain.rollout.vllm_worker import from_wire, to_wire
+
+T = TypeVar("T")
 
 GIB = 2**30
 
@@ -58,9 +78,6 @@ def request_seeds(base: int, n: int) -> list[int]:
     return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
 
 
-KV_BLOCK_TOKENS = 16  # vLLM's default block size on GPU
-
-
 def colocated_kv_cache_bytes(
     cfg: RunConfig, model_path: str, total_gpu_bytes: int | None = None
 ) -> int | None:
@@ -68,7 +85,9 @@ def colocated_kv_cache_bytes(
     once (a step's rows on this replica, or an evaluation call's when evaluation is on), at
     the longest length (``rollout.vllm.max_model_len``, else the model's), in whole blocks,
     plus a quarter. None when that would exceed half of the ``gpu_memory_utilization`` share
-    (then vLLM sizes the cache from that share, as without colocation).
+    (then vLLM sizes the cache from that share, as without colocation). The plan's memory
+    estimate sizes the engine with the same function
+    (:func:`rltrain.plan.memory.colocated_kv_cache_bytes`).
 
     Waking a colocated engine maps its whole KV cache back in, and sleeping unmaps it: the
     cost grows with the cache (0.4-0.6 s per step for the embedded model under a cache
@@ -77,39 +96,84 @@ def colocated_kv_cache_bytes(
     """
     from transformers import AutoConfig
 
-    ro, e = cfg.rollout, cfg.eval
     hf = AutoConfig.from_pretrained(model_path)
-    hf = getattr(hf, "text_config", None) or hf
-    rows = -(-cfg.rollout_batch() // ro.replicas)
-    if e.every_n_steps > 0:
-        rows = max(rows, -(-e.batch_size * e.samples_per_prompt // ro.replicas))
-    max_len = ro.vllm.max_model_len or hf.max_position_embeddings
-    tokens = rows * (-(-max_len // KV_BLOCK_TOKENS) + 1) * KV_BLOCK_TOKENS
-    heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    dtype_bytes = torch.empty((), dtype=getattr(torch, cfg.precision.rollout_dtype)).element_size()
-    per_token = 2 * hf.num_hidden_layers * max(kv_heads // ro.tp, 1) * head_dim * dtype_bytes
-    need = int(tokens * per_token * 1.25)
+    shape = shape_from_config_json(hf.to_dict(), model_path)
+    if shape is None:  # sizes the KV cache does not need are missing: only these count
+        hf = getattr(hf, "text_config", None) or hf
+        heads = hf.num_attention_heads
+        shape = ModelShape(
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            intermediate_size=0,
+            vocab_size=0,
+            tie_word_embeddings=False,
+            max_position_embeddings=hf.max_position_embeddings,
+        )
     if total_gpu_bytes is None:
         total_gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if need > ro.vllm.gpu_memory_utilization * total_gpu_bytes / 2:
+    return plan_kv_cache_bytes(cfg, shape, total_gpu_bytes)
+
+
+def enforce_eager(cfg: RunConfig, device: str) -> bool:
+    """``rollout.vllm.enforce_eager`` resolved: null = CUDA graphs on GPUs (decoding 2.8x
+    faster at 1.5B shapes, start-up ~17 s longer), eager on CPU (vLLM's CPU backend)."""
+    v = cfg.rollout.vllm.enforce_eager
+    return device != "cuda" if v is None else v
+
+
+def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:
+    """vLLM's ``compilation_config`` from ``rollout.vllm``: None = vLLM's own (eager, or its
+    compile pipeline with piecewise CUDA graphs); without ``torch_compile`` (the default)
+    full CUDA graphs of the decode steps over the eager model, prefill eager, so that
+    start-up does not wait for Inductor."""
+    if enforce_eager(cfg, device) or cfg.rollout.vllm.torch_compile:
         return None
-    return need
+    return {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+class _EventLoop:
+    """One asyncio event loop on a daemon thread of its own: the engine's coroutines run
+    there (vLLM's output handler with them) while the replica's calling threads wait."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (its exception is raised here)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class _Row:
+    """One request's response as it streams in; ``versions`` per token (partial rollouts)."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 class VLLMEngine:
-    """One rollout replica backed by ``vllm.LLM``. ``generate`` is called by the controller;
+    """One rollout replica backed by ``vllm.AsyncLLM``. ``generate`` is called by the controller;
     ``init_refit`` once and ``refit_receive`` after every optimizer step by the refit wiring.
 
     ``device`` is "cpu" or "cuda"; on CUDA the replica's actor sees ``rollout.tp`` GPUs.
+    With partial rollouts (``algorithm.async_rollout.partial_rollouts``), ``refit_receive``
+    may run on another thread while ``generate`` waits for its rows.
     """
 
     def __init__(
         self, cfg: RunConfig, device: str = "cpu", replica_index: int = 0, num_threads: int = 0
     ):
         if num_threads:
-            # Before vLLM's CPU worker takes over torch.set_num_threads.
             torch.set_num_threads(num_threads)
         self.cfg = cfg
         self.device = device
@@ -119,22 +183,28 @@ class VLLMEngine:
         self._blocked = set(blocked_token_ids(cfg, self.tokenizer))
         self._model_dir: tempfile.TemporaryDirectory | None = None
         model_path = cfg.model.path if cfg.model.path is not None else self._save_tiny_model()
-        self.llm = self._build_llm(model_path)
-        vocab = self.llm.llm_engine.model_config.get_vocab_size()
-        # None when nothing is blocked: vLLM then skips building a vocab-wide mask.
-        self._allowed: list[int] | None = (
-            [t for t in range(vocab) if t not in self._blocked] if self._blocked else None
-        )
+        ar = cfg.algorithm.async_rollout
+        # Refits that land mid-generation need each token's version: rows then stream their
+        # tokens as they are sampled instead of coming back whole.
+        self._partial = ar.enabled and ar.partial_rollouts
+        self._loop = _EventLoop(f"vllm-replica-{replica_index}")
+        self.llm: Any = self._loop.run(self._build_llm(model_path))
+        self._tie = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self._version = 0
         self._calls = 0
+        self._request_ids = itertools.count()
         self._asleep = False
         self._weights_discarded = False  # level-2 sleep: no generate before the next refit
-        # KV blocks of prompt prefixes may be cached since the last reset (a generate ran);
-        # vLLM's reset walks every KV block (~10 ms for 150k blocks), so it runs only then.
+        # Prompt prefixes may be cached since the last reset (a generate ran): a refit drops
+        # them (computed with the old weights).
         self._prefix_cache_used = False
+        # tp > 1: the weights live in several worker processes; the replica's process
+        # receives the refit and hands the tensors to vLLM's reload_weights.
         self.refit_receiver: RefitReceiver | None = None
-        self.landing: VllmLanding | None = None
-        self.landing_note = "not set up"  # why refits land directly, or why they do not
+        self._refit_ready = False
+        self.landing_note = "not set up"  # how refits land, or why not directly
+        # Called on the engine's loop each time tokens stream in (partial rollouts; tests).
+        self.on_tokens: Callable[[], None] | None = None
 
     # -- construction ------------------------------------------------------
     def _save_tiny_model(self) -> str:
@@ -147,8 +217,9 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(path)
         return str(path)
 
-    def _build_llm(self, model_path: str) -> Any:
-        env.apply(env.VLLM_IN_PROCESS)
+    async def _build_llm(self, model_path: str) -> Any:
+        """``AsyncLLM`` built on the engine's loop (its output handler starts there)."""
+        env.apply(env.VLLM_PICKLE_RPC)
         if self.cfg.precision.rollout_dtype == "float32":
             env.apply(env.TRITON_FP32_IEEE)  # fp32 attention in fp32, not TF32
         if Path(model_path).is_dir():
@@ -156,7 +227,8 @@ class VLLMEngine:
             import huggingface_hub.constants as hub
 
             hub.HF_HUB_OFFLINE = True  # read at import; transformers imported it already
-        from vllm import LLM
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         ro, v = self.cfg.rollout, self.cfg.rollout.vllm
         kwargs: dict[str, Any] = {
@@ -164,15 +236,26 @@ class VLLMEngine:
             "tokenizer": self.cfg.model.tokenizer or model_path,
             "dtype": self.cfg.precision.rollout_dtype,
             "seed": self.cfg.seed * 1000 + self.replica_index + 1,
-            "enforce_eager": v.enforce_eager,
+            "enforce_eager": enforce_eager(self.cfg, self.device),
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": ro.tp,
             "max_model_len": v.max_model_len,
             "disable_log_stats": True,
+            "worker_extension_cls": "rltrain.rollout.vllm_worker.RefitWorkerExtension",
         }
+        compilation = compilation_config(self.cfg, self.device)
+        if compilation is not None:
+            kwargs["compilation_config"] = compilation
+        if self._blocked:
+            from rltrain.rollout.vllm_blocked import CONFIG_KEY
+
+            # One mask for the whole batch in vLLM's sampler (vllm_blocked.py), not an
+            # allowed_token_ids list carried by every request.
+            kwargs["logits_processors"] = ["rltrain.rollout.vllm_blocked:BlockedTokens"]
+            kwargs["additional_config"] = {CONFIG_KEY: sorted(self._blocked)}
         if ro.tp > 1:
-            # Workers as subprocesses of this actor, on the GPUs Ray gave it (a Ray executor
-            # would try to place its own workers in the run's placement group).
+            # Workers as subprocesses, on the GPUs Ray gave this actor (a Ray executor would
+            # try to place its own workers in the run's placement group).
             kwargs["distributed_executor_backend"] = "mp"
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * GIB)
@@ -190,22 +273,34 @@ class VLLMEngine:
             # The run's workers get rollout.colocated resolved by the plan; null (auto) here
             # means an engine built outside a run (eval, benchmarks): nothing to share with.
             kwargs["enable_sleep_mode"] = bool(ro.colocated)
-        return LLM(**kwargs)
+        from vllm.usage.usage_lib import UsageContext
+
+        # The batch defaults of vLLM's offline LLM class (H100/H200: up to 1024 sequences and
+        # 16384 tokens a step), not those of an engine behind a server (128 sequences): a
+        # step's 256 rows otherwise decode in two waves, half as fast.
+        return AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
+        )
+
+    def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """``method`` of :class:`~rltrain.rollout.vllm_worker.RefitWorkerExtension` on every
+        worker of this replica; one result per worker."""
+        return self._loop.run(self.llm.collective_rpc(method, timeout=timeout_s, args=args))
 
     # -- engine interface -------------------------------------------------
     def weight_version(self) -> int:
         return self._version
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, on_row: OnRow | None = None
+    ) -> RolloutBatch:
         """Sample one response per prompt row (rows repeat a prompt for several samples).
 
-        Outputs keep request order. Each row gets its own seed: from
-        ``sampling.seed`` when given, else from the run seed, the replica and
-        the call count, so a run is reproducible step by step.
+        Every row is a request of its own; ``on_row`` (optional) hears of each as it
+        finishes. Outputs keep request order. Each row gets its own seed: from
+        ``sampling.seed`` when given, else from the run seed, the replica and the call
+        count, so a run is reproducible step by step.
         """
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
-
         if self._asleep:
             raise RuntimeError(
                 f"rollout replica {self.replica_index}: generate while asleep; call wake_up first"
@@ -222,8 +317,32 @@ class VLLMEngine:
             if sampling.seed is not None
             else (self.cfg.seed * 7919 + self.replica_index) * 100_003 + self._calls
         )
-        params = [
-            VLLMSamplingParams(
+        rows = self._loop.run(self._generate(prompt_ids, sampling, base, on_row))
+        finished = [bool(r.ids) and r.ids[-1] == self.eos_id for r in rows]
+        versions = [r.versions for r in rows] if self._partial else None
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids],
+            response_ids=[r.ids for r in rows],
+            response_logprobs=[r.logprobs for r in rows],
+            finished=finished,
+            weight_version=self._version,
+            engine_seconds=time.perf_counter() - t0,
+            started_at=started_at,
+            row_versions=[min(v, default=self._version) for v in versions] if versions else None,
+            response_versions=versions,
+        )
+
+    async def _generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, base: int, on_row: OnRow | None
+    ) -> list[_Row]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = RequestOutputKind.DELTA if self._partial else RequestOutputKind.FINAL_ONLY
+
+        def params(seed: int) -> Any:
+            return VLLMSamplingParams(
                 n=1,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
@@ -235,39 +354,67 @@ class VLLMEngine:
                 stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
                 seed=seed,
                 logprobs=0,  # the sampled token's own logprob only
-                allowed_token_ids=self._allowed,
                 detokenize=False,
+                output_kind=kind,
             )
-            for seed in request_seeds(base, len(prompt_ids))
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+
+        async def row(i: int, collector: Any) -> _Row:
+            out = _Row()
+            while True:
+                step = collector.get_nowait() or await collector.get()
+                if step.outputs:
+                    comp = step.outputs[0]
+                    ids = list(comp.token_ids)
+                    lps = [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
+                    if kind == RequestOutputKind.DELTA:
+                        # Tokens stream in as sampled; a refit lands only while the
+                        # scheduler is paused and the streams drained (_refit_in_flight),
+                        # so the version now is that of the forward that sampled them.
+                        out.ids += ids
+                        out.logprobs += lps
+                        out.versions += [self._version] * len(ids)
+                        if self.on_tokens is not None:
+                            self.on_tokens()
+                    else:
+                        out.ids, out.logprobs = ids, lps
+                if step.finished:
+                    break
+            if on_row is not None:
+                on_row(i, out.ids, out.logprobs, bool(out.ids) and out.ids[-1] == self.eos_id)
+            return out
+
+        seeds = request_seeds(base, len(prompt_ids))
+        request_ids = [f"{self.replica_index}-{next(self._request_ids)}" for _ in prompt_ids]
+        # Every request is added while the scheduler holds still, so that the first step
+        # schedules them all: added one by one into a running engine, the last ones start
+        # steps after the first and the call ends that much later. A refit beside the call
+        # (partial rollouts) pauses and resumes the scheduler itself: then no hold here.
+        hold = not self._partial and len(prompt_ids) > 1
+        collectors: list[Any] = []
+        try:
+            if hold:
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                for rid, prompt, seed in zip(request_ids, prompt_ids, seeds, strict=True):
+                    prompt_in = TokensPrompt(prompt_token_ids=list(prompt))
+                    collectors.append(await self.llm.add_request(rid, prompt_in, params(seed)))
+            finally:
+                if hold:
+                    await self.llm.resume_generation()
+            rows = await asyncio.gather(*(row(i, c) for i, c in enumerate(collectors)))
+        except BaseException:
+            # A failed or cancelled call leaves nothing running in the engine.
+            await self.llm.abort(request_ids)
+            raise
         self._prefix_cache_used = True
-        response_ids, response_logprobs, finished = [], [], []
-        for out in outputs:
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            response_ids.append(ids)
-            response_logprobs.append(
-                [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs, strict=True)]
-            )
-            finished.append(bool(ids) and ids[-1] == self.eos_id)
-        return RolloutBatch(
-            prompt_ids=[list(p) for p in prompt_ids],
-            response_ids=response_ids,
-            response_logprobs=response_logprobs,
-            finished=finished,
-            weight_version=self._version,
-            engine_seconds=time.perf_counter() - t0,
-            started_at=started_at,
-        )
+        return list(rows)
 
     # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
     def sleep(self) -> None:
         """Free the GPU memory for the trainer: drop the KV cache, and discard the weights when
         every refit overwrites all of them (level 2), else offload them to host memory (level 1)."""
-        level = 2 if self.landing is not None else 1
-        self.llm.sleep(level=level)  # also drops the prefix cache with the KV cache
+        level = 2 if self.landing_note.startswith("direct") else 1
+        self._loop.run(self.llm.sleep(level=level))  # also drops the prefix cache
         self._asleep = True
         self._prefix_cache_used = False
         self._weights_discarded = level == 2
@@ -275,153 +422,149 @@ class VLLMEngine:
     def wake_up(self) -> None:
         """Bring weights and KV cache back; a no-op when awake."""
         if self._asleep:
-            self.llm.wake_up()
+            self._loop.run(self.llm.wake_up())
             self._asleep = False
 
     # -- refit --------------------------------------------------------------
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
-    ) -> int:
-        """Replace the model's weights in place from HF-named tensors; returns how many loaded.
-
-        Every tensor is copied before vLLM sees it: its loader may keep a
-        reference until all tensors of a layer arrived, and the caller may
-        reuse the source storage (refit receive buffers) meanwhile.
-        """
-        count = 0
-
-        def copies() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for name, tensor in named_tensors:
-                count += 1
-                yield name, tensor.detach().clone()
-
-        self.wake_up()
-        # In-process (tp=1) vLLM consumes the iterator while later buckets arrive; tensor-parallel
-        # workers live in other processes, so they get the whole list (each loads its shard).
-        weights = copies() if self.cfg.rollout.tp == 1 else list(copies())
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
-        )
-        # KV blocks cached for a prompt prefix were computed with the old weights.
-        self._drop_prefix_cache()
-        self._version = weight_version
-        return count
-
     def init_refit(self, group: RefitGroup, rank: int) -> None:
         """Join the refit ``group`` as group rank ``rank`` (>= 1); the manifest comes from the
-        policy. Then map the manifest onto vLLM's parameters once, so every refit lands each
-        bucket with one fused copy (see ``vllm_landing.py``)."""
+        policy. With one tensor-parallel rank the receiving end lives in vLLM's worker process
+        (next to the weights) and maps the manifest onto vLLM's parameters once; with
+        several, this process receives and loads through ``reload_weights``."""
         r = self.cfg.refit
-        self.refit_receiver = make_refit_receiver(
-            group.transport,
-            group.manifest,
-            group.host,
-            group.port,
-            rank,
-            group.world_size,
-            r.timeout_s,
-            self.device,
-            r.verify,
-        )
-        self.landing, self.landing_note = self._build_landing(group.manifest)
-
-    def _model(self) -> torch.nn.Module:
-        """vLLM's model object (in this process: one tensor-parallel rank, in-process core)."""
-
-        def get(worker: Any) -> Any:
-            runner = worker.model_runner
-            return runner.get_model() if hasattr(runner, "get_model") else runner.model
-
-        (model,) = self.llm.collective_rpc(get)
-        return cast(torch.nn.Module, model)
-
-    def _build_landing(self, manifest: RefitManifest) -> tuple[VllmLanding | None, str]:
-        if self.device != "cuda":
-            # vLLM's CPU kernels repack linear weights after loading: load through vLLM.
-            return None, "reload_weights: vLLM on CPU repacks weights after loading"
-        if self.cfg.rollout.tp > 1:
-            return None, "reload_weights: rollout.tp > 1 (the weights live in other processes)"
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        landing, why = build_landing(
-            manifest, self._model(), bool(getattr(hf_config, "tie_word_embeddings", False))
-        )
-        if landing is None:
-            return None, f"reload_weights: {why}"
-        return landing, "direct: one fused copy per bucket into vLLM's parameters"
+        if self.cfg.rollout.tp == 1:
+            # vLLM's CPU kernels repack linear weights after loading: load through vLLM there.
+            direct = self.device == "cuda"
+            (note,) = self._rpc(
+                "rltrain_init_refit", to_wire(group), rank, r.timeout_s, r.verify, self._tie, direct
+            )
+            self.landing_note = (
+                note if direct else "reload_weights: vLLM on CPU repacks weights after loading"
+            )
+        else:
+            self.refit_receiver = join_refit_group(group, rank, r.timeout_s, self.device, r.verify)
+            self.landing_note = (
+                "reload_weights: rollout.tp > 1 (the weights live in several processes)"
+            )
+        self._refit_ready = True
 
     def refit_receive(self) -> RefitStats:
         """Receive one refit and land it; the version comes from the sender.
 
-        ``extra`` splits the time: ``wait_s`` waiting for the bytes (transfer),
-        ``land_s`` putting them into vLLM's parameters (engine side).
+        Between generate calls the weights land while the engine is idle. With partial
+        rollouts a generate may be in flight: vLLM's scheduler pauses keeping its requests,
+        the weights land, the kept requests' KV is recomputed with them, and generation
+        resumes (the tokens after the pause carry the new version).
         """
-        if self.refit_receiver is None:
+        if not self._refit_ready:
             raise RuntimeError("refit_receive before init_refit")
-        if self.landing is None:
-            return self._refit_reload()
         t0 = time.perf_counter()
         self.wake_up()
-        waited = landed = 0.0
-        versions: set[int] = set()
-        t_wait = time.perf_counter()
-        with torch.no_grad():
-            # KV of cached prefixes came from the old weights: dropped while the bytes travel.
-            buckets = self.refit_receiver.receive_buckets(self._drop_prefix_cache)
-            for sent_version, bucket, flat in buckets:
-                t_land = time.perf_counter()
-                waited += t_land - t_wait
-                versions.add(sent_version)
-                self.landing.land(bucket, flat)
-                t_wait = time.perf_counter()
-                landed += t_wait - t_land
-        t_sync = time.perf_counter()
-        torch.cuda.synchronize()  # the new weights are in place before any generate
-        landed += time.perf_counter() - t_sync
-        (version,) = versions  # one header per refit: every bucket carries the same version
-        self._version = version
+        stats = self._loop.run(self._refit_in_flight() if self._partial else self._refit_idle())
+        self._version = stats.weight_version
         self._weights_discarded = False
-        m = self.refit_receiver.manifest
         return RefitStats(
-            version,
+            stats.weight_version,
             time.perf_counter() - t0,
-            m.total_bytes,
-            len(m.buckets),
-            {"wait_s": waited, "land_s": landed, "direct": 1.0},
+            stats.bytes,
+            stats.buckets,
+            stats.extra,
         )
 
-    def _drop_prefix_cache(self) -> None:
-        if self._prefix_cache_used:
-            self.llm.reset_prefix_cache()
-            self._prefix_cache_used = False
+    async def _receive(self) -> RefitStats:
+        if self.refit_receiver is None:
+            (stats,) = await self.llm.collective_rpc("rltrain_receive", timeout=self._rpc_timeout())
+            return cast(RefitStats, from_wire(stats))
+        return await asyncio.to_thread(self._receive_here)
 
-    def _refit_reload(self) -> RefitStats:
-        """Receive one refit and load it through vLLM's ``reload_weights`` while later buckets
-        arrive (models or placements the direct landing does not map)."""
+    def _rpc_timeout(self) -> float:
+        # The sender's own timeout names a stuck transfer; this one a stuck worker process.
+        return 2 * self.cfg.refit.timeout_s + 60
+
+    async def _refit_idle(self) -> RefitStats:
+        # KV blocks cached for a prompt prefix were computed with the old weights.
+        if self._prefix_cache_used:
+            await self.llm.reset_prefix_cache()
+            self._prefix_cache_used = False
+        return await self._receive()
+
+    async def _refit_in_flight(self) -> RefitStats:
+        """The refit beside a generate in flight: pause keeping the requests, drop every KV
+        block (the kept requests recompute theirs with the new weights), land, resume."""
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await self._drain_outputs()
+            stats = await self._receive()
+            # Tokens streamed from here on were sampled with the new weights.
+            self._version = stats.weight_version
+            self._prefix_cache_used = False
+        finally:
+            await self.llm.resume_generation()
+        return stats
+
+    async def _drain_outputs(self) -> None:
+        """Wait until every output the paused engine sent has reached its row's stream."""
+        queue = getattr(self.llm.engine_core, "outputs_queue", None)
+        while queue is not None and not queue.empty():
+            await asyncio.sleep(0.001)
+        for _ in range(8):  # the output handler and the row streams take turns on this loop
+            await asyncio.sleep(0)
+
+    def _receive_here(self) -> RefitStats:
+        """tp > 1: receive in this process and load through every worker's reload_weights."""
+        receiver = cast(RefitReceiver, self.refit_receiver)
         t0 = time.perf_counter()
         versions: set[int] = set()
-
-        def named() -> Iterator[tuple[str, torch.Tensor]]:
-            for sent_version, name, tensor in cast(RefitReceiver, self.refit_receiver).receive():
-                versions.add(sent_version)
-                yield name, tensor
-
-        n = self.load_weights(named(), weight_version=-1)
-        (version,) = versions  # one header per refit: every tensor carries the same version
-        self._version = version
-        m = cast(RefitReceiver, self.refit_receiver).manifest
+        named: list[tuple[str, torch.Tensor]] = []
+        for sent_version, name, tensor in receiver.receive():
+            versions.add(sent_version)
+            named.append((name, tensor.detach().cpu().clone()))
+        self.load_weights(named, weight_version=-1)
+        (version,) = versions  # one header per refit: every tensor has the same version
+        m = receiver.manifest
         seconds = time.perf_counter() - t0
-        return RefitStats(
-            version,
-            seconds,
-            m.total_bytes,
-            len(m.buckets),
-            {"tensors": float(n), "land_s": seconds, "direct": 0.0},
-        )
+        extra = {"tensors": float(len(named)), "land_s": seconds, "direct": 0.0}
+        return RefitStats(version, seconds, m.total_bytes, len(m.buckets), extra)
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> int:
+        """Replace the model's weights in place from HF-named (CPU) tensors through every
+        worker's ``reload_weights``; returns how many loaded."""
+        named = [(n, t.detach().cpu()) for n, t in named_tensors]
+        self.wake_up()
+
+        async def load() -> None:
+            await self.llm.collective_rpc(
+                "reload_weights",
+                timeout=self._rpc_timeout(),
+                kwargs={"weights_iterator": named, "is_checkpoint_format": True},
+            )
+            if self._prefix_cache_used:
+                await self.llm.reset_prefix_cache()
+                self._prefix_cache_used = False
+
+        if threading.current_thread() is self._loop.thread:
+            raise RuntimeError("load_weights from the engine's own loop")
+        self._loop.run(load())
+        self._version = weight_version
+        return len(named)
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of vLLM's parameters by vLLM's names (first worker; tests)."""
+        return from_wire(self._rpc("rltrain_named_parameters")[0])
+
+    def landing_check(self, manifest: Any) -> str:
+        """Whether a refit of ``manifest`` would land directly in vLLM's parameters ("direct"),
+        else why not (tests)."""
+        return self._rpc("rltrain_landing_note", to_wire(manifest), self._tie)[0]
 
     def shutdown(self) -> None:
-        """Free the engine and the temporary model folder."""
-        self.llm = None
+        """Stop vLLM's engine processes, the event loop and free the temporary model folder."""
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        self._loop.close()
         if self._model_dir is not None:
             self._model_dir.cleanup()
             self._model_dir = None

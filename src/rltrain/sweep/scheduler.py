@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,7 @@ def start_trial(state: TrialState, algorithm: str, address: str, share: Resource
                 "algorithm": algorithm,
                 "overrides": overrides,
                 "address": address,
-                "share": {"num_cpus": share.num_cpus, "num_gpus": share.num_gpus},
+                "share": asdict(share),
             },
             indent=2,
         )

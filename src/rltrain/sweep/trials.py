@@ -56,7 +56,8 @@ def trial_share(total: Resources, slots: int) -> Resources:
             f"--max-parallel {slots} is more trials than the cluster's {total.num_gpus} GPU(s); "
             f"use --max-parallel {total.num_gpus} or fewer."
         )
-    return Resources(num_cpus=num_cpus, num_gpus=num_gpus)
+    # each GPU is one trial's whole: its size still checks the trial's layout
+    return Resources(num_cpus, num_gpus, total.gpu_memory_bytes, total.gpu_name)
 
 
 def trial_config(

@@ -23,23 +23,16 @@ from typing import Any
 
 import torch
 
-# train.compile=null compiles only models of at least this many parameters. Compiling
-# costs a fixed 10-25 s per graph (measured on GPUs: 19.9 s at step 1 for the embedded
-# tiny model, 24.2 s for a 1.31B model) while what it saves grows with the model's work
-# per step: at 1.5B widths the compiled step was 1.46x the eager one's throughput
-# (bench_train on H200: MFU 0.582 against 0.400), paying the compile back in well under
-# 100 steps; the embedded tiny model (0.4M parameters, steps of milliseconds) and
-# test-sized models never pay it back. 100M sits between them, below every real LM
-# this project runs (Qwen2.5-0.5B: 494M).
-COMPILE_MIN_PARAMS = 100_000_000
+# train.compile=null compiles only models of at least COMPILE_MIN_PARAMS parameters (why:
+# rltrain.plan.memory, where the plan's estimate reads the same decision).
+from rltrain.plan.memory import COMPILE_MIN_PARAMS as COMPILE_MIN_PARAMS
+from rltrain.plan.memory import compile_default
 
 
 def resolve_compile(choice: bool | None, device: torch.device, num_params: int) -> bool:
     """``train.compile`` resolved: explicit true/false win; null = on with CUDA for models
     of at least :data:`COMPILE_MIN_PARAMS` parameters, off otherwise (CPU, small models)."""
-    if choice is not None:
-        return choice
-    return device.type == "cuda" and num_params >= COMPILE_MIN_PARAMS
+    return compile_default(choice, device.type == "cuda", num_params)
 
 
 def compiled_layout_minimums(

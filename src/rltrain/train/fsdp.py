@@ -33,6 +33,14 @@ class OverflowStormError(RuntimeError):
     """Too many optimizer steps in a row were skipped for inf/nan gradients (fp16 loss scaling)."""
 
 
+class Accumulated(NamedTuple):
+    """What :meth:`FSDPTrainer.accumulate` returns: the step's reduced metrics when it
+    finished the step (else None) and the rows' per-token output (None without rows)."""
+
+    metrics: dict[str, float] | None
+    token_out_BT: torch.Tensor | None
+
+
 class MicroLoss(NamedTuple):
     """What :meth:`FSDPTrainer.microbatch_loss` returns for one micro batch.
 
@@ -158,19 +166,30 @@ class FSDPTrainer(ShardedModel):
 
     def accumulate(
         self, batch: TrainBatch | None, last: bool = True, finish: bool = False
-    ) -> dict[str, float] | None:
+    ) -> Accumulated:
         """Forward/backward of this rank's rows of ``batch`` (None: no rows) inside the open
         step, over token-planned micro batches (:meth:`plan_micro_batches`, collective:
         every dp rank runs as many). ``last=False``: more rows of this step follow. The
         asynchronous controller streams groups into a step with this. ``finish``: then
         :meth:`finish_train_step` (only when every micro batch went through) and return
-        its metrics; else None."""
+        its metrics; else None. The per-token output of the rows (the policy: the training
+        forward's logprobs) comes back in ``batch``'s row order (None without rows)."""
         rows = batch if batch is not None else self.batch_type.empty()
         plan = self.plan_micro_batches(rows)
+        outs = []
         for i, micro_rows in enumerate(plan):
             micro = self.make_micro_batch(rows, micro_rows) if micro_rows else None
-            self.train_microbatch(micro, last=last and i == len(plan) - 1)
-        return self.finish_train_step() if finish else None
+            out = self.train_microbatch(micro, last=last and i == len(plan) - 1)
+            if out is not None and micro is not None:
+                outs.append((out, micro))
+        metrics = self.finish_train_step() if finish else None
+        if batch is None:
+            return Accumulated(metrics, None)
+        # Read back after the step's work was queued (as train_steps does).
+        token_out_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+        for out, micro in outs:
+            unpack(out, micro, token_out_BT)
+        return Accumulated(metrics, token_out_BT)
 
     def finish_train_step(self) -> dict[str, float]:
         """Reduce counts and metrics over dp ranks, scale grads by 1/N, unscale, clip, step.

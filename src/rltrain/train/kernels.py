@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from rltrain.config.schema import OptimConfig, RunConfig
+from rltrain.plan.memory import speed_knobs
 from rltrain.train.packing import MicroBatch
 
 # The attention implementation name the trainer's models run under (see register_attention).
@@ -303,21 +304,11 @@ def apply_liger(model: torch.nn.Module) -> None:
 
 
 def resolve_speed_knobs(cfg: RunConfig, dp: int) -> tuple[bool, str]:
-    """(reshard_after_forward, grad_sync) with their ``null`` defaults resolved.
-
-    ``dtensor.reshard_after_forward``: off with one dp rank (resharding would
-    only free the gathered compute-dtype copy; on with CPU offload, which wants
-    it freed), on with several. ``dtensor.grad_sync``: ``step`` with one dp rank
-    (the gradient is whole there anyway), ``micro_batch`` with several (only
-    sharded gradients are held). ``train.compile`` is resolved once the model is
-    known (:func:`rltrain.train.compile.resolve_compile`).
-    """
-    d = cfg.dtensor
-    reshard = d.reshard_after_forward
-    if reshard is None:
-        reshard = dp > 1 or d.cpu_offload
-    grad_sync = d.grad_sync or ("step" if dp == 1 else "micro_batch")
-    return reshard, grad_sync
+    """(reshard_after_forward, grad_sync) with their ``null`` defaults resolved (the
+    plan's :func:`rltrain.plan.memory.speed_knobs`, which its memory estimate reads).
+    ``train.compile`` is resolved once the model is known
+    (:func:`rltrain.train.compile.resolve_compile`)."""
+    return speed_knobs(cfg, dp)
 
 
 def resolve_causal_rows(cfg: RunConfig, compiled: bool) -> bool:

@@ -127,6 +127,8 @@ class PolicyWorker(FSDPTrainer):
             "ratio_max": (Mx, torch.where(valid, ratio, -math.inf).max()),
             "ratio_min": (Mn, torch.where(valid, ratio, math.inf).min()),
         }
+        if "clipped_lower" in terms:
+            metrics["pg_clipfrac_lower"] = (T, (terms["clipped_lower"] * mask).sum())
         if "kl" in terms:
             metrics["kl"] = (T, (terms["kl"] * mask).sum())
         if "is_weight" in terms:

@@ -12,16 +12,26 @@ from pathlib import Path
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import (
-    DTYPE_BYTES,
-    DTensorConfig,
     RunConfig,
     value_run_config,
 )
 from rltrain.config.validate import check_liger_device
-from rltrain.plan_batch import BatchPlan, batch_plan
-from rltrain.plan_gpus import GpuLayout, colocated_engine_notes, gpu_layout
-from rltrain.plan_objective import objective_summary
-from rltrain.plan_process import resolve_in_process, resolve_refit_transport
+from rltrain.plan.batch import BatchPlan, batch_plan
+from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
+from rltrain.plan.memory import (
+    MemoryPlan,
+    cpu_memory_plan,
+    fix_candidates,
+    gib,
+    gpu_capacity,
+    gpu_memory_plan,
+    model_shape,
+    override_text,
+    refusal,
+    with_overrides,
+)
+from rltrain.plan.objective import objective_summary
+from rltrain.plan.process import resolve_in_process, resolve_refit_transport
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,10 @@ class Resources:
 
     num_cpus: int
     num_gpus: int
+    # One GPU's memory and name where known (detected on this machine; see
+    # cluster.gpu_memory_gib); None: not known, no layout is refused for memory.
+    gpu_memory_bytes: int | None = None
+    gpu_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,25 +108,6 @@ class PrecisionPlan:
         if self.value is None:
             del out["value"]
         return out
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Memory estimate in bytes; None where it does not apply or cannot be known.
-
-    Weights and optimizer state only: no activations, no KV cache.
-    """
-
-    num_params: int | None  # None: the model's size is unknown before it is loaded
-    policy_bytes_per_rank: int | None = None  # fp32 master + grads + AdamW moments
-    rollout_weight_bytes_per_replica: int | None = None
-    refit_bytes_per_step: int | None = None
-    value_bytes_per_rank: int | None = None  # PPO
-    shared_gpu_bytes: int | None = None  # what policy rank 0's GPU holds when it is shared
-
-    def to_dict(self) -> dict[str, int | None]:
-        """The JSON form: ``num_params`` always, the other figures where known."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k == "num_params"}
 
 
 @dataclass(frozen=True)
@@ -214,48 +209,10 @@ class RunPlan:
 
 
 def estimate_num_params(cfg: RunConfig) -> int | None:
-    """Parameter count of the policy: exact for the tiny model, from config.json for a local path."""
-    if cfg.model.path is None:
-        from rltrain.models.vocab import tiny_alphabet, vocab_size
-
-        ti = cfg.model.tiny
-        h, inter, L = ti.hidden_size, ti.intermediate_size, ti.num_layers
-        head_dim = h // ti.num_heads
-        kv = ti.num_kv_heads * head_dim
-        attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k/v (bias), o
-        mlp = 3 * h * inter
-        per_layer = attn + mlp + 2 * h
-        v = ti.vocab_size or vocab_size(tiny_alphabet(cfg.data.task, cfg.data.alphabet))
-        embeddings = 1 if ti.tie_word_embeddings else 2
-        return v * h * embeddings + L * per_layer + h  # embedding (+ lm_head), final norm
-    config_json: Path | None = Path(cfg.model.path) / "config.json"
-    if config_json is None or not config_json.is_file():
-        config_json = _cached_hf_config(cfg.model.path)
-    if config_json is None:
-        return None
-    c = json.loads(config_json.read_text())
-    try:
-        h, L, v, inter = (
-            c["hidden_size"],
-            c["num_hidden_layers"],
-            c["vocab_size"],
-            c["intermediate_size"],
-        )
-    except KeyError:
-        return None
-    tied = c.get("tie_word_embeddings", False)
-    return v * h * (1 if tied else 2) + L * (4 * h * h + 3 * h * inter)
-
-
-def _cached_hf_config(repo_id: str) -> Path | None:
-    """config.json of an HF hub id from the local cache (no network), or None."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        hit = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # noqa: BLE001 - not an HF id: unknown size
-        return None
-    return Path(hit) if isinstance(hit, str) else None
+    """Parameter count of the policy (exact for Qwen2-style models) from its architecture
+    (:func:`rltrain.plan.memory.model_shape`); None when the size is unknown."""
+    shape = model_shape(cfg)
+    return shape.num_params if shape is not None else None
 
 
 def model_head_dim(cfg: RunConfig) -> int | None:
@@ -291,7 +248,15 @@ def _check_vllm_on_cpu(cfg: RunConfig) -> None:
 def make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None
 ) -> RunPlan:
-    """Compute the run plan; raises ConfigError when the config cannot run on ``resources``."""
+    """Compute the run plan; raises ConfigError when the config cannot run on ``resources``
+    (a layout over the GPUs' memory among them: the error names the changes that fit)."""
+    return _make_plan(cfg, resources, choices, True)
+
+
+def _make_plan(
+    cfg: RunConfig, resources: Resources, choices: dict[str, str] | None, suggest: bool
+) -> RunPlan:
+    """:func:`make_plan`; ``suggest``: search the changes that fit when memory is short."""
     d, ro, p = cfg.dtensor, cfg.rollout, cfg.precision
     if cfg.cluster.device == "cuda" and resources.num_gpus == 0:
         raise ConfigError(
@@ -438,7 +403,20 @@ def make_plan(
                 value_notes,
             )
         )
-    memory = _memory_plan(cfg, vd, dp, value_dp, layout, colocated)
+    if layout is not None:
+        memory = gpu_memory_plan(
+            cfg,
+            vcfg,
+            dp,
+            value_dp,
+            layout.value_colocated,
+            colocated,
+            gpu_capacity(cfg, resources.gpu_memory_bytes, resources.gpu_name),
+            batch.micro_batch,
+        )
+        _check_memory(cfg, resources, choices, memory, dp, colocated, suggest)
+    else:
+        memory = cpu_memory_plan(cfg)
     return RunPlan(
         algorithm=cfg.algorithm.name,
         device=device,
@@ -479,40 +457,35 @@ def make_plan(
     )
 
 
-def _memory_plan(
+def _check_memory(
     cfg: RunConfig,
-    vd: DTensorConfig | None,
+    resources: Resources,
+    choices: dict[str, str] | None,
+    memory: MemoryPlan,
     dp: int,
-    value_dp: int,
-    layout: GpuLayout | None,
     colocated: bool,
-) -> MemoryPlan:
-    """Weights and optimizer state per process; only the parameter count when it is unknown."""
-    n_params = estimate_num_params(cfg)
-    if n_params is None:
-        return MemoryPlan(num_params=None)
-    p, ro = cfg.precision, cfg.rollout
-    # fp32 master params + fp32 grads + AdamW's two fp32 moments, sharded over dp x tp.
-    policy_bytes = 16 * n_params // (dp * cfg.dtensor.tp)
-    # Same estimate for the critic's backbone (its LM head is dropped; the 1-wide head is noise).
-    value_bytes = 16 * n_params // (value_dp * vd.tp) if vd is not None else None
-    shared_gpu_bytes = None
-    if layout is not None and layout.shared:
-        # What policy rank 0's GPU holds when it is shared (no activations, no KV cache).
-        on_gpu0 = [policy_bytes]
-        if layout.value_colocated and value_bytes is not None:
-            on_gpu0.append(value_bytes)
-        if colocated:
-            on_gpu0.append(ro.replicas * DTYPE_BYTES[p.rollout_dtype] * n_params)
-        shared_gpu_bytes = sum(on_gpu0)
-    return MemoryPlan(
-        num_params=n_params,
-        policy_bytes_per_rank=policy_bytes,
-        rollout_weight_bytes_per_replica=DTYPE_BYTES[p.rollout_dtype] * n_params // ro.tp,
-        refit_bytes_per_step=DTYPE_BYTES[p.refit_dtype] * n_params,
-        value_bytes_per_rank=value_bytes,
-        shared_gpu_bytes=shared_gpu_bytes,
-    )
+    suggest: bool,
+) -> None:
+    """Refuse a layout over its GPUs' memory, naming the changes whose plans fit."""
+    if not memory.over:
+        return
+    fixes: list[str] = []
+    fitted: list[dict] = []
+    # Candidates come least intrusive first, each key's values from the gentlest: keep the
+    # first that fits of each set of keys, and nothing that only adds keys to a fitted one.
+    for overrides in fix_candidates(cfg, dp, resources.num_gpus, colocated) if suggest else []:
+        if len(fixes) == 4 or any(
+            f.items() <= overrides.items() or f.keys() == overrides.keys() for f in fitted
+        ):
+            continue
+        try:
+            fit = _make_plan(with_overrides(cfg, overrides), resources, choices, False)
+        except ConfigError:
+            continue
+        fitted.append(overrides)
+        worst = max(g.peak_bytes for g in fit.memory.gpus)
+        fixes.append(f"{override_text(overrides)} (largest GPU {gib(worst)} GiB)")
+    raise ConfigError(refusal(memory, fixes))
 
 
 def _value_precision(vcfg: RunConfig) -> ValuePrecision:

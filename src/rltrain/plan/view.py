@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from rich.table import Table
 from rich.tree import Tree
 
-from rltrain.plan import CopyTaskInputs, InputsPlan, RunPlan
-from rltrain.plan_batch import BatchPlan
+from rltrain.plan.batch import BatchPlan
+from rltrain.plan.core import CopyTaskInputs, InputsPlan, RunPlan
+from rltrain.plan.memory import GpuMemory, MemoryPlan, gib
 
 
 def _fmt_bytes(n: object) -> str:
@@ -95,9 +97,7 @@ def plan_tree(plan: RunPlan) -> Tree:
         nodes = tree.add("placement (node of each rank)")
         for role, labels in plan.placement.items():
             nodes.add(f"{role}: " + ", ".join(f"rank {i} on {n}" for i, n in enumerate(labels)))
-    mem = tree.add("memory estimate")
-    for k, v in plan.memory.to_dict().items():
-        mem.add(f"{k}: {v if k == 'num_params' else _fmt_bytes(v)}")
+    _add_memory(tree, plan.memory)
     _add_inputs(tree, plan.inputs)
     return tree
 
@@ -133,3 +133,72 @@ def _micro_line(b: BatchPlan) -> str:
         f"micro batch {b.micro_batch} per rank x dp {b.dp} -> {b.grad_accum_steps} "
         "accumulation step(s)"
     )
+
+
+# Column titles of the per-GPU table, in order (a part shows when some process has it).
+PART_TITLES = {
+    "weights": "weights (fp32 master)",
+    "engine_weights": "weights (rollout dtype)",
+    "gradients": "gradients",
+    "optimizer": "AdamW moments",
+    "gathered": "gathered (compute dtype)",
+    "reference": "reference model",
+    "activations": "activations",
+    "logits": "logits (one chunk)",
+    "kv_cache": "KV cache",
+    "sampler": "sampler",
+    "refit_buffers": "refit buffers",
+    "gpu_memory_utilization": "vLLM's share",
+}
+
+
+def _add_memory(tree: Tree, memory: MemoryPlan) -> None:
+    """The memory estimate: the model's size, and on CUDA one table per GPU (GiB)."""
+    mem = tree.add(f"memory estimate (sizes: {memory.model or 'unknown'})")
+    if memory.num_params is not None:
+        mem.add(
+            f"num_params: {memory.num_params:,}; refit {_fmt_bytes(memory.refit_bytes_per_step)} "
+            "per step"
+        )
+    else:
+        mem.add("num_params: None")
+    for note in memory.notes:
+        mem.add(note)
+    if not memory.gpus:
+        return
+    mem.add(f"GPU memory: {memory.capacity}")
+    mem.add(f"margin: {memory.margin}")
+    for g in memory.gpus:
+        node = mem.add(f"GPU {g.index}: {_peak(g, memory)}")
+        node.add(_gpu_table(g))
+        if g.phases:
+            node.add(
+                f"{gib(g.phases['generate'])} GiB while the colocated engines generate (the "
+                f"trainers' allocators keep their peak pools), {gib(g.phases['train'])} GiB "
+                "while they sleep and the trainers train"
+            )
+
+
+def _gpu_table(g: GpuMemory) -> Table:
+    """GiB by part (rows) and process (columns) of one GPU."""
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    table.add_column("GiB", no_wrap=True)
+    for p in g.processes:
+        table.add_column(p.name, justify="right")
+    for key, title in PART_TITLES.items():
+        if any(key in p.parts for p in g.processes):
+            table.add_row(
+                title, *(gib(p.parts[key]) if key in p.parts else "" for p in g.processes)
+            )
+    table.add_row("estimate", *(gib(p.estimate_bytes) for p in g.processes), style="bold")
+    table.add_row("with the margin", *(gib(p.total_bytes) for p in g.processes))
+    return table
+
+
+def _peak(g: GpuMemory, memory: MemoryPlan) -> str:
+    """'78.5 of 80.0 GiB at its peak, ...: fits' (the peak alone when the size is unknown)."""
+    if memory.capacity_bytes is None:
+        return f"{gib(g.peak_bytes)} GiB at its peak, margins included"
+    mark = "fits" if g.fits else "[bold red]over[/]"
+    cap = gib(memory.capacity_bytes)
+    return f"{gib(g.peak_bytes)} of {cap} GiB at its peak, margins included: {mark}"

@@ -35,10 +35,14 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
     else:
         lo, hi = a.clip_ratio_low, a.clip_ratio_high
         out["ratio"] = f"token, clip [1-{lo}, 1+{hi}]"
+    if a.clip_ratio_c is not None:
+        out["ratio"] += f"; dual clip: loss of A < 0 tokens at most -A x {a.clip_ratio_c:g}"
     agg = AGGREGATION_FORMULAS[a.loss_aggregation].format(L=cfg.rollout.max_new_tokens)
     out["loss"] = f"{a.loss_aggregation}: {agg}"
     if a.kl_coef > 0:
         where = "in the reward" if a.kl_in_reward else "in the loss"
+        if a.kl_in_reward and a.kl_in_reward_level == "sequence":
+            where += " (summed per response, the same on every token)"
         out["kl"] = f"{a.kl_coef} x {a.kl_estimator} {where}"
     else:
         out["kl"] = "off (algorithm.kl_coef=0)"
@@ -72,6 +76,8 @@ def objective_summary(cfg: RunConfig) -> dict[str, str]:
             parts.append(f"{level}-level importance weights min(pi_train/pi_engine, {rc.cap})")
         if rc.weights == "auto":
             parts[-1] += " (auto: asynchronous, max_staleness >= 1)"
+        if rc.sequence_weight_all_tokens:
+            parts[-1] += ", the product over every response token (masked ones included)"
     if rc.mask_bound is not None:
         parts.append(
             f"tokens with pi_train/pi_engine outside [1/{rc.mask_bound}, {rc.mask_bound}] masked"

@@ -1,0 +1,159 @@
+"""The vLLM engine alone in each of its GPU modes: start-up against decoding speed.
+
+For each mode, in a fresh process: build the project's vLLM engine (``VLLMEngine``,
+AsyncLLM) on one GPU at Qwen2.5-1.5B shapes (the random model of
+``scripts/bench_e2e.py``), then generate ``--calls`` calls of ``--prompts`` x
+``--samples`` GSM8K prompts with ``--max-new-tokens`` tokens each (a random model
+never samples EOS: every row runs to the limit). Modes:
+
+- ``eager``: ``rollout.vllm.enforce_eager=true``;
+- ``decode_graphs``: full CUDA graphs of the decode steps over the eager model
+  (``rollout.vllm.torch_compile=false``, the default);
+- ``compile``: vLLM's torch.compile pipeline with its CUDA graphs
+  (``rollout.vllm.torch_compile=true``).
+
+Writes ``scripts/results/bench_vllm_modes-<device>.json``: per mode the start-up seconds
+and each call's seconds and tokens/s; ``summary`` per mode: ``startup_s`` and
+``tokens_per_s`` (median over the calls after the first).
+
+    python scripts/bench_vllm_modes.py --out $OUT     # GPU machine, kit sourced
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "src"))
+
+from bench_e2e import DATA, child_env, device_slug, ensure_model  # noqa: E402
+
+MODES = {
+    "eager": ["rollout.vllm.enforce_eager=true"],
+    "decode_graphs": ["rollout.vllm.torch_compile=false"],
+    "compile": ["rollout.vllm.torch_compile=true"],
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--model-dir", default="/tmp/rltrain-bench-e2e-model")
+    p.add_argument("--timeout", type=float, default=300.0, help="per mode (s)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def worker(spec: dict) -> None:
+    """One mode: build the engine, generate, print one JSON line."""
+    from dataclasses import replace
+
+    from rltrain.config.compose import compose
+    from rltrain.data import build_task, encode_groups
+    from rltrain.loops.collect import sampling_params, step_seed
+    from rltrain.models.loader import load_tokenizer
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    cfg, _ = compose(spec["overrides"], algorithm="grpo")
+    t0 = time.perf_counter()
+    engine = VLLMEngine(cfg, device="cuda")
+    startup = time.perf_counter() - t0
+    tokenizer = load_tokenizer(cfg)
+    task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
+    calls = []
+    for call in range(1, spec["calls"] + 1):
+        prompt_ids = encode_groups(
+            tokenizer, task.sample(cfg.algorithm.prompts_per_step), cfg.algorithm.samples_per_prompt
+        )
+        sampling = replace(sampling_params(cfg), seed=step_seed(cfg.seed, call))
+        t = time.perf_counter()
+        out = engine.generate(prompt_ids, sampling)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(r) for r in out.response_ids)
+        calls.append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+    engine.shutdown()
+    print("RESULT " + json.dumps({"startup_s": startup, "calls": calls}), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    import torch
+
+    device, name = device_slug()
+    if device == "cpu":
+        sys.exit("error: scripts/bench_vllm_modes.py needs a CUDA device")
+    ensure_model(Path(args.model_dir), smoke=False)
+    common = [
+        "model=qwen2.5-1.5b-instruct",
+        f"model.path={args.model_dir}",
+        "data=gsm8k",
+        f"data.path={DATA}",
+        "data.max_prompt_tokens=512",
+        "data.val_fraction=0.0",
+        f"algorithm.prompts_per_step={args.prompts}",
+        f"algorithm.samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout=vllm",
+        "rollout.colocated=false",
+        "rollout.vllm.gpu_memory_utilization=0.5",
+        f"rollout.vllm.max_model_len={512 + args.max_new_tokens}",
+        "precision=bf16",
+        "cluster.device=cuda",
+    ]
+    result: dict = {
+        "script": "scripts/bench_vllm_modes.py",
+        "device": device,
+        "device_name": name,
+        "torch": torch.__version__,
+        "args": vars(args),
+        "modes": {},
+        "summary": {},
+    }
+    for mode in args.modes.split(","):
+        spec = {"overrides": [*common, *MODES[mode]], "calls": args.calls}
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                env=child_env(),
+                timeout=args.timeout,
+            )
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            run = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+        except subprocess.TimeoutExpired:
+            run = {"error": f"timed out after {args.timeout:g} s"}
+        run["wall_s"] = time.perf_counter() - t0
+        result["modes"][mode] = run
+        if "calls" in run:
+            steady = run["calls"][1:] or run["calls"]
+            result["summary"][mode] = {
+                "startup_s": run["startup_s"],
+                "tokens_per_s": statistics.median(c["tokens_per_s"] for c in steady),
+                "call_s": statistics.median(c["seconds"] for c in steady),
+            }
+        print(mode, json.dumps(result["summary"].get(mode) or run.get("error", "")[-500:]))
+    name_ = f"bench_vllm_modes-{device}.json"
+    for folder in [ROOT / "scripts" / "results"] + ([Path(args.out)] if args.out else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name_).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

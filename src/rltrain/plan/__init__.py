@@ -1,0 +1,55 @@
+"""RunConfig -> RunPlan: roles, meshes, bundles, batch math, memory estimate.
+
+Pure: no cluster, no torch. ``rltrain plan`` prints it (:mod:`rltrain.plan.view`);
+the launcher executes it. The parts: :mod:`~rltrain.plan.core` (make_plan and the
+plan's types), :mod:`~rltrain.plan.batch` (the batch math), :mod:`~rltrain.plan.gpus`
+(who shares a GPU), :mod:`~rltrain.plan.process` (one process or Ray workers, the
+refit transport), :mod:`~rltrain.plan.objective` (the objective in words).
+"""
+
+from rltrain.plan.batch import BatchPlan, batch_plan
+from rltrain.plan.core import (
+    CopyTaskInputs,
+    DatasetInputs,
+    InputsPlan,
+    MemoryPlan,
+    PrecisionPlan,
+    RefitPlan,
+    Resources,
+    RolePlan,
+    RunPlan,
+    TrainerPrecision,
+    ValuePrecision,
+    estimate_num_params,
+    make_plan,
+    model_head_dim,
+    plan_inputs,
+)
+from rltrain.plan.gpus import GpuLayout, gpu_layout
+from rltrain.plan.objective import objective_summary
+from rltrain.plan.process import resolve_in_process, resolve_refit_transport
+
+__all__ = [
+    "BatchPlan",
+    "CopyTaskInputs",
+    "DatasetInputs",
+    "GpuLayout",
+    "InputsPlan",
+    "MemoryPlan",
+    "PrecisionPlan",
+    "RefitPlan",
+    "Resources",
+    "RolePlan",
+    "RunPlan",
+    "TrainerPrecision",
+    "ValuePrecision",
+    "batch_plan",
+    "estimate_num_params",
+    "gpu_layout",
+    "make_plan",
+    "model_head_dim",
+    "objective_summary",
+    "plan_inputs",
+    "resolve_in_process",
+    "resolve_refit_transport",
+]

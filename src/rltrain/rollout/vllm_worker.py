@@ -1,0 +1,144 @@
+"""The refit's receiving end inside vLLM's worker process.
+
+vLLM's asynchronous engine (``AsyncLLM``) runs its engine core, and with it the
+model's weights, in a process of its own. The weights are received where they
+live: this class is mixed into vLLM's worker class (the engine argument
+``worker_extension_cls``), and the replica's :class:`~rltrain.rollout.vllm_engine.VLLMEngine`
+calls its methods by name through ``AsyncLLM.collective_rpc``. Each method's name
+starts with ``rltrain_`` so that it never shadows one of vLLM's.
+
+With one tensor-parallel rank every received bucket lands straight in vLLM's
+parameters with one fused copy (``vllm_landing.py``); otherwise (CPU, where vLLM
+repacks weights after loading, or layouts the landing does not map) the tensors go
+through the model runner's ``reload_weights`` while later buckets still arrive.
+Nothing here imports vLLM: ``self`` is vLLM's worker.
+
+Arguments and results cross as pickles (:func:`to_wire` / :func:`from_wire`): vLLM's
+message encoding turns dataclasses into plain dicts on the way.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rltrain.refit import RefitReceiver, join_refit_group
+from rltrain.refit.base import RefitGroup, RefitStats
+from rltrain.rollout.vllm_landing import VllmLanding, build_landing
+
+
+def to_wire(obj: Any) -> bytes:
+    """``obj`` as it crosses between the replica and vLLM's worker (a pickle)."""
+    return pickle.dumps(obj)
+
+
+def from_wire(data: bytes) -> Any:
+    """What :func:`to_wire` sent (the replica and vLLM's worker run the same code)."""
+    return pickle.loads(data)
+
+
+class RefitWorkerExtension:
+    """Methods vLLM's worker gains for the refit (``rltrain_*``), run in the worker's process.
+
+    State lives on the worker object: the receiver (its transport's buffers and group)
+    and the landing map, both built once by :meth:`rltrain_init_refit`.
+    """
+
+    _rltrain_receiver: RefitReceiver | None = None
+    _rltrain_landing: VllmLanding | None = None
+
+    def _rltrain_model(self) -> torch.nn.Module:
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def rltrain_init_refit(
+        self,
+        group_wire: bytes,
+        rank: int,
+        timeout_s: float,
+        verify: bool,
+        tie_word_embeddings: bool,
+        direct: bool,
+    ) -> str:
+        """Join the refit group (``group_wire``: a :class:`RefitGroup` through :func:`to_wire`)
+        as group rank ``rank`` (>= 1) and map its manifest onto vLLM's parameters once.
+        ``direct=False`` (CPU) loads through ``reload_weights``. Returns how refits land."""
+        group: RefitGroup = from_wire(group_wire)
+        device = "cuda" if torch.cuda.is_available() and direct else "cpu"
+        self._rltrain_receiver = join_refit_group(group, rank, timeout_s, device, verify)
+        if not direct:
+            return "reload_weights"
+        landing, why = build_landing(group.manifest, self._rltrain_model(), tie_word_embeddings)
+        self._rltrain_landing = landing
+        if landing is None:
+            return f"reload_weights: {why}"
+        return "direct: one fused copy per bucket into vLLM's parameters"
+
+    def rltrain_landing_note(self, manifest_wire: bytes, tie_word_embeddings: bool) -> str:
+        """Whether a manifest (through :func:`to_wire`) would land directly in this worker's
+        parameters ("direct"), else why not."""
+        manifest = from_wire(manifest_wire)
+        landing, why = build_landing(manifest, self._rltrain_model(), tie_word_embeddings)
+        return "direct" if landing is not None else why
+
+    def rltrain_receive(self) -> bytes:
+        """:meth:`receive`, its :class:`RefitStats` through :func:`to_wire`."""
+        return to_wire(self._rltrain_receive())
+
+    def _rltrain_receive(self) -> RefitStats:
+        """Receive one refit and put it into the model's weights; the version is the sender's.
+
+        ``extra`` splits the time: ``wait_s`` waiting for the bytes, ``land_s`` putting them
+        into vLLM's parameters, ``direct`` 1.0 for the fused landing (0.0: reload_weights),
+        ``tensors`` how many tensors reload_weights loaded.
+        """
+        receiver = self._rltrain_receiver
+        if receiver is None:
+            raise RuntimeError("rltrain_receive before rltrain_init_refit")
+        t0 = time.perf_counter()
+        versions: set[int] = set()
+        m = receiver.manifest
+        if self._rltrain_landing is None:
+            count = 0
+
+            def named() -> Iterator[tuple[str, torch.Tensor]]:
+                nonlocal count
+                for sent_version, name, tensor in receiver.receive():
+                    versions.add(sent_version)
+                    count += 1
+                    # vLLM's loader may hold a tensor until its layer is complete, while the
+                    # receive buffer is reused for the next bucket: each tensor gets a copy.
+                    yield name, tensor.detach().clone()
+
+            runner: Any = self.model_runner  # type: ignore[attr-defined]
+            runner.reload_weights(weights_iterator=named(), is_checkpoint_format=True)
+            (version,) = versions  # one header per refit: every tensor has the same version
+            seconds = time.perf_counter() - t0
+            extra = {"tensors": float(count), "land_s": seconds, "direct": 0.0}
+            return RefitStats(version, seconds, m.total_bytes, len(m.buckets), extra)
+        waited = landed = 0.0
+        t_wait = time.perf_counter()
+        with torch.no_grad():
+            for sent_version, bucket, flat in receiver.receive_buckets():
+                t_land = time.perf_counter()
+                waited += t_land - t_wait
+                versions.add(sent_version)
+                self._rltrain_landing.land(bucket, flat)
+                t_wait = time.perf_counter()
+                landed += t_wait - t_land
+        t_sync = time.perf_counter()
+        torch.cuda.synchronize()  # the new weights are in place before the next forward
+        landed += time.perf_counter() - t_sync
+        (version,) = versions
+        extra = {"wait_s": waited, "land_s": landed, "direct": 1.0}
+        return RefitStats(version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), extra)
+
+    def rltrain_named_parameters(self) -> bytes:
+        """A CPU copy of every parameter of vLLM's model by vLLM's names, through
+        :func:`to_wire` (tests compare them with the trainer's)."""
+        model = self._rltrain_model()
+        return to_wire({n: p.detach().cpu().clone() for n, p in model.named_parameters()})

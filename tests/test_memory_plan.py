@@ -1,0 +1,367 @@
+"""The plan's memory estimate: exact parameter counts offline, the per-GPU estimate against
+every measured figure (within 15 %), the refusal of a layout over a GPU's memory (exit 2
+through the CLI, naming the GPU, its processes and the changes that fit), and the
+benchmarks' layouts it must keep accepting on 80 GiB GPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from rltrain.cli import app
+from rltrain.config.compose import compose
+from rltrain.models.shapes import known_shape, shape_from_config_json
+from rltrain.plan import Resources, make_plan
+from rltrain.plan.memory import CONTEXT_BYTES, GIB, TRAINER_FRAGMENTATION
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- parameter counts ------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_param_count_is_exact_against_the_hf_model(family, tied):
+    """Policy (causal LM) and critic (backbone + Linear(hidden, 1)) counted from config.json
+    alone match ``sum(p.numel())`` of the models transformers and the value worker build."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from rltrain.train.value_worker import ValueModel, _backbone
+
+    sizes = dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=101,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+    )
+    config_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_cls(**sizes)
+    torch.manual_seed(0)
+    model = model_cls(config)
+    shape = shape_from_config_json(config.to_dict(), "test")
+    assert shape is not None and shape.qkv_bias is (family == "qwen2")
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    critic = ValueModel(_backbone(model), config)
+    assert shape.value_model_params == sum(p.numel() for p in critic.parameters())
+
+
+def test_known_qwen25_sizes_give_the_published_counts():
+    """Qwen2.5's config.json sizes, without a download: 1.5B is 1,543,714,304 parameters
+    (tied embeddings); the 0.5B, 3B and 7B counts are the models' published ones."""
+    counts = {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "3B": 3_085_938_688, "7B": 7_615_616_512}
+    for size, n in counts.items():
+        for name in (f"Qwen/Qwen2.5-{size}", f"Qwen/Qwen2.5-{size}-Instruct"):
+            shape = known_shape(name)
+            assert shape is not None and shape.num_params == n, name
+    assert known_shape("Qwen/Qwen2.5-1.5B-Instruct").tie_word_embeddings  # type: ignore[union-attr]
+    assert known_shape("someone/unknown-model") is None
+
+
+# -- the estimate against measurements -------------------------------------------------------
+def test_estimates_are_within_15_percent_of_every_measured_figure():
+    """bench_train's policy variants, bench_e2e's two-GPU roles (peak allocated, and the
+    process with the margin against NVML) and the ppo split out-of-memory report."""
+    rows = _script("memory_estimate").all_rows()
+    sources = {r["source"].split()[0] for r in rows}
+    assert {"bench_train-h200.json", "bench_e2e-nvidia-h100-2gpu.json", "ppo"} <= sources
+    assert len(rows) >= 20
+    off = [r for r in rows if not 0.85 <= r["ratio"] <= 1.15]
+    assert not off, off
+    oom = {r["what"].split(" (")[0]: r for r in rows if r["source"].startswith("ppo split")}
+    # GPU 0 of `ppo split`: 44 + 35 GiB held at the failure; the estimate says it cannot fit
+    assert oom["policy rank 0"]["estimate_gib"] == pytest.approx(43.85, abs=0.05)
+    assert oom["value rank 0"]["estimate_gib"] == pytest.approx(34.35, abs=0.05)
+
+
+def test_colocated_engine_meets_the_trainers_pools_while_generating():
+    """A GPU shared with a sleeping vLLM engine: its peak is the generate phase (trainer
+    with its margin + the awake engine); while training the engine holds its context only."""
+    mem = _bench_plan("grpo", "dp2").memory
+    gpu0 = mem.gpus[0]
+    policy, engine = gpu0.processes
+    assert (policy.name, engine.name) == ("policy rank 0", "rollout rank 0")
+    assert policy.margin_bytes == CONTEXT_BYTES + int(TRAINER_FRAGMENTATION * policy.estimate_bytes)
+    assert gpu0.phases["generate"] == gpu0.peak_bytes == policy.total_bytes + engine.total_bytes
+    assert gpu0.phases["train"] == policy.total_bytes + CONTEXT_BYTES
+    # weights (bf16) + KV cache of one call (256 rows x 49 blocks of 16 tokens, +25 %) + sampler
+    kv = int(256 * 49 * 16 * (2 * 28 * 2 * 128 * 2) * 1.25)
+    assert engine.parts == {
+        "engine_weights": 2 * 1_543_714_304,
+        "kv_cache": kv,
+        "sampler": 1024 * 151936 * 28,
+    }
+    assert mem.gpus[1].phases == {}  # policy rank 1 alone
+
+
+# -- the refusal through the CLI -------------------------------------------------------------
+PPO_2GPU = [
+    "plan",
+    "ppo",
+    "recipe=qwen1.5b-gsm8k",
+    "cluster.num_gpus=2",
+    "dtensor.dp=1",
+    "rollout.replicas=1",
+    "cluster.gpu_memory_gib=80",
+]
+
+
+def test_cli_refuses_policy_and_critic_on_one_80gib_gpu():
+    """`ppo split` at the recipe's shapes: policy + critic on GPU 0, the engine on GPU 1."""
+    result = runner.invoke(app, [*PPO_2GPU, "rollout.colocated=false"])
+    assert result.exit_code == 2, result.output
+    msg = " ".join(result.output.split())
+    for needle in (
+        "GPU 0: policy rank 0 39.6 + value rank 0 30.1 GiB",
+        "93.6 GiB with the margins",
+        "80.0 GiB (cluster.gpu_memory_gib=80)",
+        "dtensor.cpu_offload=true",
+        "rollout.colocated=true rollout.vllm.kv_cache_gib=",
+    ):
+        assert needle in msg
+    assert "Traceback" not in result.output
+
+
+def test_cli_colocated_engine_fits_once_its_share_does():
+    """The engines on the policy's GPU (the critic on GPU 1): vLLM awake takes its
+    gpu_memory_utilization share (0.8 x 80 GiB at the recipe's 1024 rows x 2048 tokens, too
+    many for a KV cache of one call), which with the policy is over 80 GiB; the refusal
+    names the share that fits, and with it the plan is accepted."""
+    result = runner.invoke(app, [*PPO_2GPU, "rollout.colocated=true"])
+    assert result.exit_code == 2, result.output
+    msg = " ".join(result.output.split())
+    assert "rollout rank 0 64.0 GiB" in msg
+    assert "rollout.vllm.gpu_memory_utilization=0.3" in msg
+    fixed = [*PPO_2GPU, "rollout.colocated=true", "rollout.vllm.gpu_memory_utilization=0.3"]
+    result = runner.invoke(app, [*fixed, "--json"])
+    assert result.exit_code == 0, result.output
+    mem = json.loads(result.stdout)["memory"]
+    layout = [[p["name"] for p in g["processes"]] for g in mem["gpus"]]
+    assert layout == [["policy rank 0", "rollout rank 0"], ["value rank 0"]]
+    assert all(g["fits"] for g in mem["gpus"])
+    assert mem["gpus"][0]["peak_bytes"] <= 80 * GIB < mem["gpus"][0]["peak_bytes"] + 2 * GIB
+    tree = runner.invoke(app, fixed)
+    assert tree.exit_code == 0
+    assert "of 80.0 GiB at its peak, margins included: fits" in tree.output
+    assert "activations" in tree.output and "AdamW moments" in tree.output
+
+
+def test_cli_unknown_gpu_size_skips_the_check_and_says_so():
+    """No cluster.gpu_memory_gib on a machine without CUDA: estimated, not refused."""
+    args = [a for a in PPO_2GPU if not a.startswith("cluster.gpu_memory_gib")]
+    result = runner.invoke(app, [*args, "rollout.colocated=false", "--json"])
+    assert result.exit_code == 0, result.output
+    mem = json.loads(result.stdout)["memory"]
+    assert mem["capacity_bytes"] is None and mem["capacity"].startswith("unknown")
+    assert "cluster.gpu_memory_gib" in mem["capacity"]
+    assert [g["fits"] for g in mem["gpus"]] == [None, None]
+
+
+# -- the benchmarks' layouts stay accepted at 80 GiB -----------------------------------------
+def _bench_plan(algo: str, layout: str, gib: float = 80.0):
+    bench = _script("bench_e2e")
+    args = SimpleNamespace(
+        prompts=32,
+        samples=8,
+        mini_batch=None,
+        micro_tokens=4096,
+        max_new_tokens=256,
+        steps=6,
+        recipe="qwen1.5b-gsm8k",
+        data=str(bench.DATA),
+        eager=True,
+        gpu_memory_utilization=0.3,
+        split_gpu_memory_utilization=0.8,
+        overrides=[],
+        dry_run=False,
+    )
+    folder = Path(_script("memory_estimate").model_folder())
+    plan_ov, _ = bench.two_gpu_overrides(args, algo, layout, folder, Path("/tmp/unused"))
+    cfg, choices = compose([*plan_ov, f"cluster.gpu_memory_gib={gib}"], algorithm=algo)
+    return make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices)
+
+
+@pytest.mark.parametrize(
+    ("algo", "layout"), [("grpo", "split"), ("grpo", "dp2"), ("ppo", "critic"), ("ppo", "dp2")]
+)
+def test_bench_two_gpu_layouts_fit_80gib(algo, layout):
+    plan = _bench_plan(algo, layout)
+    assert all(g.fits for g in plan.memory.gpus)
+
+
+def test_bench_ppo_split_is_refused_at_80gib():
+    from rltrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"GPU 0: policy rank 0 43\.9 \+ value rank 0 34\.4"):
+        _bench_plan("ppo", "split")
+
+
+def test_bench_one_gpu_default_and_four_gpu_recipe_fit_80gib():
+    """bench_e2e's one-GPU run (colocated vLLM) and the recipe on 4 GPUs with two engines of
+    their own; the recipe's own 4 colocated engines on one GPU do not fit."""
+    from rltrain.config.errors import ConfigError
+
+    bench = _script("bench_e2e")
+    args = SimpleNamespace(
+        data=str(bench.DATA),
+        prompts=32,
+        samples=8,
+        max_new_tokens=512,
+        micro_tokens=4096,
+        steps=5,
+        smoke=False,
+        gpu_memory_utilization=0.3,
+        eager=True,
+        overrides=[],
+    )
+    folder = Path(_script("memory_estimate").model_folder())
+    overrides = bench.run_overrides(args, folder, Path("/tmp/unused"))
+    cfg, choices = compose([*overrides, "cluster.gpu_memory_gib=80"], algorithm="grpo")
+    (gpu,) = make_plan(cfg, Resources(num_cpus=16, num_gpus=1), choices).memory.gpus
+    assert gpu.fits and [p.name for p in gpu.processes] == ["policy rank 0", "rollout rank 0"]
+    four = Resources(num_cpus=16, num_gpus=4)
+    for algo in ("grpo", "ppo"):
+        ov = ["recipe=qwen1.5b-gsm8k", "cluster.device=cuda", "cluster.gpu_memory_gib=80"]
+        cfg, choices = compose([*ov, "rollout.replicas=2"], algorithm=algo)
+        assert all(g.fits for g in make_plan(cfg, four, choices).memory.gpus)
+        cfg, choices = compose(ov, algorithm=algo)
+        with pytest.raises(ConfigError, match=r"rollout rank 3 24\.6 GiB"):
+            make_plan(cfg, four, choices)
+
+
+def test_gpu_memory_is_read_from_nvml_without_a_cuda_context(monkeypatch):
+    import torch
+
+    from rltrain.cluster.ray_cluster import detect_gpu_memory, local_resources
+    from rltrain.config.schema import ClusterConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert detect_gpu_memory() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda i: 3)
+    total = 85_520_809_984  # an H100 80GB: 79.6 GiB
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: ("handle", i),
+        nvmlDeviceGetName=lambda h: b"NVIDIA H100 80GB HBM3",
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=total if h[1] == 3 else 0),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert detect_gpu_memory() == (total, "NVIDIA H100 80GB HBM3")  # NVML without v2
+    reserved = 508_035_072
+
+    def memory_info(handle, version=None):
+        assert version == "v2" and handle[1] == 3
+        return SimpleNamespace(total=total, reserved=reserved)
+
+    fake.nvmlMemory_v2, fake.nvmlDeviceGetMemoryInfo = "v2", memory_info
+    usable = total - reserved
+    assert detect_gpu_memory() == (usable, "NVIDIA H100 80GB HBM3")
+    res = local_resources(ClusterConfig(num_cpus=4, num_gpus=2))
+    assert (res.gpu_memory_bytes, res.gpu_name) == (usable, "NVIDIA H100 80GB HBM3")
+    assert (
+        local_resources(ClusterConfig(num_cpus=4, num_gpus=2, device="cpu")).gpu_memory_bytes
+        is None
+    )
+
+
+def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
+    """bench_e2e keeps, per process, plan.json's estimate and the run's measured peak (here
+    the grpo dp2 run's memory as the 2 x H100 result holds it)."""
+    bench = _script("bench_e2e")
+    result = json.loads((ROOT / "scripts/results/bench_e2e-nvidia-h100-2gpu.json").read_text())
+    gpu_memory = result["runs"]["grpo_dp2"]["gpu_memory"]
+    (tmp_path / "plan.json").write_text(_bench_plan("grpo", "dp2", 79.18).to_json())
+    got = bench.plan_estimate_vs_peak(tmp_path, gpu_memory)
+    assert set(got) == {"policy rank 0", "policy rank 1", "rollout rank 0"}
+    assert [got[k]["gpu"] for k in sorted(got)] == [0, 1, 0]
+    assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(24.936, abs=1e-3)
+    assert got["policy rank 1"]["memory_estimate_gib"] == pytest.approx(24.77, abs=0.01)
+    assert got["rollout rank 0"]["memory_estimate_gib"] == pytest.approx(13.63, abs=0.01)
+    assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.58, abs=0.01)
+    assert bench.plan_estimate_vs_peak(tmp_path / "none", gpu_memory) is None
+
+
+def test_trainer_parts_in_bytes():
+    """One policy rank at 1.5B shapes, bf16 compute / fp32 reduce, 4096 tokens a micro batch."""
+    from rltrain.config.schema import RunConfig
+    from rltrain.plan.memory import trainer_parts
+
+    shape = known_shape("Qwen/Qwen2.5-1.5B")
+    assert shape is not None
+    n, layer, root = 1_543_714_304, 46_797_824, 151936 * 1536 + 1536
+    assert (shape.layer_params, shape.root_params) == (layer, root)
+    cfg = RunConfig()
+    cfg.precision.param_dtype, cfg.precision.reduce_dtype = "bfloat16", "float32"
+    cfg.algorithm.kl_coef = 0.001
+    per_token = 2 * 28 * (8 * 1536 + 2 * 256 + 3 * 8960)  # bf16 elements a compiled block keeps
+    # dp=2: blocks re-gathered in backward, gradients reduced per micro batch (sharded)
+    assert trainer_parts(cfg, shape, 2, "policy", 4096, True) == {
+        "weights": 4 * n // 2,
+        "gradients": 4 * n // 2,
+        "optimizer": 8 * n // 2,
+        "gathered": 2 * (root + 2 * layer),
+        "reference": 4 * n // 2 + 2 * root,
+        "activations": 4096 * per_token,
+        "logits": 1024 * 151936 * (2 + 4),
+    }
+    # dp=1: every block kept gathered, fp32 gradients accumulated unsharded over the step
+    one = trainer_parts(cfg, shape, 1, "policy", 4096, True)
+    assert (one["gathered"], one["gradients"], one["reference"]) == (2 * n, 4 * n, 4 * n + 2 * n)
+    # activation checkpointing keeps each block's input (+ one block recomputed)
+    cfg.dtensor.activation_checkpointing = True
+    ac = trainer_parts(cfg, shape, 2, "policy", 4096, True)["activations"]
+    assert ac == 4096 * 2 * (28 * 1536 + 8 * 1536 + 2 * 256 + 3 * 8960)
+    # CPU offload: no fp32 state on the GPU; eager blocks keep 1.5x the activations
+    cfg.dtensor.activation_checkpointing, cfg.dtensor.cpu_offload = False, True
+    cfg.train.compile = False
+    off = trainer_parts(cfg, shape, 2, "policy", 4096, True)
+    assert off["weights"] == off["gradients"] == off["optimizer"] == 0
+    assert off["reference"] == 2 * root and off["activations"] == int(4096 * per_token * 1.5)
+    # the critic: no LM head (tied here: the same count + the scalar head), no logits
+    cfg.dtensor.cpu_offload, cfg.train.compile = False, None
+    critic = trainer_parts(cfg, shape, 1, "value", 4096, True)
+    assert "logits" not in critic and "reference" not in critic
+    assert critic["optimizer"] == 8 * (n + 1537)
+
+
+def test_recipe_model_is_sized_without_a_download():
+    """`rltrain plan ppo recipe=qwen1.5b-gsm8k` on this CPU machine: the hub id's sizes."""
+    result = runner.invoke(app, ["plan", "ppo", "recipe=qwen1.5b-gsm8k", "--json"])
+    assert result.exit_code == 0, result.output
+    mem = json.loads(result.stdout)["memory"]
+    assert mem["num_params"] == 1_543_714_304 and mem["refit_bytes_per_step"] == 2 * 1_543_714_304
+    assert mem["model"] == "the known architecture of Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def test_tensor_parallel_engine_takes_a_share_on_each_of_its_gpus():
+    cfg, choices = compose(
+        ["rollout=vllm", "rollout.tp=2", "cluster.device=cuda", "cluster.gpu_memory_gib=80"],
+        algorithm="grpo",
+    )
+    mem = make_plan(cfg, Resources(num_cpus=8, num_gpus=3), choices).memory
+    names = [[p.name for p in g.processes] for g in mem.gpus]
+    assert names == [["policy rank 0"], ["rollout rank 0 (tp 0)"], ["rollout rank 0 (tp 1)"]]
+    share = mem.gpus[1].processes[0].parts["gpu_memory_utilization"]
+    assert share == int(0.8 * 80 * GIB)
