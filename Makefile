@@ -46,5 +46,8 @@ bench-memory: setup  ## RSS slope of driver + actors over 300 steps of the embed
 bench-refit: setup  ## refit: raw broadcast vs end-to-end on 2 GPUs (ARGS=--smoke on CPU)
 	$(PY) scripts/bench_refit.py $(ARGS)
 
+bench-sandbox: setup  ## calls/s of the Python sandbox's warm pool against a fresh interpreter per call
+	$(PY) scripts/bench_sandbox.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -35,13 +35,15 @@ TARGET = 0.8
 WINDOW = 10
 
 
-def run_seed(seed: int, out_dir: Path, timeout_s: float) -> dict:
-    """One `rltrain grpo seed=<seed>` run; per-step arrival times and the run's figures.
+def run_seed(seed: int, out_dir: Path, timeout_s: float, overrides: tuple[str, ...] = ()) -> dict:
+    """One `rltrain grpo seed=<seed> [overrides]` run; per-step arrival times and the run's
+    figures.
 
     Nothing watches the run while it goes (a poller would take CPU from a run that uses
     every core): each step's arrival is the ``wall_time`` its metrics line carries (when
     the step was logged), counted from the launch."""
     cmd = [sys.executable, "-m", "rltrain.cli", "grpo", f"seed={seed}", f"output_dir={out_dir}"]
+    cmd += overrides
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     launched = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)

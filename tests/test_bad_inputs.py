@@ -109,7 +109,7 @@ SETUPS = {
 }
 
 C, F, M, R, U = "config", "files and folders", "model paths", "cluster", "CLI usage"
-D, W, S = "data", "reward plug-ins", "sweep"
+D, W, S, E = "data", "reward plug-ins", "sweep", "environments"
 CASES = [
     # -- config -----------------------------------------------------------------------------
     Case("unknown-key", C, ["grpo", "dtensor.tpp=2"], ["dtensor.tpp", "did you mean 'dtensor.tp'"],
@@ -259,6 +259,30 @@ CASES = [
          ["grpo", "algorithm.dynamic_sampling.enabled=true", "algorithm.samples_per_prompt=1"],
          ["algorithm.dynamic_sampling.enabled=true", "algorithm.samples_per_prompt=1", "group of 1"],
          "a group of 1 never has a reward spread"),
+    # -- environments (env group) -----------------------------------------------------------------
+    Case("unknown-env", E, ["grpo", "env=chess"], ["'chess'", "config group 'env'", "tool_copy"],
+         "lists the shipped environments"),
+    Case("env-zero-turns", E, ["grpo", "env=tool_copy", "env.max_turns=0"],
+         ["env.max_turns=0", ">= 1"], "an episode takes a turn or more"),
+    Case("env-turns-without-env", E, ["grpo", "env.max_turns=3"],
+         ["env.max_turns=3", "env=tool_copy", "env.target"], "more turns need an environment"),
+    Case("env-tool-timeout", E, ["grpo", "env=python_tool", "env.tool_timeout_s=0"],
+         ["env.tool_timeout_s=0.0", "> 0"], "a tool call needs time to run"),
+    Case("env-unknown-reward", E, ["grpo", "env=tool_copy", "env.reward=max"],
+         ["env.reward=max", "final, sum"], "lists the rules"),
+    Case("env-target-not-importable", E, ["grpo", "env.target=no_such_module:Env"],
+         ["env.target='no_such_module:Env'", "PYTHONPATH"], "names the module that failed"),
+    Case("env-target-not-an-env", E, ["grpo", "env.target=rltrain.rewards.copy:score"],
+         ["env.target='rltrain.rewards.copy:score'", "reset(episodes)"],
+         "says what an environment class has"),
+    Case("env-with-async", E, ["grpo", "env=tool_copy", "algorithm.async_rollout.enabled=true"],
+         ["env=tool_copy", "algorithm.async_rollout.enabled=true", "set algorithm.async_rollout.enabled=false"],
+         "the asynchronous loop runs single-turn rollouts only"),
+    Case("env-with-overlong-buffer", E, ["grpo", "env=tool_copy", "algorithm.overlong.buffer=2"],
+         ["algorithm.overlong.buffer=2", "algorithm.overlong.buffer=0"],
+         "the soft overlong penalty measures single responses"),
+    Case("env-with-eval", E, ["grpo", "env=tool_copy", "eval.every_n_steps=10"],
+         ["eval.every_n_steps=10", "eval.every_n_steps=0"], "evaluation runs single-turn prompts"),
     # -- sweep values ------------------------------------------------------------------------------
     Case("sweep-value-wrong-type", S, ["sweep", "grpo", "optim.lr=fast,1e-4", "output_dir={tmp}/sweep"],
          ["'optim.lr'", "fast"], "every trial's config is composed before anything runs",
@@ -441,7 +465,7 @@ def test_bad_input(case: Case, tmp_path, no_cluster):
 def test_the_table_has_every_area_and_enough_cases():
     assert len(CASES) >= 25
     assert len({c.id for c in CASES}) == len(CASES)
-    assert {c.area for c in CASES} == {C, F, M, R, U, D, W, S}
+    assert {c.area for c in CASES} == {C, F, M, R, U, D, W, S, E}
 
 
 def render_table() -> str:

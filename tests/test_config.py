@@ -79,6 +79,7 @@ def test_shipped_groups_and_options():
         "dr-grpo",
         "gspo",
         "qwen0.5b-gsm8k",
+        "qwen1.5b-gsm8k-tool",
         "qwen1.5b-gsm8k",
         "toy-dp2",
         "toy-long",
@@ -283,7 +284,8 @@ def test_plan_tree_default():
 
 
 def test_recipes_command_lists_every_recipe():
-    result = runner.invoke(app, ["recipes"])
+    # Wide enough that no description wraps (its words stay on one line to be found).
+    result = runner.invoke(app, ["recipes"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     for recipe in list_recipes():
         assert recipe.name in result.output

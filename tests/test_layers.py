@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sweep",),
     ("runner",),
     ("loops",),  # the controllers: grpo, ppo, collect, evaluate
+    ("envs",),  # multi-turn environments, trajectories, the turn driver (loops drive them)
     ("cluster",),  # Ray: actors, typed role handles, placement
     ("train",),  # the FSDP2 trainer and its workers
     ("rollout",),  # the engines

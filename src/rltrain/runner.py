@@ -175,6 +175,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
 
     tokenizer = load_tokenizer(cfg)
     task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
+    from rltrain.envs.registry import build_driver
+
+    driver = build_driver(cfg, task, tokenizer)  # env.target importable, its options taken
     run_name, out = resolve_output_dir(cfg)
     resume_from = find_resume(cfg, out)
     prepare_output_dir(out)
@@ -247,6 +250,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                     version,
                     ctx.loop_state,
                 ),
+                driver=driver,
             )
             if resume_from is not None:
                 restore_checkpoint(ctx, workers, resume_from)
@@ -272,6 +276,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             if cfg.logger.tensorboard:
                 outputs["tensorboard"] = str(out / "tensorboard")
         finally:
+            if driver is not None:
+                driver.close()
             logger.close()
             gpu_memory = _gpu_memory(workers, out)
             workers.shutdown()

@@ -286,9 +286,7 @@ class ValueGang(TrainerGang[ValueWorker]):
         pending = [
             a.call(ValueWorker.values, s) for a, s in zip(self.actors, shards.batches, strict=True)
         ]
-        return Later(
-            lambda: shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT)
-        )
+        return Later(lambda: shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT))
 
     def train(self, batch: ValueBatch) -> dict[str, float]:
         """Critic update(s) on the batch; rank 0's metrics (already reduced over the critic's

@@ -30,6 +30,7 @@ GROUPS = (
     "data",
     "cluster",
     "logger",
+    "env",
     "recipe",
 )
 

@@ -47,6 +47,7 @@ NODE_ORDER = [
     "cluster",
     "value",
     "value.dtensor",
+    "env",
 ]
 
 # Config groups whose option sets the node (conf/<group>/<option>.yaml).
@@ -60,6 +61,7 @@ GROUP_OF = {
     "data": "data",
     "cluster": "cluster",
     "logger": "logger",
+    "env": "env",
 }
 
 
@@ -155,7 +157,8 @@ def collect(
     cls: type = schema.RunConfig, prefix: str = ""
 ) -> dict[str, tuple[type, list[FieldDoc]]]:
     """Every node under ``cls``: dotted node name -> (its dataclass, its leaf keys)."""
-    hints = typing.get_type_hints(cls, vars(schema))
+    # Names of the schema and of the module that defines the node (the env node's own).
+    hints = typing.get_type_hints(cls, {**vars(schema), **vars(sys.modules[cls.__module__])})
     texts = field_texts(cls)
     nodes: dict[str, tuple[type, list[FieldDoc]]] = {prefix.rstrip("."): (cls, [])}
     for f in dataclasses.fields(cls):

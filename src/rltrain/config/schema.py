@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, cast, get_args
 
+from rltrain.config.env_schema import EnvConfig
+
 # The choices of the config keys: each defined once, here, as a Literal, with the tuple of
 # its values (typing.get_args) that validation, the CLI and the plan read; the math
 # functions take the Literals as parameter types. OmegaConf (2.3) rejects a Literal
@@ -579,6 +581,7 @@ class RunConfig:
     value: ValueConfig = field(default_factory=ValueConfig)  # used by algorithm=ppo only
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environments (envs/)
     # null = a fresh run; "auto" = continue from the newest complete checkpoint
     # under <output_dir>/checkpoints (fresh if none); or a checkpoint folder.
     resume: str | None = None

@@ -7,6 +7,7 @@ Checks that need the cluster's size (dp auto, batch divisibility) live in
 from __future__ import annotations
 
 from rltrain.config.checks import check_choice, check_finite, check_positive
+from rltrain.config.env_schema import ENV_REWARDS
 from rltrain.config.errors import ConfigError
 from rltrain.config.inputs import (
     check_mesh_fits_model,
@@ -235,6 +236,7 @@ def validate(cfg: RunConfig) -> None:
             "set output_dir (or run_name) to the run to continue."
         )
     _validate_faults(cfg)
+    _validate_env(cfg)
     if a.name == "ppo":
         validate_ppo(cfg)
 
@@ -386,4 +388,52 @@ def _validate_faults(cfg: RunConfig) -> None:
     if skips < 0:
         raise ConfigError(
             f"precision.grad_scaler.max_consecutive_skips={skips} must be >= 0 (0 = never stop)."
+        )
+
+
+def _validate_env(cfg: RunConfig) -> None:
+    """The ``env`` node: turn and token budgets, the reward rule, the tool timeout, and what
+    a multi-turn environment does not run with (the asynchronous loop, evaluation)."""
+    e = cfg.env
+    if e.max_turns < 1:
+        raise ConfigError(
+            f"env.max_turns={e.max_turns} must be >= 1 (model turns per episode); "
+            "use env.max_turns=1 for one response per prompt."
+        )
+    for key in ("max_tokens_per_turn", "max_total_tokens"):
+        value = getattr(e, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"env.{key}={value} must be >= 1, or null for its default.")
+    check_positive("env.max_observation_tokens", e.max_observation_tokens)
+    check_positive("env.workers", e.workers)
+    check_choice("env.reward", e.reward, ENV_REWARDS)
+    if e.tool_timeout_s <= 0:
+        raise ConfigError(
+            f"env.tool_timeout_s={e.tool_timeout_s} must be > 0 (seconds a tool call may run); "
+            "e.g. env.tool_timeout_s=5."
+        )
+    if e.target is None:
+        if e.max_turns > 1:
+            raise ConfigError(
+                f"env.max_turns={e.max_turns} needs an environment to answer the turns; "
+                "choose one (env=tool_copy, env=python_tool) or set env.target=module:Class."
+            )
+        return
+    if cfg.algorithm.async_rollout.enabled:
+        raise ConfigError(
+            f"env={e.name} (a multi-turn environment) does not run with "
+            "algorithm.async_rollout.enabled=true yet; set algorithm.async_rollout.enabled=false "
+            "or env=single_turn."
+        )
+    if cfg.algorithm.overlong.buffer:
+        raise ConfigError(
+            f"algorithm.overlong.buffer={cfg.algorithm.overlong.buffer} measures a response "
+            f"against rollout.max_new_tokens, not the turns of env={e.name}; set "
+            "algorithm.overlong.buffer=0 (env.max_total_tokens bounds an episode)."
+        )
+    if cfg.eval.every_n_steps:
+        raise ConfigError(
+            f"eval.every_n_steps={cfg.eval.every_n_steps}: evaluation runs single-turn prompts, "
+            f"not the episodes of env={e.name}; set eval.every_n_steps=0 (the env/* and "
+            "reward/* metrics track the episodes)."
         )

@@ -7,7 +7,8 @@ resumed before it; the loops (grpo.py, ppo.py) go on from the scored rollout.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -43,6 +44,8 @@ class Collected:
     rounds: int = 1
     dropped_groups: int = 0
     filled_groups: int = 0
+    # The environment's env/* metrics (multi-turn rollouts; empty for single-turn ones).
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.generated_rewards is None:
@@ -126,6 +129,49 @@ def collect(
     return Collected(rollout, rewards, exact)
 
 
+def collect_episodes(
+    ctx: RunContext,
+    step: int,
+    sampling: SamplingParams,
+    weight_version: int,
+    timer: StageTimer,
+    round_: int = 0,
+) -> Collected:
+    """:func:`collect` through the run's environment (``env.target``): sample prompt items,
+    run multi-turn episodes on the engines' current weights (which must be
+    ``weight_version``) with the turn driver (``ctx.driver``), reward each episode as the
+    environment says. Times "generate" (every turn) and "env" on ``timer``."""
+    a = ctx.cfg.algorithm
+    assert ctx.driver is not None, "a multi-turn rollout needs the run's turn driver"
+    items = ctx.task.sample(a.prompts_per_step)
+    got = ctx.driver.run(
+        ctx.rollout.generate,
+        items,
+        a.samples_per_prompt,
+        replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_)),
+        timer,
+    )
+    assert got.rollout.weight_version == weight_version, "rollout used stale weights"
+    return Collected(
+        got.rollout, torch.tensor(got.rewards), torch.tensor(got.exact), metrics=got.metrics
+    )
+
+
+Collect = Callable[["RunContext", int, SamplingParams, int, StageTimer], Collected]
+
+
+def collector(ctx: RunContext) -> Collect:
+    """The loop's stages 1-3: dynamic sampling's rounds, or one round; through the run's
+    environment when it has one (``env.target``), else the data task's single turn."""
+    if ctx.cfg.algorithm.dynamic_sampling.enabled:
+        return collect_dynamic
+    return collect_episodes if ctx.driver is not None else collect
+
+
+def _rows(values: list | None, rows: list[int]) -> list | None:
+    return None if values is None else [values[i] for i in rows]
+
+
 def select_rows(rollout: RolloutBatch, rows: list[int]) -> RolloutBatch:
     """The given rows of a rollout, in that order."""
     return replace(
@@ -134,7 +180,15 @@ def select_rows(rollout: RolloutBatch, rows: list[int]) -> RolloutBatch:
         response_ids=[rollout.response_ids[i] for i in rows],
         response_logprobs=[rollout.response_logprobs[i] for i in rows],
         finished=[rollout.finished[i] for i in rows],
+        row_versions=_rows(rollout.row_versions, rows),
+        response_versions=_rows(rollout.response_versions, rows),
+        response_mask=_rows(rollout.response_mask, rows),
     )
+
+
+def _joined(parts: list[RolloutBatch], name: str) -> list | None:
+    lists = [getattr(p, name) for p in parts]
+    return None if any(x is None for x in lists) else [x for xs in lists for x in xs]
 
 
 def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -147,6 +201,9 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
         response_logprobs=[x for p in parts for x in p.response_logprobs],
         finished=[x for p in parts for x in p.finished],
         engine_seconds=sum(p.engine_seconds for p in parts),
+        row_versions=_joined(parts, "row_versions"),
+        response_versions=_joined(parts, "response_versions"),
+        response_mask=_joined(parts, "response_mask"),
     )
 
 
@@ -162,8 +219,9 @@ def collect_dynamic(
     g, wanted = a.samples_per_prompt, a.prompts_per_step
     rounds: list[Collected] = []
     informative: list[bool] = []
+    one_round = collect_episodes if ctx.driver is not None else collect
     while len(rounds) < a.dynamic_sampling.max_rounds and sum(informative) < wanted:
-        got = collect(ctx, step, sampling, weight_version, timer, round_=len(rounds))
+        got = one_round(ctx, step, sampling, weight_version, timer, round_=len(rounds))
         rounds.append(got)
         informative += informative_groups(got.rewards, g).tolist()
     groups, filled = fill_groups(informative, wanted)
@@ -180,4 +238,5 @@ def collect_dynamic(
         rounds=len(rounds),
         dropped_groups=len(informative) - sum(informative) - filled,
         filled_groups=filled,
+        metrics={k: sum(r.metrics[k] for r in rounds) / len(rounds) for k in rounds[0].metrics},
     )

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from rltrain.cluster.workers import RefitInFlight
     from rltrain.config.schema import RunConfig
     from rltrain.data import Task
+    from rltrain.envs.driver import TurnDriver
     from rltrain.plan import RunPlan
     from rltrain.refit.base import RefitStats
 
@@ -45,6 +46,9 @@ class RunContext:
     # finds it in ``resumed_loop_state``.
     loop_state: Callable[[], dict[str, Any]] | None = None
     resumed_loop_state: dict[str, Any] | None = None
+    # The run's multi-turn environment behind its turn driver (``env.target``); None = the
+    # data task's single turn (loops/collect.py).
+    driver: TurnDriver | None = None
 
     def refit(self, weight_version: int) -> RefitStats:
         """Refit the pool to the policy's weights as ``weight_version`` and wait for it."""

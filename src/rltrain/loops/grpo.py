@@ -16,7 +16,7 @@ from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty
 from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig, KLRewardLevel
 from rltrain.logging.metrics import StageTimer
-from rltrain.loops.collect import Collected, collect, collect_dynamic, sampling_params
+from rltrain.loops.collect import Collected, collector, sampling_params
 from rltrain.loops.context import RunContext
 from rltrain.loops.step import (
     end_step,
@@ -99,7 +99,7 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
     a = cfg.algorithm
     sampling = sampling_params(cfg)
     fuse_old_logprobs = fuses_old_logprobs(ctx)
-    gather = collect_dynamic if a.dynamic_sampling.enabled else collect
+    gather = collector(ctx)  # multi-turn episodes when the run has an environment
     # A resumed run starts after its checkpoint's step, with the restored weights.
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
@@ -169,6 +169,7 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,
             **objective_metrics(a, got, penalty, loss_mask, kl_BT),
+            **got.metrics,
         }
         # step 10: greedy evaluation on the validation split (val/accuracy) with the new
         # weights, then log, then a checkpoint every checkpoint.every_n_steps

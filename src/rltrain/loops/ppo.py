@@ -15,7 +15,7 @@ from rltrain.algorithms.gae import gae, token_rewards
 from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty
 from rltrain.logging.metrics import StageTimer
-from rltrain.loops.collect import collect, sampling_params
+from rltrain.loops.collect import collector, sampling_params
 from rltrain.loops.context import RunContext
 from rltrain.loops.step import (
     end_step,
@@ -51,6 +51,7 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
     sampling = sampling_params(cfg)
     fuse_old_logprobs = fuses_old_logprobs(ctx)
     beside = critic_beside_policy(ctx)
+    gather = collector(ctx)  # multi-turn episodes when the run has an environment
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
@@ -59,7 +60,7 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
 
         # steps 1-3: prompts (each repeated samples_per_prompt times), generate with the
         # engines' current weights (version = weight_version), reward of each whole response
-        got = collect(ctx, step, sampling, weight_version, timer)
+        got = gather(ctx, step, sampling, weight_version, timer)
         rollout, scores, exact = got.rollout, got.rewards, got.exact
         # the rollout's tensors; truncated responses out of the actor's loss (overlong filter)
         batch = build_train_batch(rollout, tok.pad_token_id, drop_truncated=a.overlong.filter)
@@ -149,6 +150,7 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             "time/step": step_s,
             "throughput/steps_per_s": 1.0 / step_s,
             "throughput/tokens_per_s": n_tokens / step_s,
+            **got.metrics,
         }
         if old_logprobs_BT is not None:
             metrics["token_mult_prob_error"] = token_mult_prob_error(

@@ -29,7 +29,7 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
         from rltrain.models.vocab import tiny_alphabet
 
         tokenizer: PreTrainedTokenizerBase = build_tokenizer(
-            tiny_alphabet(cfg.data.task, cfg.data.alphabet)
+            tiny_alphabet(cfg.data.task, cfg.data.alphabet, "".join(cfg.env.stop))
         )
     else:
         name = cfg.model.tokenizer or cfg.model.path

@@ -25,6 +25,10 @@ TEXT_ALPHABET = "".join(
 )
 
 
-def tiny_alphabet(task: str, alphabet: str) -> str:
-    """Characters of the embedded tokenizer: the copy alphabet, or printable ASCII for datasets."""
-    return alphabet if task == "copy" else TEXT_ALPHABET
+def tiny_alphabet(task: str, alphabet: str, extra: str = "") -> str:
+    """Characters of the embedded tokenizer: the copy alphabet, or printable ASCII for datasets,
+    then the characters of ``extra`` (an environment's stop strings: a tool-call marker) that
+    are not tokens yet, appended after the others so every other id stays as it was."""
+    base = alphabet if task == "copy" else TEXT_ALPHABET
+    added = dict.fromkeys(c for c in extra if c not in base and c != SEPARATOR)
+    return base + "".join(added)

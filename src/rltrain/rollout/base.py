@@ -18,6 +18,12 @@ class SamplingParams:
     max_new_tokens: int = 16
     seed: int | None = None
     top_k: int = 0  # 0 = off (engines that support it: vllm)
+    # Token ids that end a row like EOS does, kept as its last token (a tool call's closing
+    # tag); the row is then not ``finished`` (that means EOS).
+    stop_token_ids: tuple[int, ...] = ()
+    # Strings that end a row once its decoded tail contains one (torch engine; several-token
+    # stops). Single-token stops belong in ``stop_token_ids`` (every engine).
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -45,6 +51,10 @@ class RolloutBatch:
     # ``response_versions[i][j]`` belongs to ``response_ids[i][j]``). None = every token is
     # its row's version.
     response_versions: list[list[int]] | None = None
+    # Per token, 1 where the engine sampled it and 0 where an environment's observation sits
+    # between model turns (multi-turn rollouts: context, not a training target). None =
+    # every response token was sampled.
+    response_mask: list[list[int]] | None = None
 
     def versions(self) -> list[int]:
         """The weight version of each row's oldest token."""

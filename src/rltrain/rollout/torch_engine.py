@@ -157,6 +157,8 @@ class TorchEngine:
             (B, sampling.max_new_tokens), dtype=torch.float32, device=self.device
         )
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        eos_hit = torch.zeros(B, dtype=torch.bool, device=self.device)
+        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         past = None
         step_ids, step_pos = ids, position_ids
@@ -193,7 +195,12 @@ class TorchEngine:
             out_tokens[:, t] = tok
             out_logprobs[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
             lengths += (~done).long()
+            eos_hit |= (tok == self.eos_id) & ~done
             done |= tok == self.eos_id
+            if len(stop_ids):
+                done |= torch.isin(tok, stop_ids)
+            if sampling.stop:
+                done |= self._stop_strings(out_tokens[:, : t + 1], lengths, done, sampling.stop)
             if bool(done.all()):
                 break
             step_ids = tok[:, None]
@@ -203,7 +210,7 @@ class TorchEngine:
             )
 
         tokens, logprobs, n = out_tokens.tolist(), out_logprobs.tolist(), lengths.tolist()
-        finished = done.tolist()
+        finished = eos_hit.tolist()
         start_version = step_versions[0] if step_versions else self._version
         response_versions = row_versions = None
         if self.partial_rollouts:
@@ -221,6 +228,24 @@ class TorchEngine:
             row_versions=row_versions,
             response_versions=response_versions,
         )
+
+    def _stop_strings(
+        self,
+        tokens_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        done_B: torch.Tensor,
+        stop: tuple[str, ...],
+    ) -> torch.Tensor:
+        """Rows still running whose decoded tail contains one of ``stop`` (a tail of as many
+        tokens as the longest stop has characters, plus one: every token holds a character
+        or more of text)."""
+        window = max(len(s) for s in stop) + 1
+        hit = torch.zeros_like(done_B)
+        for i in torch.nonzero(~done_B).squeeze(-1).tolist():
+            n = int(lengths_B[i])
+            tail = self.tokenizer.decode(tokens_BT[i, max(0, n - window) : n].tolist())
+            hit[i] = any(s in tail for s in stop)
+        return hit
 
     # -- refit --------------------------------------------------------------
     def load_weights(

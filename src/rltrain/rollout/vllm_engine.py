@@ -351,7 +351,7 @@ class VLLMEngine:
                 # Stop at the tokenizer's EOS only, as the torch engine does (vLLM would
                 # otherwise add generation_config's extra EOS ids).
                 ignore_eos=True,
-                stop_token_ids=[self.eos_id],
+                stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
                 seed=seed,
                 logprobs=0,  # the sampled token's own logprob only
                 detokenize=False,

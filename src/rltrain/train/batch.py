@@ -149,7 +149,11 @@ def build_train_batch(
 ) -> TrainBatch:
     """Prompt+response rows, right-padded to the longest row. ``drop_truncated``
     (``algorithm.overlong.filter``): rows of responses that hit the length limit are out
-    of the loss mask."""
+    of the loss mask.
+
+    A multi-turn rollout (``rollout.response_mask`` set) keeps its observation tokens in
+    the rows as context: they are out of ``response_mask_BT`` and ``loss_mask_BT`` (no
+    target, no loss, no logprob comparison), and their engine logprobs are 0."""
     n_p = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
     n_r = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.long)
     lengths = n_p + n_r
@@ -166,11 +170,18 @@ def build_train_batch(
     ids[row, col] = torch.tensor(flat, dtype=torch.long)
     attn = (torch.arange(T)[None, :] < lengths[:, None]).long()
     in_resp = (torch.arange(T)[None, :] >= n_p[:, None]) & attn.bool()
-    resp = in_resp.float()
     elp = torch.zeros((B, T), dtype=torch.float32)
     elp[in_resp] = torch.tensor(
         [x for lp in rollout.response_logprobs for x in lp], dtype=torch.float32
     )
+    if rollout.response_mask is not None:
+        sampled = torch.zeros((B, T), dtype=torch.bool)
+        sampled[in_resp] = torch.tensor(
+            [x for m in rollout.response_mask for x in m], dtype=torch.bool
+        )
+        elp = elp * sampled
+        in_resp = sampled
+    resp = in_resp.float()
     loss_mask = (
         truncated_keep_mask(torch.tensor(rollout.finished), resp) if drop_truncated else resp
     )

@@ -1,0 +1,93 @@
+"""Whole runs with the env group: the default (single turn) unchanged, the single-turn
+rollout through the turn driver equal to it, and env=tool_copy learning to call its tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+FIXTURE = Path(__file__).parent / "fixtures" / "single_turn_metrics.json"
+# Per-step figures that measure time, not the run.
+TIMING = ("time/", "overhead/", "throughput/", "wall_time", "refit/")
+# Functions of the sampled tokens alone: equal to the last bit on any torch.
+DISCRETE = (
+    "reward/",
+    "response/",
+    "num_",
+    "step",
+    "weight_version",
+    "lr",
+    "optimizer_",
+    "compile/",
+)
+
+
+def _run(out: Path, *overrides: str, timeout: float = 300, command: str = "grpo") -> list[dict]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    argv = [sys.executable, "-m", "rltrain.cli", command, f"output_dir={out}", "logger.progress=false",
+           "logger.tensorboard=false", "checkpoint.save_final=false", *overrides]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
+
+@pytest.mark.timeout(400)
+def test_default_run_is_unchanged_and_equals_the_driver(tmp_path):
+    """`rltrain grpo` (env=single_turn) gives the metrics it gave before the env group
+    existed (a committed fixture of the same command); the single-turn environment run
+    through the turn driver gives the same ones too."""
+    common = ("seed=3", "max_steps=4", "cluster.torch_threads=1")
+    rows = [_untimed(r) for r in _run(tmp_path / "default", *common)]
+    before = json.loads(FIXTURE.read_text())["rows"]
+    assert [sorted(r) for r in rows] == [sorted(r) for r in before]  # no metric added or lost
+    for mine, old in zip(rows, before, strict=True):
+        for key, value in old.items():
+            if key.startswith(DISCRETE):
+                assert mine[key] == value, (mine["step"], key)
+            else:  # the same float math; a last-bit margin for another torch build
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (mine["step"], key)
+    driven = _run(tmp_path / "driver", *common, "env.target=rltrain.envs.single_turn:SingleTurnEnv",
+                  "env.workers=1")  # fmt: skip
+    for mine, theirs in zip(rows, driven, strict=True):
+        assert mine == {k: theirs[k] for k in mine}, mine["step"]
+        assert theirs["env/turns_mean"] == 1.0 and theirs["env/observation_tokens_mean"] == 0.0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_copy_learns_to_call_the_tool(tmp_path, seed):
+    """`rltrain grpo env=tool_copy`: from a random model (exact match ~0) to an exact copy of
+    the secret the tool returns in >= 0.8 of the last 10 steps, every sample calling the tool."""
+    rows = _run(tmp_path / "tool_copy", "env=tool_copy", f"seed={seed}", timeout=560)
+    first = sum(r["reward/exact_match"] for r in rows[:10]) / 10
+    last = sum(r["reward/exact_match"] for r in rows[-10:]) / 10
+    assert first < 0.1
+    assert last >= 0.8, f"exact match over the last 10 steps: {last:.3f}"
+    assert rows[-1]["env/tool_calls_mean"] >= 1.0
+    assert rows[-1]["env/turns_mean"] == pytest.approx(2.0, abs=0.05)
+    assert rows[-1]["env/observation_truncated"] == 0.0
+    assert abs(rows[-1]["token_mult_prob_error"] - 1.0) < 1e-3  # sampled tokens only
+
+
+@pytest.mark.timeout(300)
+def test_ppo_runs_multi_turn_episodes(tmp_path):
+    """`rltrain ppo env=tool_copy`: the critic values whole trajectories and GAE runs over the
+    sampled tokens; the run's metrics carry the episodes."""
+    rows = _run(tmp_path / "ppo", "env=tool_copy", "max_steps=3", "algorithm.prompts_per_step=8",
+                command="ppo")  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 1.0 <= r["env/turns_mean"] <= 2.0 and r["env/observation_tokens_mean"] > 0
+        assert abs(r["token_mult_prob_error"] - 1.0) < 1e-3
+        assert r["value/loss"] == r["value/loss"]  # finite, not nan
