@@ -372,6 +372,8 @@ class _FakeRollouts:
     ``varied[r]`` groups answer right and wrong alternately (a signal), every other
     group answers right on every sample (all-equal rewards)."""
 
+    streams_rows = False  # every row of a call comes back together
+
     def __init__(self, tokenizer, varied: list[int]):
         self.tok, self.varied, self.calls = tokenizer, varied, []
 
@@ -412,7 +414,7 @@ def test_dynamic_sampling_refills_from_later_rounds_within_the_bound(max_rounds)
     tok = build_tokenizer(cfg.data.alphabet)
     engine = _FakeRollouts(tok, varied=[0, 3, 2, 4])  # informative groups per round: 0, 3, 2
     ctx = SimpleNamespace(
-        cfg=cfg, task=build_task(cfg.data, cfg.seed), tokenizer=tok, rollout=engine
+        cfg=cfg, task=build_task(cfg.data, cfg.seed), tokenizer=tok, rollout=engine, driver=None
     )
     got = collect_dynamic(ctx, 1, sampling_params(cfg), 0, StageTimer())
     assert len(got.rollout.response_ids) == 32 and got.rewards.shape == (32,)
