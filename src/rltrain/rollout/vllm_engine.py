@@ -46,6 +46,7 @@ the KV cache size in bytes on CPU and a memory fraction on GPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import tempfile
 import threading
@@ -148,6 +149,16 @@ class _EventLoop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def close(self) -> None:
+        """Cancel what still runs on the loop (vLLM's output handler), then stop it."""
+
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        with contextlib.suppress(Exception):  # best effort on the way out
+            self.run(cancel_rest(), timeout_s=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 
