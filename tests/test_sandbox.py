@@ -65,6 +65,19 @@ def test_code_that_never_ends_is_killed_at_the_deadline(pool, code):
     assert r.error == "timed out after 0.5 s of wall-clock time; the process was killed"
 
 
+def test_the_cpu_time_limit_is_the_kernels(pool):
+    """RLIMIT_CPU ends a busy loop by SIGXCPU (here lowered to 1 s, under the wall clock)."""
+    code = (
+        "import resource\n"
+        "hard = resource.getrlimit(resource.RLIMIT_CPU)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_CPU, (1, hard))\n"
+        "while True: pass"
+    )
+    r = pool.run(code, timeout_s=30)
+    assert r.timed_out and r.exit_code == -signal.SIGXCPU and r.seconds < 30
+    assert r.error == "exceeded the CPU time limit of 30 s; the process was killed"
+
+
 def test_output_before_the_deadline_is_kept(pool):
     r = pool.run("print('started', flush=True)\nwhile True: pass", timeout_s=0.5)
     assert r.timed_out and r.stdout == "started\n"
