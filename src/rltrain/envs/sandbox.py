@@ -398,7 +398,10 @@ def _write_all(fd: int, data: bytes, deadline: float) -> bool:
     os.set_blocking(fd, False)
     view = memoryview(data)
     try:
-        with selectors.DefaultSelector() as sel:
+        view = view[os.write(fd, view) :]  # a job within the pipe's buffer: one write
+        if not view:
+            return True
+        with selectors.DefaultSelector() as sel:  # a larger one as the worker reads it
             sel.register(fd, selectors.EVENT_WRITE)
             while view:
                 if not sel.select(_wait_s(deadline)):
