@@ -65,6 +65,7 @@ class SandboxResult:
 
     @property
     def ok(self) -> bool:
+        """The code exited 0 within its time and output limits."""
         return self.error is None
 
 
