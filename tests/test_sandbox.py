@@ -169,6 +169,29 @@ def test_writes_outside_its_folder_fail(pool, tmp_path):
     assert lines[0] == "refused EROFS"  # /tmp is writable by anyone, but not from here
 
 
+def test_other_calls_folders_are_closed(pool):
+    """The idle workers' folders exist beside this call's; none can be listed or written."""
+    _enforced(pool, "uid")
+    code = (
+        "import os\n"
+        "calls, own = os.path.split(os.getcwd())\n"
+        "others = [f for f in map(str, range(10000)) if f != own and os.path.isdir(f'{calls}/{f}')]\n"
+        "written = 0\n"
+        "for f in others:\n"
+        "    try:\n"
+        "        open(f'{calls}/{f}/x', 'w').close()\n"
+        "        written += 1\n"
+        "    except PermissionError:\n"
+        "        pass\n"
+        "try:\n"
+        "    os.listdir(calls)\n"
+        "except PermissionError:\n"
+        "    print('unlistable')\n"
+        "print(len(others) > 0, written)"
+    )
+    assert pool.run(code).stdout == "unlistable\nTrue 0\n"
+
+
 def test_only_the_system_and_the_interpreter_are_in_sight(pool):
     _enforced(pool, "filesystem")
     code = (
