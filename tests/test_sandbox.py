@@ -205,6 +205,26 @@ def test_only_the_system_and_the_interpreter_are_in_sight(pool):
     assert kept == "True True"
 
 
+def test_a_user_namespace_of_its_own_changes_nothing(pool):
+    """Root of a new user namespace cannot lift the covers, remount or fork."""
+    _enforced(pool, "filesystem")
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.unshare(0x10000000 | 0x20000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS\n"
+        "    raise SystemExit('refused')\n"
+        "print([libc.umount2(p, 2) for p in (b'/tmp', b'/work', b'/root')], os.listdir('/tmp'))\n"
+        "print(libc.mount(None, b'/tmp', None, ctypes.c_ulong(32 | 4096), None))  # rw remount\n"
+        "os.fork()"
+    )
+    r = pool.run(code)
+    if r.stderr == "refused\n":
+        pytest.skip("this kernel refuses unprivileged user namespaces")
+    pool_folder = os.path.basename(os.path.dirname(pool.calls_folder))
+    assert r.stdout == f"[-1, -1, -1] [{pool_folder!r}]\n-1\n"
+    assert "BlockingIOError" in r.stderr
+
+
 def test_the_environment_is_minimal(monkeypatch):
     monkeypatch.setenv("RLTRAIN_SANDBOX_SECRET", "do-not-leak")
     with SandboxPool(size=1) as fresh:  # started after the secret was set
