@@ -302,7 +302,8 @@ class SandboxPool:
             result = self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
             if result is not None:
                 return result
-        raise RuntimeError("three sandbox workers in a row were killed before taking their job")
+        text = "three sandbox workers in a row were killed before taking the job"
+        return SandboxResult("", "", -1, False, False, time.monotonic() - start, text)
 
     def _collect(
         self, w: _Worker, start: float, deadline: float, timeout_s: float, limit: int
