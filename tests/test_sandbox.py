@@ -65,6 +65,19 @@ def test_code_that_never_ends_is_killed_at_the_deadline(pool, code):
     assert r.error == "timed out after 0.5 s of wall-clock time; the process was killed"
 
 
+def test_the_cpu_time_limit_is_the_kernels(pool):
+    """RLIMIT_CPU ends a busy loop by SIGXCPU (here lowered to 1 s, under the wall clock)."""
+    code = (
+        "import resource\n"
+        "hard = resource.getrlimit(resource.RLIMIT_CPU)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_CPU, (1, hard))\n"
+        "while True: pass"
+    )
+    r = pool.run(code, timeout_s=30)
+    assert r.timed_out and r.exit_code == -signal.SIGXCPU and r.seconds < 30
+    assert r.error == "exceeded the CPU time limit of 30 s; the process was killed"
+
+
 def test_output_before_the_deadline_is_kept(pool):
     r = pool.run("print('started', flush=True)\nwhile True: pass", timeout_s=0.5)
     assert r.timed_out and r.stdout == "started\n"
@@ -156,6 +169,29 @@ def test_writes_outside_its_folder_fail(pool, tmp_path):
     assert lines[0] == "refused EROFS"  # /tmp is writable by anyone, but not from here
 
 
+def test_other_calls_folders_are_closed(pool):
+    """The idle workers' folders exist beside this call's; none can be listed or written."""
+    _enforced(pool, "uid")
+    code = (
+        "import os\n"
+        "calls, own = os.path.split(os.getcwd())\n"
+        "others = [f for f in map(str, range(10000)) if f != own and os.path.isdir(f'{calls}/{f}')]\n"
+        "written = 0\n"
+        "for f in others:\n"
+        "    try:\n"
+        "        open(f'{calls}/{f}/x', 'w').close()\n"
+        "        written += 1\n"
+        "    except PermissionError:\n"
+        "        pass\n"
+        "try:\n"
+        "    os.listdir(calls)\n"
+        "except PermissionError:\n"
+        "    print('unlistable')\n"
+        "print(len(others) > 0, written)"
+    )
+    assert pool.run(code).stdout == "unlistable\nTrue 0\n"
+
+
 def test_only_the_system_and_the_interpreter_are_in_sight(pool):
     _enforced(pool, "filesystem")
     code = (
@@ -167,6 +203,26 @@ def test_only_the_system_and_the_interpreter_are_in_sight(pool):
     pool_folder = os.path.basename(os.path.dirname(pool.calls_folder))
     assert hidden == f"False [{pool_folder!r}] []"  # this file, other temp files, sockets
     assert kept == "True True"
+
+
+def test_a_user_namespace_of_its_own_changes_nothing(pool):
+    """Root of a new user namespace cannot lift the covers, remount or fork."""
+    _enforced(pool, "filesystem")
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.unshare(0x10000000 | 0x20000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS\n"
+        "    raise SystemExit('refused')\n"
+        "print([libc.umount2(p, 2) for p in (b'/tmp', b'/work', b'/root')], os.listdir('/tmp'))\n"
+        "print(libc.mount(None, b'/tmp', None, ctypes.c_ulong(32 | 4096), None))  # rw remount\n"
+        "os.fork()"
+    )
+    r = pool.run(code)
+    if r.stderr == "refused\n":
+        pytest.skip("this kernel refuses unprivileged user namespaces")
+    pool_folder = os.path.basename(os.path.dirname(pool.calls_folder))
+    assert r.stdout == f"[-1, -1, -1] [{pool_folder!r}]\n-1\n"
+    assert "BlockingIOError" in r.stderr
 
 
 def test_the_environment_is_minimal(monkeypatch):

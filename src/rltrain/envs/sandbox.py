@@ -65,6 +65,7 @@ class SandboxResult:
 
     @property
     def ok(self) -> bool:
+        """The code exited 0 within its time and output limits."""
         return self.error is None
 
 
@@ -301,7 +302,8 @@ class SandboxPool:
             result = self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
             if result is not None:
                 return result
-        raise RuntimeError("three sandbox workers in a row were killed before taking their job")
+        text = "three sandbox workers in a row were killed before taking the job"
+        return SandboxResult("", "", -1, False, False, time.monotonic() - start, text)
 
     def _collect(
         self, w: _Worker, start: float, deadline: float, timeout_s: float, limit: int
@@ -398,7 +400,10 @@ def _write_all(fd: int, data: bytes, deadline: float) -> bool:
     os.set_blocking(fd, False)
     view = memoryview(data)
     try:
-        with selectors.DefaultSelector() as sel:
+        view = view[os.write(fd, view) :]  # a job within the pipe's buffer: one write
+        if not view:
+            return True
+        with selectors.DefaultSelector() as sel:  # a larger one as the worker reads it
             sel.register(fd, selectors.EVENT_WRITE)
             while view:
                 if not sel.select(_wait_s(deadline)):
