@@ -159,6 +159,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     # Inputs, plan (pure), cluster address and output folder first: a run that
     # cannot start fails here, before Ray starts or anything is written.
     check_inputs(cfg)
+    t_plan = time.perf_counter()
     resources: Resources | None = (
         local_resources(cfg.cluster) if cfg.cluster.mode == "local" else None
     )
@@ -169,6 +170,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         place(role_bundles(plan, cfg.cluster), local_nodes(cfg.cluster))
     if cfg.cluster.mode == "ray":
         check_reachable(cfg.cluster)
+    phases = {"imports_and_checks_s": t_plan - t0, "plan_s": time.perf_counter() - t_plan}
+    t_inputs = time.perf_counter()
     # Inputs next (tokenizer, data rows, reward.fn importable): exit 2 before Ray starts.
     from rltrain.data import build_task
     from rltrain.models.loader import load_tokenizer
@@ -187,7 +190,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     from rltrain.logging.metrics import MetricsLogger
     from rltrain.loops.context import RunContext
 
-    phases = {"before_cluster_s": time.perf_counter() - t0}
+    phases["inputs_s"] = time.perf_counter() - t_inputs
+    phases["before_cluster_s"] = time.perf_counter() - t0
     t_ray = time.perf_counter()
     # In one process (the plan's in_process) no Ray starts: the one node is this machine.
     cluster = (
@@ -198,6 +202,8 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
         phases["ray_start_s"] = time.perf_counter() - t_ray
         if plan is None:
             plan = make_plan(cfg, cluster_res, choices)
+        # The reward's workers start (and import the reward) while the workers build.
+        task.set_reward_workers(cfg.reward.resolved_workers(plan.device))
         if not in_process:
             # Fail fast on a shortfall (what is missing, named) instead of pending on a
             # reservation.
@@ -276,6 +282,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             if cfg.logger.tensorboard:
                 outputs["tensorboard"] = str(out / "tensorboard")
         finally:
+            task.set_reward_workers(0)
             if driver is not None:
                 driver.close()
             logger.close()

@@ -122,6 +122,11 @@ class WorkerHost:
             importlib.import_module(name)
         return time.perf_counter() - t0
 
+    def probe(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in this process, before any worker is built (a question only this
+        process can answer: its GPU, its imports)."""
+        return fn(*args)
+
     def build(self, worker_class: Callable[..., Any], *args: Any) -> bool:
         """Build the worker: ``worker_class(*args)`` (the class arrives by reference, so its
         module is imported here)."""
@@ -306,6 +311,12 @@ class Actor(Generic[W]):
 
     def preload(self, modules: tuple[str, ...]) -> Pending[float]:
         return Pending(self.handle.preload.remote(modules), self.name)
+
+    def probe(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Pending[R]:
+        """``fn(*args)`` in the actor's process, before its worker is built
+        (:meth:`WorkerHost.probe`)."""
+        assert not kwargs, "probes take positional arguments"
+        return Pending(self.handle.probe.remote(fn, *args), self.name)
 
     def kill(self) -> None:
         import ray

@@ -28,7 +28,7 @@ from rltrain.cluster.placement import RoleBundles, role_bundles, shared_gpu_mism
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitGroup, RefitStats
-from rltrain.rollout import ENGINE_PRELOAD, engine_class
+from rltrain.rollout import ENGINE_PRELOAD, engine_class, sizes_from_free_memory
 from rltrain.rollout.base import Engine
 from rltrain.train.distributed import DistEnv
 from rltrain.train.policy_worker import PolicyWorker
@@ -223,14 +223,21 @@ class Workers:
                 )
                 for rank, a in enumerate(value_actors)
             ]
-        if colocated:
-            # Engines on the trainer's GPU start once the trainers hold their memory: vLLM
-            # sizes its KV cache from the free memory it measures while it starts, which
-            # must not change under it.
+        imports = wait_all(preload, self.timeout, "engine imports")
+        # Engines on the trainer's GPU that size their memory from what they find free (vLLM
+        # without an explicit KV cache size) start once the trainers hold theirs, which must
+        # not change under them. Every other engine builds beside the trainers.
+        after_trainers = colocated and any(
+            wait_all(
+                [a.probe(sizes_from_free_memory, self.cfg) for a in rollout_actors],
+                self.timeout,
+                "start-up",
+            )
+        )
+        if after_trainers:
             wait_all(builds, self.timeout, "building workers")
             builds = []
             self.startup["trainers_build_s"] = time.perf_counter() - t0
-        imports = wait_all(preload, self.timeout, "engine imports")
         self.startup["engine_imports_s"] = max(imports, default=0.0)
         t1 = time.perf_counter()
         build_engine = engine_class(cfg.rollout.engine)
@@ -240,7 +247,7 @@ class Workers:
         ]
         wait_all(builds, self.timeout, "building workers")
         self.startup["engines_build_s"] = time.perf_counter() - t1
-        if not colocated:  # built side by side with the trainers
+        if not after_trainers:  # built side by side with the trainers
             self.startup["trainers_build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._init_refit()

@@ -95,6 +95,11 @@ def validate_reward_eval(cfg: RunConfig) -> None:
     if rw.timeout_s < 0:
         raise ConfigError(f"reward.timeout_s={rw.timeout_s} must be >= 0 (0 = no limit).")
     check_choice("reward.on_error", rw.on_error, REWARD_ON_ERROR)
+    if rw.workers is not None and rw.workers < 0:
+        raise ConfigError(
+            f"reward.workers={rw.workers} must be >= 0 (0 = score in the controller; "
+            "null = 0 on CPU, up to 8 on GPUs)."
+        )
     if ev.every_n_steps < 0:
         raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")
     check_positive("eval.samples_per_prompt", ev.samples_per_prompt)

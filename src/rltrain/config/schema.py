@@ -316,6 +316,20 @@ class RewardConfig:
     timeout_s: float = 5.0
     # An exception or NaN from the reward: "zero" scores 0 and counts it, "fail" stops the run.
     on_error: str = "zero"
+    # Processes that score responses side by side as they stream out of the engines; 0 =
+    # in the controller. null = 0 on CPU, on GPUs up to 8 (half the controller's cores):
+    # a step's rows that end together are then scored in a fraction of the time.
+    workers: int | None = None
+
+    def resolved_workers(self, device: str) -> int:
+        """``workers`` with null resolved for a run on ``device`` ("cpu" | "cuda")."""
+        if self.workers is not None:
+            return self.workers
+        if device != "cuda":
+            return 0
+        import os
+
+        return min(8, (os.cpu_count() or 1) // 2)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,8 +234,21 @@ class DatasetTask:
         return list(self.val_items)
 
     def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult:
-        r = self.reward_fn(response, item.answer, finished=finished, prompt=item.prompt)
-        return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
+        return self.submit_reward(item, response, finished)()
+
+    def submit_reward(
+        self, item: PromptItem, response: str, finished: bool
+    ) -> Callable[[], RewardResult]:
+        later = self.reward_fn.submit(response, item.answer, finished=finished, prompt=item.prompt)
+
+        def result() -> RewardResult:
+            r = later()
+            return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
+
+        return result
+
+    def set_reward_workers(self, workers: int) -> None:
+        self.reward_fn.set_workers(workers)
 
     def reward_metrics(self) -> dict[str, float]:
         return self.reward_fn.pop_metrics()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +35,15 @@ class Task(Protocol):
 
     def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult: ...
 
+    def submit_reward(
+        self, item: PromptItem, response: str, finished: bool
+    ) -> Callable[[], RewardResult]:
+        """Start scoring one response; the returned function waits for its result (the
+        reward's workers score side by side, see ``reward.workers``)."""
+        ...
+
+    def set_reward_workers(self, workers: int) -> None: ...
+
     def validation(self) -> list[PromptItem]: ...
 
     def reward_metrics(self) -> dict[str, float]: ...
@@ -62,7 +72,8 @@ def score_groups(
     Responses are decoded without special tokens; ``finished`` says the response stopped at EOS.
     """
     texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-    return [
-        task.reward(items[i // samples_per_prompt], text, fin)
+    later = [
+        task.submit_reward(items[i // samples_per_prompt], text, fin)
         for i, (text, fin) in enumerate(zip(texts, finished, strict=True))
     ]
+    return [result() for result in later]

@@ -9,6 +9,7 @@ a random model sees a gradient from the first step. The scorer is
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from rltrain.config.schema import DataConfig, RewardConfig
@@ -55,8 +56,21 @@ class CopyTask:
         return self._strings(random.Random(self.seed + _VAL_SEED_OFFSET), _VAL_SIZE)
 
     def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult:
-        r = self.reward_fn(response, item.answer, finished=finished, prompt=item.prompt)
-        return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
+        return self.submit_reward(item, response, finished)()
+
+    def submit_reward(
+        self, item: PromptItem, response: str, finished: bool
+    ) -> Callable[[], RewardResult]:
+        later = self.reward_fn.submit(response, item.answer, finished=finished, prompt=item.prompt)
+
+        def result() -> RewardResult:
+            r = later()
+            return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
+
+        return result
+
+    def set_reward_workers(self, workers: int) -> None:
+        self.reward_fn.set_workers(workers)
 
     def reward_metrics(self) -> dict[str, float]:
         return self.reward_fn.pop_metrics()

@@ -86,15 +86,16 @@ def collect(
     prompt_ids = encode_groups(ctx.tokenizer, items, a.samples_per_prompt)
     seeded = replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_))
     g = a.samples_per_prompt
-    scored: list[RewardResult | None] = [None] * len(prompt_ids)
+    later: list[Callable[[], RewardResult] | None] = [None] * len(prompt_ids)
     streamed_s = 0.0
 
     def score_row(i: int, ids: list[int], logprobs: list[float], finished: bool) -> None:
-        # Called in this thread as each row finishes, while the engines still generate.
+        # Called in this thread as each row finishes, while the engines still generate:
+        # the row goes to the reward (its workers, reward.workers, score side by side).
         nonlocal streamed_s
         t0 = time.perf_counter()
         text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
-        scored[i] = ctx.task.reward(items[i // g], text, finished)
+        later[i] = ctx.task.submit_reward(items[i // g], text, finished)
         streamed_s += time.perf_counter() - t0
 
     with timer("generate"):
@@ -106,7 +107,8 @@ def collect(
     # What is left to score once the last row is in (every row for engines that end rows
     # together): the reward's exposed time.
     with timer("reward"):
-        left = [i for i, r in enumerate(scored) if r is None]
+        left = [i for i, r in enumerate(later) if r is None]
+        scored: list[RewardResult | None] = [None] * len(prompt_ids)
         if left:
             for i, r in zip(
                 left,
@@ -121,6 +123,9 @@ def collect(
                 strict=True,
             ):
                 scored[i] = r
+        for i, result in enumerate(later):
+            if result is not None:
+                scored[i] = result()
         results = cast(list[RewardResult], scored)
         rewards = torch.tensor([s.reward for s in results])
         exact = torch.tensor([s.exact_match for s in results])

@@ -23,10 +23,13 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import RewardConfig
+
+if TYPE_CHECKING:
+    from rltrain.rewards.pool import RewardPool
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +135,7 @@ class RewardFunction:
         self.timeouts = 0
         self._reported = False
         self._child: _ChildRunner | None = None
+        self._pool: RewardPool | None = None
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, default: str, **bound: Any) -> RewardFunction:
@@ -149,18 +153,53 @@ class RewardFunction:
         try:
             value = self._call_bounded(response, reference, kwargs)
         except RewardTimeout:
-            self.timeouts += 1
-            self._report(f"took longer than reward.timeout_s={self.timeout_s}", response, reference)
-            return 0.0
+            return self._settle(("timeout", None), response, reference)
         except Exception as exc:  # noqa: BLE001 - the user's reward code
-            return self._failed(f"raised {type(exc).__name__}: {exc}", response, reference, exc)
+            return self._settle(("error", exc), response, reference)
         try:
             out = float(value)
         except (TypeError, ValueError) as exc:
             return self._failed(f"returned {value!r}, not a number", response, reference, exc)
-        if not math.isfinite(out):
-            return self._failed(f"returned {out}", response, reference, None)
-        return out
+        return self._settle(("ok", out), response, reference)
+
+    def set_workers(self, workers: int) -> None:
+        """Score through ``workers`` processes from now on (``reward.workers``); 0 stops
+        them and scores here again."""
+        if self._pool is not None and self._pool.workers != workers:
+            self._pool.close()
+            self._pool = None
+        if workers > 0 and self._pool is None:
+            from rltrain.rewards.pool import RewardPool
+
+            self._pool = RewardPool(self.fn, workers, self.timeout_s)
+
+    def submit(self, response: str, reference: str, **context: Any) -> Callable[[], float]:
+        """Start one call; the returned function waits for its reward. With workers the
+        calls run side by side in them; without, this call runs now. Timeouts, errors and
+        their counts are those of a direct call."""
+        if self._pool is None:
+            value = self(response, reference, **context)
+            return lambda: value
+        kwargs = {k: v for k, v in context.items() if k in self.context}
+        call = self._pool.submit(response, reference, kwargs)
+        return lambda: self._settle(call.outcome(), response, reference)
+
+    def _settle(self, outcome: tuple[str, Any], response: str, reference: str) -> float:
+        """A call's outcome under the timeout and error policy: a finite float, or raises."""
+        kind, value = outcome
+        if kind == "timeout":
+            self.timeouts += 1
+            self._report(f"took longer than reward.timeout_s={self.timeout_s}", response, reference)
+            return 0.0
+        if kind == "error":
+            return self._failed(
+                f"raised {type(value).__name__}: {value}", response, reference, value
+            )
+        if kind == "not_number":
+            return self._failed(f"returned {value}, not a number", response, reference, None)
+        if not math.isfinite(value):
+            return self._failed(f"returned {value}", response, reference, None)
+        return float(value)
 
     def pop_metrics(self) -> dict[str, float]:
         """Failures since the last call (``reward/errors``, ``reward/timeouts``), then reset."""
@@ -185,10 +224,13 @@ class RewardFunction:
         return self._child.call((response, reference), kwargs, self.timeout_s)
 
     def close(self) -> None:
-        """Stop the child process, if one was started."""
+        """Stop the child process and the workers, if they were started."""
         if self._child is not None:
             self._child.close()
             self._child = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _failed(self, what: str, response: str, reference: str, exc: BaseException | None) -> float:
         if self.on_error == "fail":
