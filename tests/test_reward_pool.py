@@ -89,12 +89,18 @@ def test_a_call_no_timer_can_stop_restarts_the_workers(monkeypatch):
         r.set_workers(0)
 
 
-def test_workers_resolve_per_device():
+def test_workers_resolve_per_device(monkeypatch):
+    import os
+
     assert RewardConfig().resolved_workers("cpu") == 0
-    assert 1 <= RewardConfig().resolved_workers("cuda") <= 8 or RewardConfig().resolved_workers(
-        "cuda"
-    ) == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert RewardConfig().resolved_workers("cuda") == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert RewardConfig().resolved_workers("cuda") == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert RewardConfig().resolved_workers("cuda") == 3
     assert RewardConfig(workers=3).resolved_workers("cpu") == 3
+    assert RewardConfig(workers=0).resolved_workers("cuda") == 0
 
 
 def test_negative_workers_exit_2():
