@@ -16,25 +16,23 @@ knowledge of the sampled token into the advantage.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from statistics import mean
 
-HERE = Path(__file__).resolve().parent
+from benchlib import RESULTS, write_json
+from inprocess_ppo import run_ppo_in_process
+
 ARMS = {"shift": "value.right_shift=true", "no_shift": "value.right_shift=false"}
 CURVES = ("reward/mean", "reward/exact_match", "value/explained_variance", "value/loss")
 
 
 def one_run(arm: str, seed: int, steps: int, extra: list[str], threads: int) -> dict:
     """One PPO run in this (child) process; returns its curves and finals."""
-    sys.path.insert(0, str(HERE))
     import torch
-    from inprocess_ppo import run_ppo_in_process
 
     from rltrain.config.compose import compose
 
@@ -101,7 +99,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--device-name", default="cpu2")
-    parser.add_argument("--out-dir", default=str(HERE / "results"))
+    parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both arms")
     args = parser.parse_args()
 
@@ -136,7 +134,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    write_json(result, out_dir / f"{stem}.json", indent=1)
     plot(runs, out_dir / f"{stem}.png")
     for arm, s in summary.items():
         print(

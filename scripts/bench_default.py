@@ -24,13 +24,23 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import (
+    RESULTS,
+    ROOT,
+    child_env,
+    first_window_reaching,
+    median_or_none,
+    read_metrics,
+    read_summary,
+    run_cli,
+    write_json,
+)
+
+__all__ = ["ROOT", "run_seed"]  # scripts/bench_multiturn.py runs its seeds through run_seed
 TARGET = 0.8
 WINDOW = 10
 
@@ -42,31 +52,17 @@ def run_seed(seed: int, out_dir: Path, timeout_s: float, overrides: tuple[str, .
     Nothing watches the run while it goes (a poller would take CPU from a run that uses
     every core): each step's arrival is the ``wall_time`` its metrics line carries (when
     the step was logged), counted from the launch."""
-    cmd = [sys.executable, "-m", "rltrain.cli", "grpo", f"seed={seed}", f"output_dir={out_dir}"]
-    cmd += overrides
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise RuntimeError(f"seed {seed}: no result after {timeout_s} s") from None
-    metrics = out_dir / "metrics.jsonl"
-    if proc.returncode != 0:
-        raise RuntimeError(f"seed {seed}: rltrain grpo exited with {proc.returncode}")
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    arrivals = [r["wall_time"] - launched for r in rows]  # seconds since launch per step
-    summary = json.loads((out_dir / "summary.json").read_text())
+    args = ["grpo", f"seed={seed}", f"output_dir={out_dir}", *overrides]
+    run = run_cli(args, timeout_s, env=child_env(), cwd=ROOT)
+    if run.timed_out:
+        raise RuntimeError(f"seed {seed}: no result after {timeout_s} s")
+    if run.returncode != 0:
+        raise RuntimeError(f"seed {seed}: rltrain grpo exited with {run.returncode}")
+    rows = read_metrics(out_dir)
+    arrivals = [r["wall_time"] - run.launched for r in rows]  # seconds since launch per step
+    summary = read_summary(out_dir) or {}
     exact = [r["reward/exact_match"] for r in rows]
-    reached = next(
-        (
-            i
-            for i in range(WINDOW - 1, len(exact))
-            if sum(exact[i - WINDOW + 1 : i + 1]) / WINDOW >= TARGET
-        ),
-        None,
-    )
+    reached = first_window_reaching(exact, WINDOW, TARGET)
     steps_ms = [1000 * r["time/step"] for r in rows[5:]]
     return {
         "seed": seed,
@@ -83,11 +79,6 @@ def run_seed(seed: int, out_dir: Path, timeout_s: float, overrides: tuple[str, .
         "exact_match_last10": sum(exact[-WINDOW:]) / WINDOW,
         "wall_s": summary["wall_s"],
     }
-
-
-def _median_or_none(values: list[float]) -> float | None:
-    m = median(values)
-    return None if m == float("inf") else m
 
 
 def main() -> None:
@@ -116,15 +107,12 @@ def main() -> None:
             "startup_s": median(s["startup_s"] for s in per_seed),
             "process_startup_s": median(s["process_startup_s"] for s in per_seed),
             # a seed that never reached 0.8 counts as infinitely slow
-            "seconds_to_0_8": _median_or_none(
-                [*reached, *[float("inf")] * (len(per_seed) - len(reached))]
-            ),
+            "seconds_to_0_8": median_or_none(s["seconds_to_0_8"] for s in per_seed),
             "seeds_reaching_0_8": len(reached),
         },
         "per_seed": per_seed,
     }
-    out = args.out or ROOT / "scripts" / "results" / f"bench_default-{args.device}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out or RESULTS / f"bench_default-{args.device}.json")
     print(json.dumps(result["summary"], indent=2))
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 from statistics import linear_regression
 
 import psutil
+from benchlib import cli_command, cpu_description, write_json
 
 MB = 2**20
 
@@ -69,17 +69,14 @@ def sample_run(
 
     Returns the samples, the wall time and the exit code (None: stopped early).
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "rltrain.cli",
+    cmd = cli_command(
         "grpo",
         f"max_steps={steps}",
         f"output_dir={out}",
         "logger.progress=false",
         "checkpoint.save_final=false",
         *overrides,
-    ]
+    )
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: list[dict] = []
@@ -138,7 +135,7 @@ def main() -> None:
     names = list(steady[0]["rss_mb"])
     total = [sum(s["rss_mb"].values()) for s in steady]
     result = {
-        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "device": cpu_description(),
         "load_average_1m_at_end": os.getloadavg()[0],
         "command": f"rltrain grpo max_steps={args.steps} (embedded default)",
         "stopped_early": code is None,
@@ -160,9 +157,7 @@ def main() -> None:
             for s in samples[:: max(1, len(samples) // 100)]
         ],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out)
     print(json.dumps(result["summary"], indent=2))
 
 

@@ -15,15 +15,15 @@ plus a PNG of the reward curves of every preset beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from statistics import mean
 
-HERE = Path(__file__).resolve().parent
+from benchlib import RESULTS, first_window_reaching, write_json
+from inprocess_ppo import run_ppo_in_process
+
 PRESETS = {
     "grpo": [],
     "dapo": ["recipe=dapo"],
@@ -45,9 +45,7 @@ THRESHOLD = 0.8
 
 def one_run(preset: str, seed: int, steps: int | None, extra: list[str], threads: int) -> dict:
     """One preset's run in this process; returns its curves and finals."""
-    sys.path.insert(0, str(HERE))
     import torch
-    from inprocess_ppo import run_ppo_in_process
 
     from rltrain.config.compose import compose
 
@@ -58,6 +56,7 @@ def one_run(preset: str, seed: int, steps: int | None, extra: list[str], threads
     t0 = time.perf_counter()
     rows = run_ppo_in_process(cfg, threads)
     last = rows[-10:]
+    reached = first_window_reaching([r["reward/exact_match"] for r in rows], 10, THRESHOLD)
     return {
         "preset": preset,
         "seed": seed,
@@ -68,14 +67,7 @@ def one_run(preset: str, seed: int, steps: int | None, extra: list[str], threads
         "exact_match_first10": mean(r["reward/exact_match"] for r in rows[:10]),
         "exact_match_last10": mean(r["reward/exact_match"] for r in last),
         "reward_last10": mean(r["reward/mean"] for r in last),
-        "first_step_exact_match_0.8_over_10": next(
-            (
-                i + 10
-                for i in range(len(rows) - 9)
-                if mean(r["reward/exact_match"] for r in rows[i : i + 10]) >= THRESHOLD
-            ),
-            None,
-        ),
+        "first_step_exact_match_0.8_over_10": None if reached is None else reached + 1,
     }
 
 
@@ -112,7 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="null = the default budget")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the run")
     parser.add_argument("--device-name", default="cpu2")
-    parser.add_argument("--out-dir", default=str(HERE / "results"))
+    parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every preset")
     args = parser.parse_args()
 
@@ -155,7 +147,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    write_json(result, out_dir / f"{stem}.json", indent=1)
     for key, value in summary.items():
         print(f"{key}: {value}")
     print(f"wrote {out_dir / stem}.json" + (" and .png" if has_png else ""))

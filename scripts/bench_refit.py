@@ -29,15 +29,22 @@ and asserts after every refit that the engine's weights equal the trainer's
 when the receiver has synchronized and acknowledged (one tiny all-reduce),
 for the raw broadcast and the refit alike.
 
-With ``--engine vllm`` the receiver is the project's vLLM engine (vLLM 0.26 in
-the receiving process, the refit landing in vLLM's own parameters, see
-``rollout/vllm_landing.py``), timed until it can generate with the new weights:
+With ``--engine vllm`` the receiver is the project's vLLM engine (``VLLMEngine``:
+vLLM's AsyncLLM, its engine core in a process of its own), reached only through the
+refit API a run uses: one ``RefitGroup`` per manifest, ``PolicyWorker.init_refit`` /
+``refit_send`` on the trainer, ``VLLMEngine.init_refit`` / ``refit_receive`` on the
+engine, whose vLLM worker process joins the group and lands each bucket in vLLM's
+own parameters (``rollout/vllm_worker.py``, ``rollout/vllm_landing.py``). A refit is
+timed until vLLM can generate with the new weights and checked bit for bit after
+every refit (per-bucket checksums, ``VLLMEngine.weights_checksum``):
 
 - on 2 GPUs (vLLM on GPU 1): the raw broadcast, then the NCCL refit into vLLM at
   the defaults and at a few bucket sizes: ``summary.vllm_ratio_default``;
 - ``--one-gpu``: the IPC refit with the trainer and the engine on GPU 0, first
   into the torch engine, then into vLLM, in the same run:
-  ``summary.vllm_ipc_over_torch_ipc`` (vLLM's time over the torch engine's).
+  ``summary.vllm_ipc_over_torch_ipc`` (vLLM's time over the torch engine's);
+- ``--smoke``: the same path over gloo into vLLM on the CPU at tiny shapes (vLLM on
+  CPU loads through ``reload_weights``): a check of the code, not a figure.
 
 Their rows merge into the result file of the same device (``vllm`` key and
 summary entries), so the torch-engine figures of an earlier run stay.
@@ -46,6 +53,7 @@ summary entries), so the torch-engine figures of an earlier run stay.
     python scripts/bench_refit.py --engine vllm --out $OUT            # 2 GPUs, NCCL into vLLM
     python scripts/bench_refit.py --engine vllm --one-gpu --out $OUT  # 1 GPU, IPC torch vs vLLM
     python scripts/bench_refit.py --smoke               # CPU, gloo, tiny shapes
+    python scripts/bench_refit.py --engine vllm --smoke --out /tmp/r  # CPU, gloo into vLLM
 """
 
 from __future__ import annotations
@@ -59,13 +67,12 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from benchlib import QWEN_1_5B_TINY, RESULTS, gpu_slug, merge_result, write_json
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from rltrain.config.schema import RefitConfig, RunConfig  # noqa: E402
+from rltrain.config.schema import RefitConfig, RunConfig
 
 MiB = 2**20
 HOST = "127.0.0.1"
@@ -79,8 +86,8 @@ def model_config(smoke: bool) -> RunConfig:
         t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads = 128, 4, 4, 2
         t.intermediate_size, t.vocab_size = 512, 4096
     else:
-        t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads = 1536, 28, 12, 2
-        t.intermediate_size, t.vocab_size = 8960, 151936
+        for key, value in QWEN_1_5B_TINY.items():
+            setattr(t, key, value)
     t.tie_word_embeddings = True
     t.max_position_embeddings = 4096
     p = cfg.precision
@@ -114,6 +121,13 @@ class Timer:
         fn()
         self._sync()
         return time.perf_counter() - t0
+
+
+def _step_weights(params: dict[str, torch.Tensor], k: int) -> None:
+    """New trainer weights before every refit, so every refit moves fresh bytes."""
+    with torch.no_grad():
+        for p in params.values():
+            (p._local_tensor if hasattr(p, "_local_tensor") else p).add_(1e-3 * (k + 1))
 
 
 def _reference_flat(worker, manifest) -> torch.Tensor:
@@ -247,12 +261,8 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
     total_bytes = num_params * 2
 
     def step_weights(k: int) -> None:
-        """New trainer weights before every refit, so every refit moves fresh bytes."""
         if rank == 0:
-            with torch.no_grad():
-                for p in params.values():
-                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
-                    local.add_(1e-3 * (k + 1))
+            _step_weights(params, k)
 
     # 1. raw broadcast of one buffer of the model's size.
     def raw_broadcast() -> float:
@@ -655,50 +665,62 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         worker.shutdown()
 
 
-def _vllm_flat(engine, manifest) -> torch.Tensor:
-    """The vLLM engine's weights in manifest order, read through its landing's views."""
-    parts = []
-    for bucket, targets, keep in zip(
-        manifest.buckets, engine.landing.targets, engine.landing.keep, strict=True
-    ):
-        assert len(keep) == len(bucket.slots), "the bench's model has no skipped tensors"
-        parts += [t.reshape(-1) for t in targets]
-    return torch.cat(parts)
+def _bucket_sums(tensors: dict[str, torch.Tensor], manifest, dtype: torch.dtype) -> torch.Tensor:
+    """Per bucket of ``manifest``, :func:`bucket_checksum` of its tensors (cast to ``dtype``)
+    in the bucket's order: [buckets, 2] int64 on the CPU, what the vLLM worker's
+    ``rltrain_weights_checksum`` returns for the weights the buckets landed in."""
+    from rltrain.refit.base import bucket_checksum
+
+    return torch.stack(
+        [
+            bucket_checksum(torch.cat([tensors[s.name].to(dtype).reshape(-1) for s in b.slots]))
+            for b in manifest.buckets
+        ]
+    ).cpu()
 
 
 def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
-    """The vLLM receiver: NCCL into vLLM on GPU 1, or (--one-gpu) IPC into the torch engine
-    and then into vLLM, all on GPU 0. Rank 0 is the policy worker (trainer)."""
-    from rltrain.refit.base import bucket_checksum, plan_refit
-    from rltrain.refit.gather import BucketGatherer
+    """The vLLM receiver, through the engines' public refit API: a :class:`RefitGroup` per
+    manifest, ``PolicyWorker.init_refit`` / ``refit_send`` on rank 0 (the trainer) and
+    ``VLLMEngine.init_refit`` / ``refit_receive`` on rank 1, whose vLLM worker process joins
+    the group and lands the buckets (``rollout/vllm_worker.py``). NCCL into vLLM on GPU 1;
+    with --one-gpu IPC into the torch engine and then into vLLM, all on GPU 0; with --smoke
+    gloo into vLLM on the CPU (tiny shapes: the same code path, not a measurement)."""
+    from rltrain.refit.base import RefitGroup, plan_refit
     from rltrain.refit.gloo import broadcast, make_group
+    from rltrain.train.distributed import DistEnv
+    from rltrain.train.policy_worker import PolicyWorker
     from rltrain.train.sharded_model import hf_name
 
-    one_gpu = args.one_gpu
-    if rank == 1 and not one_gpu:
+    one_gpu, cuda = args.one_gpu, not args.smoke
+    if cuda and rank == 1 and not one_gpu:
         # vLLM's worker takes the first visible GPU: show it GPU 1 only (before CUDA starts).
         os.environ["CUDA_VISIBLE_DEVICES"] = "1"
-    device = torch.device("cuda", 0 if (one_gpu or rank == 1) else rank)
-    torch.cuda.set_device(device)
-    cfg = model_config(args.tiny)
+    if cuda:
+        device = torch.device("cuda", 0 if (one_gpu or rank == 1) else rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # two processes (and vLLM's) on a small CPU machine
+    tiny = args.smoke or args.tiny
+    cfg = model_config(tiny)
     cfg.rollout.engine = "vllm"
     cfg.rollout.vllm.gpu_memory_utilization = 0.3 if one_gpu else 0.5
-    timeout = 120.0
+    timeout = cfg.refit.timeout_s = 120.0
+    transport = "ipc" if one_gpu else "nccl" if cuda else "gloo"
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     t0 = time.perf_counter()
-    if one_gpu:  # two processes on one GPU: barriers and checks over gloo (CPU)
+    if one_gpu or not cuda:  # barriers and checks over gloo (CPU)
         group = make_group(HOST, ports[1], rank, 2, timeout)
         timer = Timer(group, torch.device("cpu"))
     else:
-        from rltrain.refit.nccl import NcclRefitReceiver, NcclRefitSender, make_nccl_groups
+        from rltrain.refit.nccl import make_nccl_groups
 
         (group,) = make_nccl_groups(HOST, ports[1], rank, 2, timeout, device)
         timer = Timer(group, device)
+    worker = engine = None
     if rank == 0:
-        from rltrain.train.distributed import DistEnv
-        from rltrain.train.policy_worker import PolicyWorker
-
-        env = DistEnv(0, 1, HOST, ports[0], "nccl", timeout)
+        env = DistEnv(0, 1, HOST, ports[0], "nccl" if cuda else "gloo", timeout)
         with device:
             worker = PolicyWorker(cfg, env)
         params = {hf_name(n): p for n, p in worker.model.named_parameters()}
@@ -710,97 +732,94 @@ def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
     dtype = torch.bfloat16
     default = RefitConfig()
     result: dict = {
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "model": {
-            "shapes": "tiny" if args.tiny else "Qwen2.5-1.5B (random init)",
+            "shapes": "tiny" if tiny else "Qwen2.5-1.5B (random init)",
             "num_params": num_params,
             "refit_bytes": total_bytes,
         },
+        "refit_path": "public API: RefitGroup -> PolicyWorker.init_refit/refit_send, "
+        "VLLMEngine.init_refit/refit_receive (AsyncLLM; received in vLLM's worker process)",
         "definitions": {
-            "vllm_ratio": "raw NCCL broadcast of the model's bf16 size / NCCL refit into vLLM, "
-            "from the send until vLLM can generate with the new weights",
+            "vllm_ratio": f"raw {transport} broadcast of the model's bf16 size / {transport} "
+            "refit into vLLM, from the send until vLLM can generate with the new weights",
             "vllm_ipc_over_torch_ipc": "IPC refit into vLLM / IPC refit into the torch engine, "
             "same GPU, same run",
             "timing": f"median of {args.repeats} refits after one warm-up; barrier before, "
             "receiver sync + ack after",
+            "checked": "after every refit, per-bucket position-weighted checksums of the "
+            "trainer's weights (cast to bf16) and of the engine's equal bit for bit",
         },
     }
 
     def step_weights(k: int) -> None:
         if rank == 0:
-            with torch.no_grad():
-                for p in params.values():
-                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
-                    local.add_(1e-3 * (k + 1))
+            _step_weights(params, k)
 
-    def check_equal(manifest, engine_flat) -> None:
-        """Bitwise: full tensors over NCCL (2 GPUs), position-weighted checksums over gloo."""
-        ref = _reference_flat(worker, manifest) if rank == 0 else None
-        if one_gpu:
-            mine = bucket_checksum(ref if rank == 0 else engine_flat()).cpu().float()
-            other = mine.clone()
-            broadcast(group, other).wait()
-            bad = torch.tensor([float(not torch.equal(mine, other))])
-        else:
-            if rank == 1:
-                ref = torch.empty(num_params, dtype=dtype, device=device)
-            broadcast(group, ref).wait()
-            bad = torch.zeros(1, device=device)
-            if rank == 1:
-                bad += (engine_flat().view(torch.int16) != ref.view(torch.int16)).sum()
-        group.allreduce([bad]).wait()
-        if float(bad.item()):
+    def check_equal(manifest, engine_sums) -> bool:
+        """Rank 0's per-bucket checksums to rank 1, which compares them with the engine's
+        (``engine_sums()``; None: unreadable). Raises on both ranks when they differ;
+        False (nothing checked) where the engine's weights cannot be read in manifest order."""
+        where = timer.token.device
+        ref = torch.zeros(len(manifest.buckets), 2, dtype=torch.int64, device=where)
+        if rank == 0:
+            ref = _bucket_sums(worker.full_tensors(), manifest, dtype).to(where)
+        broadcast(group, ref).wait()
+        verdict = torch.zeros(1, device=where)  # 0 equal, 1 different, 2 not readable
+        if rank == 1:
+            got = engine_sums()
+            verdict += 2 if got is None else float(not torch.equal(got.to(where), ref))
+        group.allreduce([verdict]).wait()
+        if int(verdict.item()) == 1:
             raise AssertionError("engine weights differ from the trainer's (cast to bf16)")
+        return int(verdict.item()) == 0
 
-    def timed_refits(step, check, base: int) -> list[float]:
-        times = []
+    checked: list[bool] = []
+
+    def timed_refits(group_of_refit: RefitGroup, base: int, engine_sums) -> tuple[list, list]:
+        """Both ends join ``group_of_refit``, then warm-up + ``--repeats`` timed refits of
+        fresh weights (version ``base + k``), each checked. Returns times and sender stats."""
+        if rank == 0:
+            worker.init_refit(group_of_refit, 0)
+        else:
+            engine.init_refit(group_of_refit, 1)
+        times, stats = [], []
         for k in range(args.repeats + 1):  # the first refit warms up
             step_weights(base + k)
-            seconds = timer.time(step)
-            check()
+            if rank == 0:
+                seconds = timer.time(lambda v=base + k: stats.append(worker.refit_send(v)))
+            else:
+                seconds = timer.time(engine.refit_receive)
+                assert engine.weight_version() == base + k, "the refit landed another version"
+            checked.append(check_equal(group_of_refit.manifest, engine_sums))
             if k:
                 times.append(seconds)
-        return times
+        return times, stats
 
     def build_vllm():
         from rltrain.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg, "cuda", 0)
+        return VLLMEngine(cfg, "cuda" if cuda else "cpu", 0)
 
-    engine = None
     if not one_gpu:
-        buf = torch.ones(num_params, dtype=dtype, device=device)
+        buf = torch.ones(num_params, dtype=dtype, device=timer.token.device)
         runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
         raw_s = statistics.median(runs[2:])
         del buf
         result["raw_broadcast"] = {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9}
-        log(f"raw broadcast {raw_s * 1e3:.2f} ms")
+        log(f"raw {transport} broadcast {raw_s * 1e3:.2f} ms")
         if rank == 1:
             engine = build_vllm()
         timer.time(lambda: None)  # both ends built
         log(f"built in {time.perf_counter() - t0:.1f}s: {num_params / 1e9:.3f}B params")
         rows = []
-        sizes = [default.bucket_bytes] + [
-            b for b in (128 * MiB, 256 * MiB, 1024 * MiB) if b != default.bucket_bytes
-        ]
+        sizes = [1 * MiB, 4 * MiB] if args.smoke else [128 * MiB, 256 * MiB, 1024 * MiB]
+        sizes = [default.bucket_bytes] + [b for b in sizes if b != default.bucket_bytes]
         for i, bucket_bytes in enumerate(sizes):
             manifest = plan_refit(shapes, "bfloat16", bucket_bytes, default.num_buffers)
-            gs = make_nccl_groups(HOST, ports[2 + i], rank, 2, timeout, device)
-            if rank == 0:
-                sender = NcclRefitSender(manifest, HOST, 0, 2, timeout, device, groups=gs)
-                gatherer = BucketGatherer(params, manifest)
-                step = lambda s=sender, g=gatherer: s.send(g.pack, 300)  # noqa: E731
-                flat = None
-            else:
-                engine.refit_receiver = NcclRefitReceiver(
-                    manifest, HOST, 0, 1, 2, timeout, device, groups=gs
-                )
-                engine.landing, engine.landing_note = engine._build_landing(manifest)
-                assert engine.landing is not None, engine.landing_note
-                step = engine.refit_receive
-                flat = lambda m=manifest: _vllm_flat(engine, m)  # noqa: E731
-            times = timed_refits(step, lambda m=manifest, f=flat: check_equal(m, f), 10 * i)
+            refit_group = RefitGroup(manifest, HOST, ports[2 + i], 2, transport)
+            times, _ = timed_refits(refit_group, 10 * (i + 1), lambda: engine.weights_checksum())
             sec = statistics.median(times)
             rows.append(
                 {
@@ -813,60 +832,51 @@ def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
                 }
             )
             log(
-                f"nccl into vLLM, {bucket_bytes // MiB} MiB buckets: {sec * 1e3:.2f} ms, ratio {raw_s / sec:.3f}"
+                f"{transport} into vLLM, {bucket_bytes // MiB} MiB buckets: {sec * 1e3:.2f} ms, "
+                f"ratio {raw_s / sec:.3f}"
             )
-        result["vllm_nccl"] = rows
+        result["vllm_" + transport] = rows
         result["summary"] = {
             "vllm_ratio_default": rows[0]["ratio"],
             "vllm_ratio_best": max(r["ratio"] for r in rows),
         }
     else:
-        from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
-
         manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
-        rows = {}
+        ipc_rows: dict[str, dict] = {}
         for n, kind in enumerate(("torch", "vllm")):
-            port = ports[10 + n]
-            if rank == 0:
-                sender = IpcRefitSender(manifest, HOST, port, 2, timeout, device)
-                gatherer = BucketGatherer(params, manifest)
-                stats: list = []
-                step = lambda s=sender, g=gatherer, st=stats: st.append(s.send(g.pack, 500))  # noqa: E731
-                flat = None
-            else:
+            if rank == 1:
                 if kind == "torch":
                     from rltrain.rollout.torch_engine import TorchEngine
 
                     with device:
                         engine = TorchEngine(cfg, str(device), 0)
-                    receiver = IpcRefitReceiver(manifest, HOST, port, 1, 2, timeout, device)
-                    engine.refit_receiver = receiver
-                    engine.refit_in_place = receiver.bind(engine._params)
-                    assert engine.refit_in_place
-                    flat = lambda e=engine: _engine_flat(e, manifest)  # noqa: E731
+                    sums = lambda e=engine: _bucket_sums(  # noqa: E731
+                        dict(e.model.named_parameters()), manifest, dtype
+                    )
                 else:
                     del engine
                     torch.cuda.empty_cache()
                     engine = build_vllm()
-                    engine.refit_receiver = IpcRefitReceiver(
-                        manifest, HOST, port, 1, 2, timeout, device
-                    )
-                    engine.landing, engine.landing_note = engine._build_landing(manifest)
-                    assert engine.landing is not None, engine.landing_note
-                    flat = lambda e=engine: _vllm_flat(e, manifest)  # noqa: E731
-                step = engine.refit_receive
-            times = timed_refits(step, lambda f=flat: check_equal(manifest, f), 100 * n)
+                    sums = lambda e=engine: e.weights_checksum()  # noqa: E731
+            else:
+                sums = None
+            refit_group = RefitGroup(manifest, HOST, ports[10 + n], 2, "ipc")
+            times, stats = timed_refits(refit_group, 100 * (n + 1), sums)
             sec = statistics.median(times)
-            rows[kind] = {"seconds": sec, "runs": times}
+            ipc_rows[kind] = {"seconds": sec, "runs": times}
             if rank == 0:
-                rows[kind]["sender_last"] = stats[-1].extra
+                ipc_rows[kind]["sender_last"] = stats[-1].extra
             log(f"ipc into {kind}: {sec * 1e3:.2f} ms")
-        result["ipc_engines"] = rows
+        result["ipc_engines"] = ipc_rows
         result["summary"] = {
-            "vllm_ipc_over_torch_ipc": rows["vllm"]["seconds"] / rows["torch"]["seconds"],
-            "vllm_ipc_seconds": rows["vllm"]["seconds"],
-            "torch_ipc_seconds": rows["torch"]["seconds"],
+            "vllm_ipc_over_torch_ipc": ipc_rows["vllm"]["seconds"] / ipc_rows["torch"]["seconds"],
+            "vllm_ipc_seconds": ipc_rows["vllm"]["seconds"],
+            "torch_ipc_seconds": ipc_rows["torch"]["seconds"],
         }
+    if not all(checked):
+        result["definitions"]["checked"] = (
+            "weight version only: the engine's weights could not be read in manifest order"
+        )
     if rank == 1 and engine is not None and hasattr(engine, "llm"):
         from rltrain.rollout.base import SamplingParams
 
@@ -920,7 +930,8 @@ def main() -> None:
         default="torch",
         choices=["torch", "vllm"],
         help="the receiving engine: torch (every part above) or vllm (NCCL into vLLM, or IPC "
-        "into both engines with --one-gpu); vllm rows merge into the device's result file",
+        "into both engines with --one-gpu, gloo on CPU with --smoke); vllm rows merge into the "
+        "device's result file",
     )
     parser.add_argument(
         "--one-gpu", action="store_true", help="--engine vllm: IPC on GPU 0 (torch, then vLLM)"
@@ -931,10 +942,6 @@ def main() -> None:
     if not args.smoke and torch.cuda.device_count() < need:
         sys.exit(
             f"error: this run of scripts/bench_refit.py needs {need} GPUs; use --smoke on a CPU machine."
-        )
-    if args.engine == "vllm" and args.smoke:
-        sys.exit(
-            "error: --engine vllm runs on GPUs only (vLLM lands on CPU through reload_weights)."
         )
     from rltrain.train.distributed import free_port
 
@@ -958,11 +965,10 @@ def main() -> None:
         return
     for p in sorted(tmp.glob("trace-*.json")):  # kernel timelines, one per rank and traced part
         result.setdefault("traces", {})[p.stem.removeprefix("trace-")] = json.loads(p.read_text())
-    name = "cpu-smoke" if args.smoke else result["device"].replace(" ", "-").lower()
+    name = "cpu-smoke" if args.smoke else gpu_slug(result["device"])
     if args.tiny and not args.smoke:
         name += "-tiny"
-    out = Path(args.out) / f"bench_refit-{name}.json"
-    out.write_text(json.dumps(result, indent=2))
+    (out,) = write_json(result, Path(args.out) / f"bench_refit-{name}.json")
     for p in tmp.iterdir():
         p.unlink()
     tmp.rmdir()
@@ -973,16 +979,14 @@ def main() -> None:
 
 
 def _merge_vllm(args, rows: dict, tmp: Path) -> None:
-    """Put a vLLM run's rows and summary entries into the device's result file."""
-    # "NVIDIA H100 80GB HBM3" -> nvidia-h100, as the other result files are named
-    name = "-".join(rows["device"].lower().split()[:2]) + ("-tiny" if args.tiny else "")
+    """Put a vLLM run's rows and summary entries into the device's result file (``vllm`` key
+    and summary entries), so the torch-engine figures of an earlier run stay."""
+    name = "cpu-smoke" if args.smoke else gpu_slug(rows["device"])
+    name += "-tiny" if args.tiny and not args.smoke else ""
     out = Path(args.out) / f"bench_refit-{name}.json"
-    committed = Path("scripts/results") / out.name
-    base = out if out.exists() else committed
-    result = json.loads(base.read_text()) if base.exists() else {"device": rows["device"]}
-    result.setdefault("summary", {}).update(rows.pop("summary", {}))
-    result.setdefault("vllm", {}).update({k: v for k, v in rows.items() if k != "device"})
-    out.write_text(json.dumps(result, indent=2))
+    result = merge_result(out, RESULTS / out.name, rows, "vllm", {"device": rows["device"]})
+    result["vllm"].pop("device", None)
+    write_json(result, out)
     for p in tmp.iterdir():
         p.unlink()
     tmp.rmdir()

@@ -15,15 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.multiprocessing as mp
+from benchlib import write_json
 
 
 def run(rank: int, world: int, port: int, repeats: int, out: str) -> None:
@@ -80,7 +77,7 @@ def run(rank: int, world: int, port: int, repeats: int, out: str) -> None:
             "dp2_gather_pack_ms_per_parameter_median": result["per_parameter_ms"]["median"],
             "per_parameter_over_per_bucket": result["speedup_median"],
         }
-        Path(out).write_text(json.dumps(result, indent=2))
+        write_json(result, out)
         print(json.dumps(result, indent=2))
     worker.shutdown()
 
@@ -93,7 +90,6 @@ def main() -> None:
     args = parser.parse_args()
     from rltrain.train.distributed import free_port
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = str(Path(args.out) / f"bench_refit_gather-cpu-dp{args.dp}.json")
     mp.spawn(run, args=(args.dp, free_port(), args.repeats, out), nprocs=args.dp, join=True)
 

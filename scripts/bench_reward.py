@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from benchlib import cpu_description, write_json
+
 
 def reward_summary(results: dict) -> dict:
     """Issue 8's figures: the share of reference forms scored 1.0 (and changed numbers 0)."""
@@ -102,10 +104,9 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],
     }
-    results["device"] = f"cpu: {platform.machine()}, {os.cpu_count()} cores"
+    results["device"] = cpu_description()
     results["summary"] = reward_summary(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_json(results, args.out)
     print(json.dumps(results, indent=2))
 
 

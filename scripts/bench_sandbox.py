@@ -20,8 +20,9 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 from statistics import median
+
+from benchlib import write_json
 
 from rltrain.envs.sandbox import SandboxPool, measure_calls_per_s
 
@@ -117,8 +118,7 @@ def main() -> None:
         "platform": platform.platform(),
         "note": "fresh interpreter = subprocess.run([python, '-c', code]) with no isolation",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out)
     print(json.dumps(result["summary"], indent=2))
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 from statistics import mean
+
+from benchlib import cpu_description, read_metrics, write_json
 
 
 def runner_run(steps: int, out_dir: Path, in_process: bool) -> dict[str, float]:
@@ -34,7 +34,7 @@ def runner_run(steps: int, out_dir: Path, in_process: bool) -> dict[str, float]:
         algorithm="grpo",
     )
     summary = run(cfg, choices, Console(quiet=True))
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()][5:]
+    rows = read_metrics(out_dir)[5:]
     keys = [k for k in rows[0] if k.startswith(("time/", "overhead/"))]
     return {**{k: 1000 * mean(r[k] for r in rows) for k in keys}, "startup_s": summary["startup_s"]}
 
@@ -49,7 +49,7 @@ def main() -> None:
     ray_ms = runner_run(args.steps, out.parent / "bench_step_ray", in_process=False)
     local_ms = runner_run(args.steps, out.parent / "bench_step_in_process", in_process=True)
     result = {
-        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "device": cpu_description(),
         "steps_measured": args.steps - 5,
         "ray_ms": ray_ms,
         "in_process_ms": local_ms,
@@ -60,7 +60,7 @@ def main() -> None:
             "ratio_step_ray_over_in_process": ray_ms["time/step"] / local_ms["time/step"],
         },
     }
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, out)
     print(json.dumps(result, indent=2))
 
 

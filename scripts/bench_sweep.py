@@ -13,19 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 from statistics import mean
 
+from benchlib import cpu_description, read_summary, run_cli, write_json
+
 
 def sweep(out_dir: Path, max_parallel: int, steps: int) -> dict:
     args = [
-        sys.executable,
-        "-m",
-        "rltrain.cli",
         "sweep",
         "grpo",
         "optim.lr=1e-3,3e-3",
@@ -38,15 +34,13 @@ def sweep(out_dir: Path, max_parallel: int, steps: int) -> dict:
         str(max_parallel),
     ]
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(proc.stdout + proc.stderr)
+    run = run_cli(args, None, capture=True)
+    if run.returncode != 0:
+        raise SystemExit(run.output)
     record = json.loads((out_dir / "sweep.json").read_text())
     trials = []
     for t in record["trials"]:
-        summary = json.loads((out_dir / t["name"] / "summary.json").read_text())
+        summary = read_summary(out_dir / t["name"]) or {}
         trials.append(
             {
                 "trial_wall_s": t["wall_s"],
@@ -57,7 +51,7 @@ def sweep(out_dir: Path, max_parallel: int, steps: int) -> dict:
         )
     return {
         "max_parallel": max_parallel,
-        "sweep_wall_s": wall,
+        "sweep_wall_s": run.wall_s,
         "mean_trial": {k: mean(tr[k] for tr in trials) for k in trials[0]},
         "trials": trials,
         "load_avg_1m_before": load_before,
@@ -76,11 +70,11 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = [sweep(out.parent / f"bench_sweep-{stamp}-p{n}", n, args.steps) for n in args.parallel]
     result = {
-        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "device": cpu_description(),
         "command": f"rltrain sweep grpo optim.lr=1e-3,3e-3 seed=0,1 max_steps={args.steps}",
         "runs": runs,
     }
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, out)
     print(json.dumps(result, indent=2))
 
 

@@ -50,12 +50,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from bench_train_runs import (  # noqa: E402
+import torch
+import torch.multiprocessing as mp
+from bench_train_runs import (
     make_batch,
     make_cfg,
     rl_mix,
@@ -63,6 +60,7 @@ from bench_train_runs import (  # noqa: E402
     run_policy,
     write_model,
 )
+from benchlib import write_json
 
 QWEN_1_5B = {
     "hidden_size": 1536,
@@ -526,9 +524,7 @@ def main() -> None:
             "errors": errors,
         }
         tag = "cpu-smoke" if smoke else device_name.lower().replace("nvidia ", "").replace(" ", "-")
-        out = Path(args.out) / f"bench_train-{tag}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+        (out,) = write_json(result, Path(args.out) / f"bench_train-{tag}.json")
         print(json.dumps(summary, indent=2))
         if errors:
             print("errors in:", ", ".join(errors), flush=True)

@@ -29,11 +29,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "src"))
-
-from bench_e2e import DATA, child_env, device_slug, ensure_model  # noqa: E402
+from benchlib import (
+    DATA,
+    child_env,
+    device_slug,
+    ensure_qwen_model,
+    result_doc,
+    result_paths,
+    write_json,
+)
 
 MODES = {
     "eager": ["rollout.vllm.enforce_eager=true"],
@@ -92,12 +96,10 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
-    import torch
-
     device, name = device_slug()
     if device == "cpu":
         sys.exit("error: scripts/bench_vllm_modes.py needs a CUDA device")
-    ensure_model(Path(args.model_dir), smoke=False)
+    ensure_qwen_model(Path(args.model_dir))
     common = [
         "model=qwen2.5-1.5b-instruct",
         f"model.path={args.model_dir}",
@@ -115,15 +117,7 @@ def main() -> None:
         "precision=bf16",
         "cluster.device=cuda",
     ]
-    result: dict = {
-        "script": "scripts/bench_vllm_modes.py",
-        "device": device,
-        "device_name": name,
-        "torch": torch.__version__,
-        "args": vars(args),
-        "modes": {},
-        "summary": {},
-    }
+    result = result_doc("scripts/bench_vllm_modes.py", device, name, args, modes={}, summary={})
     for mode in args.modes.split(","):
         spec = {"overrides": [*common, *MODES[mode]], "calls": args.calls}
         t0 = time.perf_counter()
@@ -149,10 +143,7 @@ def main() -> None:
                 "call_s": statistics.median(c["seconds"] for c in steady),
             }
         print(mode, json.dumps(result["summary"].get(mode) or run.get("error", "")[-500:]))
-    name_ = f"bench_vllm_modes-{device}.json"
-    for folder in [ROOT / "scripts" / "results"] + ([Path(args.out)] if args.out else []):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / name_).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, result_paths(f"bench_vllm_modes-{device}.json", args.out))
 
 
 if __name__ == "__main__":

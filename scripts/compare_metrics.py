@@ -10,17 +10,17 @@ same command before and after (``rltrain grpo max_steps=20 output_dir=A``, then
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from benchlib import read_metrics
 
 TIMING_PREFIXES = ("time/", "throughput/", "overhead/", "wall_time")
 
 
 def differences(a: Path, b: Path) -> list[str]:
     """One line per step or key where the two files differ (empty: identical)."""
-    rows_a = [json.loads(line) for line in a.read_text().splitlines() if line.strip()]
-    rows_b = [json.loads(line) for line in b.read_text().splitlines() if line.strip()]
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
     out = []
     if len(rows_a) != len(rows_b):
         out.append(f"{len(rows_a)} rows vs {len(rows_b)}")

