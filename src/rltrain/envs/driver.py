@@ -9,6 +9,10 @@ ids (in the chat template's frame, cut to ``env.max_observation_tokens`` and cou
 when longer), until the environment says done, ``env.max_turns`` turns were taken or
 the token budget is spent. The result is one :class:`RolloutBatch` whose rows are the
 whole trajectories with ``response_mask`` 0 on observation tokens.
+
+That is the lockstep driver (:meth:`TurnDriver.run`, the torch engine). On vLLM,
+:meth:`TurnDriver.run_per_trajectory` does the same per episode: each episode's next turn
+goes to its replica's turn session as soon as its observation is ready.
 """
 
 from __future__ import annotations
