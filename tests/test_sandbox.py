@@ -122,6 +122,66 @@ def test_file_size_is_bounded(pool):
     assert r.exit_code == 1 and "File too large" in r.error, r.error
 
 
+# Hostile writers: what each managed to write before the bound stopped it, and the errno.
+_FLOOD = (
+    "import os\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'w').close(); n += 1\n"
+    "except OSError as e:\n    print(n, os.stat('.').st_size, e.errno)"
+)
+_MANY_LARGE = (
+    "n = 0\ntry:\n    while True:\n        with open(f'f{n}', 'wb') as f: f.write(bytes(3 << 20))\n"
+    "        n += 1\nexcept OSError as e:\n    import os\n"
+    "    print(n, sum(os.path.getsize(p) for p in os.listdir('.')), e.errno)"
+)
+_HUGE = (
+    "import os\ntry:\n    with open('big', 'wb') as f:\n        while True: f.write(bytes(1 << 20))\n"
+    "except OSError as e:\n    print(1, os.path.getsize('big'), e.errno)"
+)
+
+
+@pytest.fixture(scope="module")
+def small_disk_pool():
+    with SandboxPool(size=1, disk_mb=8, max_files=32) as p:
+        p.start()
+        yield p
+
+
+@pytest.mark.parametrize(
+    "code", [_FLOOD, _MANY_LARGE, _HUGE], ids=["file-flood", "many-large", "huge"]
+)
+def test_what_a_call_writes_is_bounded_in_files_and_bytes(small_disk_pool, code):
+    """Each call's folder is a tmpfs of disk_mb MiB and max_files files: a flood of empty
+    files, files each under RLIMIT_FSIZE but together over the cap, and one huge file (under
+    a per-file limit of 1000 MiB) all stop at ENOSPC within the cap, and the next call's
+    folder is empty again."""
+    _enforced(small_disk_pool, "disk")
+    r = small_disk_pool.run(code, timeout_s=10, memory_mb=1000)
+    assert r.exit_code == 0, r.error
+    files, size, err = (int(x) for x in r.stdout.split())
+    assert err == 28  # ENOSPC: No space left on device
+    assert files < 32 and size <= 8 << 20
+    if code is _FLOOD:
+        assert files >= 16  # the cap counts the folder itself and leaves room
+    else:
+        assert size >= 6 << 20  # the bytes ran out, not the files
+    again = small_disk_pool.run("import os\nprint(os.listdir('.'))")
+    assert again.stdout.strip() == "[]"
+
+
+def test_bad_disk_limits_name_the_argument():
+    with pytest.raises(ValueError, match="disk_mb=0 must be a whole number >= 1"):
+        SandboxPool(disk_mb=0)
+    with pytest.raises(ValueError, match="max_files=1.5 must be a whole number >= 1"):
+        SandboxPool(max_files=1.5)  # type: ignore[arg-type]
+
+
+def test_the_env_registry_lists_the_sandbox_environment():
+    """The server runs under ``python -I`` and cannot import rltrain: its MINIMAL_ENV is
+    declared again in the env registry (src/rltrain/env.py), which must say the same."""
+    from rltrain import env
+
+    assert {v.name: v.value for v in env.SANDBOX_ENV} == MINIMAL_ENV
+
+
 @pytest.mark.parametrize(
     "code, needle",
     [

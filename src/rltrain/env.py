@@ -2,7 +2,8 @@
 
 rltrain has no knobs of its own in the environment (those are config
 fields); the entries below are variables it sets for libraries and child
-processes, so that a reader finds them in one place.
+processes, so that a reader finds them in one place: the sandbox's workers
+(SANDBOX_ENV) get nothing else.
 """
 
 from __future__ import annotations
@@ -49,11 +50,29 @@ TRIAL_UNBUFFERED = EnvVar(
     "set for each sweep trial's process so its trial.log follows the run as it happens",
 )
 
+# The whole environment of the Python sandbox's workers (src/rltrain/envs/sandbox_server.py,
+# MINIMAL_ENV, plus HOME and TMPDIR = the call's own folder). The server runs by path under
+# `python -I` and imports nothing of rltrain, so it keeps its own copy; tests/test_sandbox.py
+# checks that the two say the same.
+_ONE_THREAD = (
+    "set for the sandbox's workers, which cannot start a thread (RLIMIT_NPROC=0): numerical "
+    "libraries must compute in the calling thread"
+)
+SANDBOX_ENV: tuple[EnvVar, ...] = (
+    EnvVar("PATH", "/usr/local/bin:/usr/bin:/bin", "the sandbox workers' whole PATH"),
+    EnvVar("LANG", "C.UTF-8", "the sandbox workers' locale: text in and out as UTF-8"),
+    *(
+        EnvVar(f"{lib}_NUM_THREADS", "1", _ONE_THREAD)
+        for lib in ("OMP", "OPENBLAS", "MKL", "NUMEXPR")
+    ),
+)
+
 REGISTRY: tuple[EnvVar, ...] = (
     VLLM_PICKLE_RPC,
     HUB_OFFLINE,
     TRITON_FP32_IEEE,
     TRIAL_UNBUFFERED,
+    *SANDBOX_ENV,
 )
 
 

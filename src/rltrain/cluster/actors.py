@@ -162,14 +162,15 @@ class WorkerHost:
     ) -> Iterator[tuple[str, Any]]:
         """``method(*args, on_row=..., **kwargs)`` after the argument-less ``before``, as a
         stream (a Ray streaming call): ``("rows", [(i, ids, logprobs, finished), ...])`` as
-        rows finish, then ``("done", result)``. The method runs on a thread of its own so
-        that its rows go out while it runs; its exception ends the stream."""
+        rows finish (each row the tuple of ``on_row``'s arguments), then ``("done",
+        result)``. The method runs on a thread of its own so that its rows go out while it
+        runs; its exception ends the stream."""
         for name in before:
             getattr(self.worker, name)()
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
-        def on_row(i: int, ids: list[int], logprobs: list[float], finished: bool) -> None:
-            events.put(("row", (i, ids, logprobs, finished)))
+        def on_row(*row: Any) -> None:
+            events.put(("row", row))
 
         def run() -> None:
             try:
@@ -201,6 +202,10 @@ class WorkerHost:
 # refit's receive runs while a generate runs (Actor.call_beside). Several generate calls
 # queued on a replica still run one after the other and never take the refit's thread.
 REFIT_GROUP = "refit"
+# Rollout replicas that serve episodes' turns (TurnEngine): a "turns" group with a thread of
+# its own, so that an episode's next turn is handed in (Actor.call_turns) while the replica's
+# turn session streams finished turns out on the default group.
+TURNS_GROUP = "turns"
 
 
 @functools.cache
@@ -210,13 +215,13 @@ def _hosts() -> dict[str, Any]:
     return {
         "RemoteHost": ray.remote(WorkerHost),
         # (ray's type stubs do not list concurrency_groups among ray.remote's keywords)
-        "BesideHost": ray.remote(concurrency_groups={REFIT_GROUP: 1})(WorkerHost),  # type: ignore[call-overload]
+        "BesideHost": ray.remote(concurrency_groups={REFIT_GROUP: 1, TURNS_GROUP: 1})(WorkerHost),  # type: ignore[call-overload]
     }
 
 
 def __getattr__(name: str) -> Any:
     """``RemoteHost`` (WorkerHost as a Ray actor class) and ``BesideHost`` (the same with a
-    refit thread), made on first use so that importing this module does not import Ray."""
+    refit thread and a turns thread), made on first use so that importing this module does not import Ray."""
     if name in ("RemoteHost", "BesideHost"):
         return _hosts()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -291,6 +296,24 @@ class Actor(Generic[W]):
         call = self.handle.call_streaming.options(num_returns="streaming")
         return RowStream(call.remote(names, method.__name__, args, kwargs), self.name)
 
+    def stream_open(
+        self,
+        before: Sequence[Callable[[W], object]],
+        method: Callable[..., R],
+        *args: Any,
+        **kwargs: Any,
+    ) -> RowStream[R]:
+        """:meth:`stream_after` for a method that runs until later calls tell it to stop (an
+        engine's ``serve_turns``, fed by :meth:`call_turns`): on Ray the same streaming call."""
+        return self.stream_after(before, method, *args, **kwargs)
+
+    def call_turns(self, method: Callable[..., R], *args: Any) -> Pending[R]:
+        """Like :meth:`call`, on the actor's turns thread: it runs while the default group's
+        :meth:`stream_open` call is in progress. Only on actors created from
+        :data:`BesideHost`."""
+        call = self.handle.call.options(concurrency_group=TURNS_GROUP)
+        return Pending(call.remote(method.__name__, *args), self.name)
+
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs
     ) -> Pending[bool]:
@@ -335,6 +358,19 @@ class RowStream(Generic[R_co]):
         self.name = name
 
     def events(self, timeout_s: float | None, what: str) -> Iterator[tuple[str, Any]]:
+        if isinstance(self.source, queue.SimpleQueue):  # a LocalActor's call on a thread
+            while True:
+                try:
+                    kind, value = self.source.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise WorkerError(
+                        f"{what}: {self.name} did not answer within {timeout_s}s", "timeout"
+                    ) from None
+                if kind == "error":
+                    raise WorkerError(_failed(what, self.name, value)) from value
+                yield kind, value
+                if kind == "done":
+                    return
         if isinstance(self.source, list):
             for kind, value in self.source:
                 if kind == "error":
@@ -412,6 +448,36 @@ class LocalActor(Actor[W]):
             return RowStream([("rows", rows), ("done", out)], self.name)
         except Exception as exc:  # noqa: BLE001 - raised by the stream, naming the worker
             return RowStream([("error", exc)], self.name)
+
+    def stream_open(
+        self,
+        before: Sequence[Callable[[W], object]],
+        method: Callable[..., R],
+        *args: Any,
+        **kwargs: Any,
+    ) -> RowStream[R]:
+        """The call runs on a thread of its own (it waits for :meth:`call_turns` calls from
+        this one); its rows and result reach the stream as they come."""
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+        def on_row(*row: Any) -> None:
+            events.put(("rows", [row]))
+
+        def run() -> None:
+            try:
+                names = tuple(m.__name__ for m in before)
+                out = self.host.call_between(
+                    names, method.__name__, args, (), {**kwargs, "on_row": on_row}
+                )
+                events.put(("done", out))
+            except Exception as exc:  # noqa: BLE001 - raised by the stream, naming the worker
+                events.put(("error", exc))
+
+        threading.Thread(target=run, name=f"local-{method.__name__}", daemon=True).start()
+        return RowStream(events, self.name)
+
+    def call_turns(self, method: Callable[..., R], *args: Any) -> Pending[R]:
+        return self._run(self.host.call, method.__name__, *args)
 
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs

@@ -20,7 +20,15 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from rltrain.cluster.actors import Actor, Pending, WorkerError, wait_all
-from rltrain.rollout.base import Engine, OnRow, RolloutBatch, SamplingParams
+from rltrain.rollout.base import (
+    Engine,
+    OnRow,
+    RolloutBatch,
+    SamplingParams,
+    TurnEngine,
+    TurnRequest,
+    TurnsDone,
+)
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult, ValueBatch
 from rltrain.train.fsdp import Accumulated, FSDPTrainer
 from rltrain.train.packing import balance_by_tokens, row_lengths
@@ -457,6 +465,18 @@ class RolloutPool:
                 raise value
         return merge_parts([parts[i] for i in busy])
 
+    def open_turns(
+        self,
+        first: list[list[TurnRequest]],
+        sampling: SamplingParams,
+        events: queue.SimpleQueue[tuple[str, Any]],
+    ) -> TurnSession:
+        """A turn session on each replica with requests in ``first`` (one list per replica):
+        finished turns arrive on ``events`` as they come, and each episode's next turn goes
+        to its replica with :meth:`TurnSession.submit` (engines that serve turns: vLLM).
+        Colocated engines wake up first and sleep once their session closed."""
+        return TurnSession(self, first, sampling, events)
+
     def submit(
         self, replica: int, prompt_ids: list[list[int]], sampling: SamplingParams
     ) -> Pending[RolloutBatch]:
@@ -485,3 +505,78 @@ class RolloutPool:
     def shutdown(self) -> Sequence[Pending[None]]:
         """Free every engine (and its model folder)."""
         return [a.call(Engine.shutdown) for a in self.actors]
+
+
+class TurnSession:
+    """Turn sessions (:class:`~rltrain.rollout.base.TurnEngine`) open on the replicas of a
+    pool, one per replica with episodes; built by :meth:`RolloutPool.open_turns`.
+
+    Events put on ``events``, from a reader thread per replica: ``("turn", (replica, key,
+    ids, logprobs, versions, finished))`` for each finished turn, ``("done", (replica,
+    TurnsDone))`` when a replica's session ended after :meth:`close`, ``("error", exc)`` when
+    a replica failed (a :class:`WorkerError` naming it). The caller hands in next turns with
+    :meth:`submit` (on the replica's turns thread, beside its session) and ends with
+    :meth:`close`, then waits for one "done" per replica in :attr:`replicas`.
+    """
+
+    def __init__(
+        self,
+        pool: RolloutPool,
+        first: list[list[TurnRequest]],
+        sampling: SamplingParams,
+        events: queue.SimpleQueue[tuple[str, Any]],
+    ) -> None:
+        self.pool = pool
+        self.replicas = [r for r, reqs in enumerate(first) if reqs]
+        self._submitted: list[Pending[None]] = []
+        wake = (Engine.wake_up,) if pool.colocated else ()
+        streams = {r: pool.actors[r].stream_open(wake, TurnEngine.serve_turns, first[r], sampling)
+                   for r in self.replicas}  # fmt: skip
+        if pool.colocated:
+            # As in RolloutPool.generate: each replica's sleep is queued behind its session.
+            asleep = [r for r in range(len(pool.actors)) if r in streams or pool.awake[r]]
+            pool._sleeping += [pool.actors[r].call(Engine.sleep) for r in asleep]
+            for r in asleep:
+                pool.awake[r] = False
+
+        def pump(r: int) -> None:
+            try:
+                for kind, value in streams[r].events(pool.calls.timeout_s, "generate turns"):
+                    if kind == "rows":
+                        for row in value:
+                            events.put(("turn", (r, *row)))
+                    elif kind == "done":
+                        events.put(("done", (r, value)))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                pool.calls.failed = True
+                events.put(("error", exc))
+
+        for r in self.replicas:
+            threading.Thread(target=pump, args=(r,), name=f"turns-{r}", daemon=True).start()
+
+    def submit(self, replica: int, requests: list[TurnRequest]) -> None:
+        """Hand episodes' next turns to ``replica``'s session (returns at once)."""
+        actor = self.pool.actors[replica]
+        self._submitted.append(actor.call_turns(TurnEngine.submit_turns, requests, False))
+
+    def close(self) -> None:
+        """No more turns: each session returns once its requests finished (a "done" event).
+        Raises the failure of any submit call, naming its replica."""
+        for r in self.replicas:
+            actor = self.pool.actors[r]
+            self._submitted.append(actor.call_turns(TurnEngine.submit_turns, [], True))
+        submitted, self._submitted = self._submitted, []
+        self.pool.calls.wait(submitted, "submit turns")
+
+
+def turns_done_summary(done: list[TurnsDone]) -> TurnsDone:
+    """The replicas' sessions of one step as one: the oldest version, the slowest engine
+    time, the earliest start, and the turns and prompt tokens of all."""
+    return TurnsDone(
+        min(d.weight_version for d in done),
+        max(d.engine_seconds for d in done),
+        min(d.started_at for d in done),
+        sum(d.turns for d in done),
+        sum(d.prompt_tokens for d in done),
+        sum(d.cached_prompt_tokens for d in done),
+    )

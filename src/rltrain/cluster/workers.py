@@ -63,6 +63,13 @@ def refit_beside_generate(cfg: RunConfig, colocated: bool) -> bool:
     return ar.enabled and ar.partial_rollouts and not colocated
 
 
+def serves_turns(cfg: RunConfig) -> bool:
+    """Whether the replicas serve multi-turn episodes turn by turn (a multi-turn environment
+    on vLLM, ``envs/driver.py``): the rollout actors then come from :data:`BesideHost`, whose
+    turns thread takes each episode's next turn while the replica's turn session runs."""
+    return cfg.env.target is not None and cfg.rollout.engine == "vllm"
+
+
 @dataclass
 class RefitInFlight:
     """A refit submitted by :meth:`Workers.start_refit`; :meth:`result` waits for it."""
@@ -134,7 +141,11 @@ class Workers:
             pg = self._placement_group(rb)
             for slot in rb.processes():
                 # A share of a bundle's GPU (roles that share it) or the whole bundle.
-                host = BesideHost if beside and slot.role == "rollout" else RemoteHost
+                host = (
+                    BesideHost
+                    if slot.role == "rollout" and (beside or serves_turns(cfg))
+                    else RemoteHost
+                )
                 actors[slot.role][slot.rank] = host.options(
                     num_cpus=slot.resources.get("CPU", 0),
                     num_gpus=slot.resources.get("GPU", 0),

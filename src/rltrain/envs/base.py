@@ -11,7 +11,9 @@ each on its own slice of the batch). An environment keeps what an episode needs 
 that episode's ``state`` (each episode is handled by one thread at a time) and shares
 no mutable state with the engine or between threads; anything shared (a pool of
 sandbox processes) must be thread-safe. So a driver may step some episodes while the
-engine generates for others (the driver here waits for each turn's generate call).
+engine generates for others: on vLLM each episode's next turn is submitted as soon as its
+step returned (``TurnDriver.run_per_trajectory``), and a ``step`` call holds the turns
+that finished together; the torch engine's driver waits for each turn's generate call.
 
 A new environment is a class with ``reset`` and ``step`` that takes
 ``(cfg: EnvConfig, task: Task, tokenizer, seed: int, **env.options)``; select it with

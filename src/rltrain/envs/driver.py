@@ -9,15 +9,21 @@ ids (in the chat template's frame, cut to ``env.max_observation_tokens`` and cou
 when longer), until the environment says done, ``env.max_turns`` turns were taken or
 the token budget is spent. The result is one :class:`RolloutBatch` whose rows are the
 whole trajectories with ``response_mask`` 0 on observation tokens.
+
+That is the lockstep driver (:meth:`TurnDriver.run`, the torch engine). On vLLM,
+:meth:`TurnDriver.run_per_trajectory` does the same per episode: each episode's next turn
+goes to its replica's turn session as soon as its observation is ready.
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+from rltrain.cluster.handles import RolloutPool, turns_done_summary
 from rltrain.config.env_schema import EnvConfig
 from rltrain.config.errors import ConfigError
 from rltrain.data.task import PromptItem
@@ -29,7 +35,8 @@ from rltrain.envs.trajectory import (
     retokenize_drift,
 )
 from rltrain.logging.metrics import StageTimer
-from rltrain.rollout.base import RolloutBatch, SamplingParams
+from rltrain.rollout.base import RolloutBatch, SamplingParams, TurnRequest, TurnsDone
+from rltrain.rollout.vllm_engine import request_seeds
 
 # Episodes per step whose ids are compared with their text encoded again
 # (env/template_drift_tokens).
@@ -170,24 +177,183 @@ class TurnDriver:
                 eos[i] = t.eos
                 tool_calls += int(r.tool_call)
                 tool_errors += int(r.tool_error)
-                if r.done or turn + 1 == cfg.max_turns:
-                    continue
-                obs = self.frame.wrap(encode_observation(self.tokenizer, r.observation), t.eos)
-                if len(obs) > cfg.max_observation_tokens:
-                    truncated_obs += 1
-                    keep = cfg.max_observation_tokens - len(self.frame.close_ids)
-                    obs = obs[:keep] + list(self.frame.close_ids)
-                if len(trajs[i].ids) + len(obs) >= self.total:
-                    continue  # no room left for another turn after it
-                trajs[i].add_observation(obs)
-                still.append(i)
+                obs, cut = self._observation(trajs[i], t, r, turn + 1)
+                truncated_obs += int(cut)
+                if obs is not None:
+                    trajs[i].add_observation(obs)
+                    still.append(i)
             active = still
         return self._batch(
             trajs, results, eos, engine_s, started_at, min(versions_seen or [0]),
             tool_calls, tool_errors, truncated_obs,
         )  # fmt: skip
 
+    def run_per_trajectory(
+        self,
+        rollout: RolloutPool,
+        items: list[PromptItem],
+        samples_per_prompt: int,
+        sampling: SamplingParams,
+        timer: StageTimer,
+    ) -> Episodes:
+        """:meth:`run` with each episode moving on its own (engines that serve turns: vLLM).
+
+        Episodes are spread over the replicas in consecutive, even chunks (a prompt's
+        samples stay together, and every turn of an episode goes to the same replica, whose
+        prefix cache holds its earlier turns). Each replica's turn session streams finished
+        turns back; their ``env.step`` runs on the pool's threads (the turns that came in
+        together split over them) while the engines go on with the others, and each
+        episode's next turn is submitted as soon as its observation is ready, never waiting
+        for the batch's slowest turn. Turn ``t`` of episode ``e`` samples with the seed the
+        lockstep driver gives that row when every episode is still running (so a fixed
+        shape of episode samples the same tokens either way), whatever the other episodes
+        do. Times "generate" (the sessions, first turn to last), "env" (reset) and
+        "env_streamed" (steps, beside generation) on ``timer``."""
+        cfg = self.cfg
+        episodes = [
+            Episode(item, i) for i, item in enumerate(items) for _ in range(samples_per_prompt)
+        ]
+        with timer("env"):
+            prompts = self.env.reset(episodes)
+        prompt_ids = [list(ids) for ids in self.tokenizer(prompts).input_ids]
+        trajs = [Trajectory(p) for p in prompt_ids]
+        results: list[list[StepResult]] = [[] for _ in episodes]
+        eos = [False] * len(episodes)
+        B, n = len(episodes), len(rollout.actors)
+        bounds = [(r * B // n, (r + 1) * B // n) for r in range(n)]
+        replica_of = [r for r, (a, b) in enumerate(bounds) for _ in range(a, b)]
+
+        def request(e: int, turn: int) -> TurnRequest | None:
+            budget = min(self.per_turn, self.total - len(trajs[e].ids))
+            if budget <= 0:
+                return None
+            r = replica_of[e]
+            seed = None
+            if sampling.seed is not None:
+                a, b = bounds[r]
+                base = cast(int, turn_seed(sampling.seed, turn))
+                seed = request_seeds(base * n + r, b - a)[e - a]
+            return TurnRequest(e, trajs[e].all_ids(), budget, seed)
+
+        first: list[list[TurnRequest]] = [[] for _ in range(n)]
+        for e in range(B):
+            req = request(e, 0)
+            if req is not None:
+                first[replica_of[e]].append(req)
+        live = sum(len(f) for f in first)
+        shared = replace(sampling, seed=None, stop_token_ids=self.stop_ids, stop=())
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        counts = {"tool_calls": 0, "tool_errors": 0, "truncated": 0}
+        step_s = [0.0]
+
+        def step(batch: list[tuple[int, Turn]]) -> None:
+            # A pool thread: answer these turns, then hand the answers to the event loop.
+            t0 = time.perf_counter()
+            try:
+                got = self.env.step([episodes[e] for e, _ in batch], [t for _, t in batch])
+                if len(got) != len(batch):
+                    raise RuntimeError(
+                        f"{type(self.env).__name__}.step returned {len(got)} results for "
+                        f"{len(batch)} turns; it must return one StepResult per turn"
+                    )
+                events.put(
+                    (
+                        "step",
+                        list(zip([e for e, _ in batch], [t for _, t in batch], got, strict=True)),
+                    )
+                )
+            except BaseException as exc:  # noqa: BLE001 - raised again in the driver's thread
+                events.put(("error", exc))
+            finally:
+                step_s[0] += time.perf_counter() - t0
+
+        done: list[TurnsDone] = []
+        with timer("generate"):
+            session = rollout.open_turns(first, shared, events) if live else None
+            closed = False
+            while session is not None and len(done) < len(session.replicas):
+                kind, value = events.get()
+                finished: list[tuple[int, Turn]] = []
+                answered: list[tuple[int, Turn, StepResult]] = []
+                while True:  # everything that is in: turns step together, answers go out together
+                    if kind == "error":
+                        raise value
+                    if kind == "turn":
+                        _, e, ids, lps, vers, _fin = value
+                        budget = min(self.per_turn, self.total - len(trajs[e].ids))
+                        trajs[e].add_turn(ids[:budget], lps[:budget], vers[:budget])
+                        episodes[e].turn += 1
+                        finished.append((e, self._turn(ids[:budget])))
+                    elif kind == "step":
+                        answered += value
+                    elif kind == "done":
+                        done.append(value[1])
+                    if events.empty():
+                        break
+                    kind, value = events.get()
+                if finished:
+                    parts = max(1, min(cfg.workers, len(finished)))
+                    for p in range(parts):
+                        part = finished[
+                            p * len(finished) // parts : (p + 1) * len(finished) // parts
+                        ]
+                        self.pool.submit(step, part)
+                submit: list[list[TurnRequest]] = [[] for _ in range(n)]
+                for e, t, r in answered:
+                    results[e].append(r)
+                    eos[e] = t.eos
+                    counts["tool_calls"] += int(r.tool_call)
+                    counts["tool_errors"] += int(r.tool_error)
+                    obs, cut = self._observation(trajs[e], t, r, episodes[e].turn)
+                    counts["truncated"] += int(cut)
+                    req = None
+                    if obs is not None:
+                        trajs[e].add_observation(obs)
+                        req = request(e, episodes[e].turn)
+                    if req is None:
+                        live -= 1
+                    else:
+                        submit[replica_of[e]].append(req)
+                for replica, reqs in enumerate(submit):
+                    if reqs:
+                        session.submit(replica, reqs)
+                if not live and not closed:
+                    session.close()
+                    closed = True
+        timer.seconds["env_streamed"] += step_s[0]
+        summary = turns_done_summary(done) if done else None
+        out = self._batch(
+            trajs, results, eos,
+            summary.engine_seconds if summary else 0.0,
+            summary.started_at if summary else 0.0,
+            summary.weight_version if summary else 0,
+            counts["tool_calls"], counts["tool_errors"], counts["truncated"],
+        )  # fmt: skip
+        if summary is not None and summary.prompt_tokens:
+            out.metrics["env/prefix_cached_fraction"] = (
+                summary.cached_prompt_tokens / summary.prompt_tokens
+            )
+        return out
+
     # -- internals -------------------------------------------------------------------
+    def _observation(
+        self, traj: Trajectory, turn: Turn, result: StepResult, turns_taken: int
+    ) -> tuple[list[int] | None, bool]:
+        """The observation's ids to append after ``turn`` (its frame included, cut to
+        ``env.max_observation_tokens``), or None when the episode ends there (done, out of
+        turns, or no room for another turn after it); and whether it was cut."""
+        cfg = self.cfg
+        if result.done or turns_taken >= cfg.max_turns:
+            return None, False
+        obs = self.frame.wrap(encode_observation(self.tokenizer, result.observation), turn.eos)
+        cut = len(obs) > cfg.max_observation_tokens
+        if cut:
+            keep = cfg.max_observation_tokens - len(self.frame.close_ids)
+            obs = obs[:keep] + list(self.frame.close_ids)
+        if len(traj.ids) + len(obs) >= self.total:
+            return None, cut  # no room left for another turn after it
+        return obs, cut
+
     def _turn(self, ids: list[int]) -> Turn:
         ended_eos = bool(ids) and ids[-1] == self.eos_id
         body = ids[:-1] if ended_eos else ids

@@ -3,10 +3,10 @@ starts; :func:`build_driver` turns the ``env`` node into the run's turn driver."
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from rltrain.config.errors import ConfigError
+from rltrain.config.imports import load_import_path
 from rltrain.config.schema import RunConfig
 from rltrain.data.task import Task
 from rltrain.envs.driver import TurnDriver
@@ -21,27 +21,7 @@ def is_multi_turn(cfg: RunConfig) -> bool:
 def load_env_class(path: str) -> type:
     """Import ``module:Class`` and check it has ``reset`` and ``step``; ConfigError (naming
     ``env.target`` and the fix) otherwise."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"env.target='{path}' is not an import path; write it as package.module:Class "
-            "(e.g. env.target=rltrain.envs.tool_copy:ToolCopyEnv)."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise ConfigError(
-            f"env.target='{path}': importing '{module_name}' failed ({type(exc).__name__}: "
-            f"{exc}); install the package or put its folder on PYTHONPATH."
-        ) from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(
-                f"env.target='{path}': module '{module_name}' has no attribute '{attr}'; "
-                "check the class name after the ':'."
-            )
-        obj = getattr(obj, part)
+    obj = load_import_path(path, "env.target", "Class", "rltrain.envs.tool_copy:ToolCopyEnv")
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
     if not isinstance(obj, type) or missing:
         raise ConfigError(

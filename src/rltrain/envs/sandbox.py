@@ -35,7 +35,13 @@ import time
 from dataclasses import dataclass
 
 from rltrain.envs import sandbox_server
-from rltrain.envs.sandbox_server import MINIMAL_ENV, SETUP_FAILED, SETUP_MARK
+from rltrain.envs.sandbox_server import (
+    DEFAULT_DISK_MB,
+    DEFAULT_MAX_FILES,
+    MINIMAL_ENV,
+    SETUP_FAILED,
+    SETUP_MARK,
+)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_MB = 512
@@ -119,10 +125,20 @@ class SandboxPool:
     the pool's folder; a call on a closed pool raises RuntimeError.
     """
 
-    def __init__(self, size: int = 4) -> None:
+    def __init__(
+        self, size: int = 4, disk_mb: int = DEFAULT_DISK_MB, max_files: int = DEFAULT_MAX_FILES
+    ) -> None:
         if size < 1:
             raise ValueError(f"size={size} must be at least 1 (the number of idle workers)")
+        for name, value, unit in (("disk_mb", disk_mb, "MiB"), ("max_files", max_files, "files")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name}={value!r} must be a whole number >= 1 ({unit} one call may write)"
+                )
         self.size = size
+        # What one call may write into its folder (a tmpfs of its own where the server has a
+        # mount namespace: `isolation["disk"]` says whether it does).
+        self.disk_mb, self.max_files = disk_mb, max_files
         self.isolation: dict[str, str] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -175,7 +191,8 @@ class SandboxPool:
         with open(log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(sandbox_server.__file__), "--serve"]
-                + [str(theirs.fileno()), os.path.realpath(calls), str(self.size)],
+                + [str(theirs.fileno()), os.path.realpath(calls), str(self.size)]
+                + [str(self.disk_mb), str(self.max_files)],
                 pass_fds=[theirs.fileno()],
                 env=dict(MINIMAL_ENV),
                 stdin=subprocess.DEVNULL,

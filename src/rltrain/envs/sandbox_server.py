@@ -14,6 +14,7 @@ path. :mod:`rltrain.envs.sandbox` starts it and talks to it over a unix socket:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
 import gc
@@ -36,6 +37,10 @@ import traceback
 UID_BASE = 1_900_000_000  # a worker's uid is UID_BASE + its slot: unnamed, owns nothing else
 MAX_SLOTS = 4096  # at most this many live workers per pool
 MAX_OPEN_FILES = 64
+# Each call's folder is a tmpfs of its own where the server has a mount namespace (root):
+# these bound what one call may write there, in MiB and in files (folders included).
+DEFAULT_DISK_MB = 64
+DEFAULT_MAX_FILES = 256
 SETUP_FAILED = 125  # a worker's exit code when its isolation could not be set up
 SETUP_MARK = "rltrain sandbox: worker setup failed: "
 # The whole environment the code sees (plus HOME and TMPDIR = its folder). No thread can
@@ -235,7 +240,7 @@ def _lock_filesystem(calls_dir: str, flags: int, report: dict[str, str]) -> None
     )
 
 
-def server_main(ctl_fd: int, calls_dir: str, size: int) -> None:
+def server_main(ctl_fd: int, calls_dir: str, size: int, disk_mb: int, max_files: int) -> None:
     root = os.geteuid() == 0
     report: dict[str, str] = {}
     flags = _enter_namespaces(root, report)
@@ -251,6 +256,16 @@ def server_main(ctl_fd: int, calls_dir: str, size: int) -> None:
             _lock_filesystem(calls_dir, flags, report)
         except OSError as e:
             report["filesystem"] = f"not isolated: setting up the mount namespace failed ({e})"
+    # A size-capped tmpfs per call needs the mount namespace (and root, to mount it).
+    fs_isolated = not report.get("filesystem", "not isolated").startswith("not isolated")
+    disk = disk_mb if root and flags & _CLONE_NEWNS and fs_isolated else 0
+    report["disk"] = (
+        f"each call's folder is a tmpfs of {disk_mb} MiB and {max_files} files (folders "
+        "included), nosuid, nodev, noexec; RLIMIT_FSIZE=memory_mb per file"
+        if disk
+        else "not isolated (no mount namespace): only RLIMIT_FSIZE=memory_mb per file; the "
+        "number of files and their sum are unbounded"
+    )
     if flags & _CLONE_NEWNET:
         report["network"] = "own network namespace: only lo, and it is down"
     report["uid"] = (
@@ -267,10 +282,12 @@ def server_main(ctl_fd: int, calls_dir: str, size: int) -> None:
     gc.freeze()  # the collector in a worker leaves the server's objects (and pages) alone
     sock = socket.socket(fileno=ctl_fd)
     sock.send(b"I " + json.dumps(report).encode())
-    _serve(sock, calls_dir, size, root)
+    _serve(sock, calls_dir, size, root, (disk, max_files) if disk else None)
 
 
-def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
+def _serve(
+    sock: socket.socket, calls_dir: str, size: int, root: bool, disk: tuple[int, int] | None
+) -> None:
     """Keep ``size`` idle workers; kill on request; reap, clean up and report each one."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -295,7 +312,8 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
             status_r, status_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _worker_main(job_r, out_w, err_w, folder, UID_BASE + slot if root else None)
+                uid = UID_BASE + slot if root else None
+                _worker_main(job_r, out_w, err_w, folder, uid, disk)
             for fd in (job_r, out_w, err_w):
                 os.close(fd)
             socket.send_fds(sock, [f"R {wid}".encode()], [out_r, err_r, job_w, status_r])
@@ -317,7 +335,7 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
                     wid = by_pid.pop(pid)
                     _, folder, slot, status_w = live.pop(wid)
                     idle.discard(wid)
-                    _remove(folder)
+                    _remove(folder, disk is not None)
                     heapq.heappush(free_slots, slot)
                     cpu_s = usage.ru_utime + usage.ru_stime
                     os.write(status_w, f"{status} {cpu_s:.3f}".encode())
@@ -328,7 +346,7 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
                 for pid, folder, _, _ in live.values():
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
-                    shutil.rmtree(folder, ignore_errors=True)
+                    _remove(folder, disk is not None)
                 os._exit(0)
             kind, wid = msg.split()[0], int(msg.split()[1])
             if kind == b"T":
@@ -337,15 +355,23 @@ def _serve(sock: socket.socket, calls_dir: str, size: int, root: bool) -> None:
                 os.kill(live[wid][0], signal.SIGKILL)
 
 
-def _remove(folder: str) -> None:
+def _remove(folder: str, mounted: bool) -> None:
+    """Delete a call's folder: unmount its tmpfs (whatever it holds goes at once), or delete
+    what it holds file by file."""
+    if mounted:
+        with contextlib.suppress(OSError):  # the worker died before it mounted its folder
+            _detach(folder)
     try:
         os.rmdir(folder)  # most calls leave their folder empty
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _worker_main(job_r: int, out_w: int, err_w: int, folder: str, uid: int | None) -> None:
-    """A forked worker: isolate, wait for one job, run it, exit. Never returns."""
+def _worker_main(
+    job_r: int, out_w: int, err_w: int, folder: str, uid: int | None, disk: tuple[int, int] | None
+) -> None:
+    """A forked worker: isolate, wait for one job, run it, exit. Never returns. ``disk``:
+    (MiB, files) of the tmpfs mounted on its folder (None: a plain folder)."""
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -353,9 +379,13 @@ def _worker_main(job_r: int, out_w: int, err_w: int, folder: str, uid: int | Non
             os.dup2(fd, target)
         os.closerange(3, max(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         os.mkdir(folder, 0o700)
-        if uid is not None:
+        if disk is not None and uid is not None:  # still root, in the server's namespaces
+            owner = f"uid={uid},gid={uid}"
+            data = f"size={disk[0]}m,nr_inodes={disk[1]},mode=0700,{owner}"
+            _mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, data)
+        elif uid is not None:
             os.chown(folder, uid, uid)
-        os.chdir(folder)
+        os.chdir(folder)  # after the mount: the cwd is the tmpfs, not the folder under it
         for limit, value in (
             (resource.RLIMIT_NPROC, 0),
             (resource.RLIMIT_NOFILE, MAX_OPEN_FILES),
@@ -415,4 +445,4 @@ def _run_code(source: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
-    server_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    server_main(int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:7]))

@@ -144,18 +144,17 @@ def collect_episodes(
 ) -> Collected:
     """:func:`collect` through the run's environment (``env.target``): sample prompt items,
     run multi-turn episodes on the engines' current weights (which must be
-    ``weight_version``) with the turn driver (``ctx.driver``), reward each episode as the
-    environment says. Times "generate" (every turn) and "env" on ``timer``."""
+    ``weight_version``) with the turn driver (``ctx.driver``): turn by turn per episode on
+    engines that serve turns (vLLM), in lockstep otherwise (the torch engine). Rewards each
+    episode as the environment says. Times "generate" and "env" on ``timer``."""
     a = ctx.cfg.algorithm
     assert ctx.driver is not None, "a multi-turn rollout needs the run's turn driver"
     items = ctx.task.sample(a.prompts_per_step)
-    got = ctx.driver.run(
-        ctx.rollout.generate,
-        items,
-        a.samples_per_prompt,
-        replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_)),
-        timer,
-    )
+    seeded = replace(sampling, seed=step_seed(ctx.cfg.seed, step, round_))
+    if ctx.rollout.streams_rows:  # vLLM: each episode's next turn as soon as it is ready
+        got = ctx.driver.run_per_trajectory(ctx.rollout, items, a.samples_per_prompt, seeded, timer)
+    else:  # the torch engine decodes a batch in lockstep: one generate call per turn
+        got = ctx.driver.run(ctx.rollout.generate, items, a.samples_per_prompt, seeded, timer)
     assert got.rollout.weight_version == weight_version, "rollout used stale weights"
     return Collected(
         got.rollout, torch.tensor(got.rewards), torch.tensor(got.exact), metrics=got.metrics

@@ -15,7 +15,6 @@ calls go to a child process, killed and restarted when one overruns.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rltrain.config.errors import ConfigError
+from rltrain.config.imports import load_import_path
 from rltrain.config.schema import RewardConfig
 
 if TYPE_CHECKING:
@@ -58,27 +58,7 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
     Raises ConfigError (one sentence naming ``reward.fn`` and the fix) on a
     malformed path, an import error, a missing attribute or a wrong signature.
     """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"reward.fn='{path}' is not an import path; write it as package.module:function "
-            "(e.g. reward.fn=rltrain.rewards.math:score)."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise ConfigError(
-            f"reward.fn='{path}': importing '{module_name}' failed ({type(exc).__name__}: {exc}); "
-            "install the package or put its folder on PYTHONPATH."
-        ) from exc
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ConfigError(
-                f"reward.fn='{path}': module '{module_name}' has no attribute '{attr}'; "
-                "check the function name after the ':'."
-            )
-        fn = getattr(fn, part)
+    fn = load_import_path(path, "reward.fn", "function", "rltrain.rewards.math:score")
     if not callable(fn):
         raise ConfigError(
             f"reward.fn='{path}' is a {type(fn).__name__}, not a function; point it at a function."

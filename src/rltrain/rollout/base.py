@@ -69,6 +69,39 @@ class RolloutBatch:
 OnRow = Callable[[int, list[int], list[float], bool], None]
 
 
+@dataclass(frozen=True)
+class TurnRequest:
+    """One model turn of one episode for :meth:`TurnEngine.serve_turns`: the episode's ids so
+    far (prompt, earlier turns, observations), its own token budget and sampling seed
+    (None = the engine's own randomness). ``key`` is the caller's name for the episode; the
+    finished turn comes back under it."""
+
+    key: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int | None = None
+
+
+# Hears of each turn request as it finishes: (key, sampled ids, their logprobs, the weight
+# version of the forward that sampled each, stopped at EOS). Called on the engine's own
+# thread; it must be quick and thread-safe (hand the turn on).
+OnTurn = Callable[[int, list[int], list[float], list[int], bool], None]
+
+
+@dataclass(frozen=True)
+class TurnsDone:
+    """What a closed :meth:`TurnEngine.serve_turns` session reports: the weight version it
+    ended with, its wall time in the engine, when it began (time.time()), and of the turns'
+    prompt tokens how many vLLM's prefix cache served (earlier turns' KV reused)."""
+
+    weight_version: int
+    engine_seconds: float
+    started_at: float
+    turns: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+
+
 class Engine(Protocol):
     """A rollout engine replica: every method the rollout pool (``cluster/workers.py``) calls.
 
@@ -107,3 +140,29 @@ class Engine(Protocol):
     def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class TurnEngine(Engine, Protocol):
+    """An engine that runs each episode's turns as requests of their own (vLLM): a turn
+    session starts with :meth:`serve_turns`, which streams every finished turn back
+    (``on_row``) while :meth:`submit_turns`, called from another thread (a concurrency group
+    of its own on the replica's actor), adds each episode's next turn as soon as the caller
+    has its observation. Nothing waits for the batch's slowest turn.
+
+    Concurrency: ``submit_turns`` only while ``serve_turns`` runs (after its first turn came
+    back), from one thread; everything else as :class:`Engine` says.
+    """
+
+    def serve_turns(
+        self, first: list[TurnRequest], sampling: SamplingParams, on_row: OnTurn
+    ) -> TurnsDone:
+        """Serve turn requests, ``first`` at once and then whatever :meth:`submit_turns` adds,
+        each as soon as it arrives; ``on_row`` hears of each as it finishes. Returns once a
+        ``submit_turns(..., last=True)`` came and every request finished. ``sampling`` gives
+        temperature, top-p/k and stop token ids (each request its budget and seed)."""
+        ...
+
+    def submit_turns(self, requests: list[TurnRequest], last: bool = False) -> None:
+        """Add turn requests to the running :meth:`serve_turns` session; ``last``: no more
+        will come (the session returns once its requests finished)."""
+        ...

@@ -52,7 +52,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -66,6 +65,7 @@ from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
+from rltrain.rollout.vllm_turns import VLLMTurns, _Row
 from rltrain.rollout.vllm_worker import from_wire, to_wire
 
 T = TypeVar("T")
@@ -184,16 +184,7 @@ class _EventLoop:
         self.thread.join(timeout=10)
 
 
-@dataclass
-class _Row:
-    """One request's response as it streams in; ``versions`` per token (partial rollouts)."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-
-class VLLMEngine:
+class VLLMEngine(VLLMTurns):
     """One rollout replica backed by ``vllm.AsyncLLM``. ``generate`` is called by the controller;
     ``init_refit`` once and ``refit_receive`` after every optimizer step by the refit wiring.
 
@@ -333,15 +324,7 @@ class VLLMEngine:
         ``sampling.seed`` when given, else from the run seed, the replica and the call
         count, so a run is reproducible step by step.
         """
-        if self._asleep:
-            raise RuntimeError(
-                f"rollout replica {self.replica_index}: generate while asleep; call wake_up first"
-            )
-        if self._weights_discarded:
-            raise RuntimeError(
-                f"rollout replica {self.replica_index}: generate after a level-2 sleep without a "
-                "refit; the engine's weights were discarded"
-            )
+        self._check_awake()
         t0, started_at = time.perf_counter(), time.time()
         self._calls += 1
         base = (
@@ -367,50 +350,13 @@ class VLLMEngine:
     async def _generate(
         self, prompt_ids: list[list[int]], sampling: SamplingParams, base: int, on_row: OnRow | None
     ) -> list[_Row]:
-        from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        kind = RequestOutputKind.DELTA if self._partial else RequestOutputKind.FINAL_ONLY
 
         def params(seed: int) -> Any:
-            return VLLMSamplingParams(
-                n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                max_tokens=sampling.max_new_tokens,
-                # Stop at the tokenizer's EOS only, as the torch engine does (vLLM would
-                # otherwise add generation_config's extra EOS ids).
-                ignore_eos=True,
-                stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
-                seed=seed,
-                logprobs=0,  # the sampled token's own logprob only
-                detokenize=False,
-                output_kind=kind,
-            )
+            return self._vllm_sampling(sampling, seed, sampling.max_new_tokens)
 
         async def row(i: int, collector: Any) -> _Row:
-            out = _Row()
-            while True:
-                step = collector.get_nowait() or await collector.get()
-                if step.outputs:
-                    comp = step.outputs[0]
-                    ids = list(comp.token_ids)
-                    lps = [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
-                    if kind == RequestOutputKind.DELTA:
-                        # Tokens stream in as sampled; a refit lands only while the
-                        # scheduler is paused and the streams drained (_refit_in_flight),
-                        # so the version now is that of the forward that sampled them.
-                        out.ids += ids
-                        out.logprobs += lps
-                        out.versions += [self._version] * len(ids)
-                        if self.on_tokens is not None:
-                            self.on_tokens()
-                    else:
-                        out.ids, out.logprobs = ids, lps
-                if step.finished:
-                    break
+            out = await self._read_request(collector)
             if on_row is not None:
                 on_row(i, out.ids, out.logprobs, bool(out.ids) and out.ids[-1] == self.eos_id)
             return out
@@ -440,6 +386,17 @@ class VLLMEngine:
             raise
         self._prefix_cache_used = True
         return list(rows)
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError(
+                f"rollout replica {self.replica_index}: generate while asleep; call wake_up first"
+            )
+        if self._weights_discarded:
+            raise RuntimeError(
+                f"rollout replica {self.replica_index}: generate after a level-2 sleep without a "
+                "refit; the engine's weights were discarded"
+            )
 
     # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
     def sleep(self) -> None:
