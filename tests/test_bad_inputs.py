@@ -363,6 +363,9 @@ CASES = [
          ["grpo", "reward.fn=tests.fixtures.rewards.user_rewards:one_argument"],
          ["has the signature (response", "fn(response: str, reference: str)"],
          "shows the signature it needs"),
+    Case("reward-negative-workers", W, ["grpo", "reward.workers=-1"],
+         ["reward.workers=-1 must be >= 0", "0 = score in the controller"],
+         "names the key and what 0 and null mean"),
     Case("reward-not-an-import-path", W, ["grpo", "reward.fn=rltrain.rewards.math.score"],
          ["is not an import path", "package.module:function"], "shows the module:function form"),
     # -- cluster ---------------------------------------------------------------------------------
