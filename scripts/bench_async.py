@@ -52,7 +52,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--partial", action="store_true", help="algorithm.async_rollout.partial_rollouts"
     )
-    p.add_argument("--modes", nargs="+", default=None, choices=["sync", "async", "in_process"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=["sync", "async", "async_partial", "in_process"],
+        help="async_partial: async with algorithm.async_rollout.partial_rollouts=true",
+    )
     p.add_argument("--out", default=os.environ.get("OUT"), help="also write the result here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     # cuda: the shapes of scripts/bench_e2e.py
@@ -126,11 +132,12 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
     overrides = [*base, f"seed={seed}", f"max_steps={args.steps}", f"output_dir={out}", *QUIET]
     if mode == "sync":
         overrides += ["cluster.in_process=false"]
-    if mode == "async":
+    if mode in ("async", "async_partial"):
+        partial = args.partial or mode == "async_partial"
         overrides += [
             "algorithm.async_rollout.enabled=true",
             f"algorithm.async_rollout.max_staleness={args.max_staleness}",
-            f"algorithm.async_rollout.partial_rollouts={str(args.partial).lower()}",
+            f"algorithm.async_rollout.partial_rollouts={str(partial).lower()}",
         ]
     overrides += args.overrides
     command = [sys.executable, "-m", "rltrain.cli", "grpo", *overrides]
@@ -156,7 +163,7 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
         "seconds_to_0_8": first_reaching(rows, launched),
         "exact_match_last10": sum(r["reward/exact_match"] for r in rows[-10:]) / 10,
     }
-    if mode == "async":
+    if mode in ("async", "async_partial"):
         result.update(
             overlap_fraction=statistics.fmean(r["async/overlap_fraction"] for r in rows),
             staleness_mean=statistics.fmean(r["async/staleness_mean"] for r in rows),
@@ -190,6 +197,9 @@ def main() -> None:
     if "sync" in by and "async" in by:
         spm = {m: statistics.median(r["steps_per_min"] for r in by[m]) for m in by}
         summary["async_over_sync_steps_per_min"] = spm["async"] / spm["sync"]
+    if "sync" in by and "async_partial" in by:
+        spm = {m: statistics.median(r["steps_per_min"] for r in by[m]) for m in by}
+        summary["async_partial_over_sync_steps_per_min"] = spm["async_partial"] / spm["sync"]
     if "in_process" in by and "async" in by:
         spm = {m: statistics.median(r["steps_per_min"] for r in by[m]) for m in by}
         summary["async_over_in_process_steps_per_min"] = spm["async"] / spm["in_process"]

@@ -117,10 +117,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for the run")
     p.add_argument("--standalone-worker", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("two GPUs (--gpus 2)")
-    g.add_argument("--gpus", type=int, choices=(1, 2), default=1)
+    g.add_argument("--gpus", type=int, choices=(1, 2, 4), default=1)
     g.add_argument("--recipe", default="qwen1.5b-gsm8k")
     g.add_argument("--algos", default="grpo,ppo", help="comma list of grpo, ppo")
-    g.add_argument("--layouts", default="split,dp2", help="comma list of split, dp2, critic")
+    g.add_argument(
+        "--layouts",
+        default=None,
+        help="comma list: split, dp2, critic (--gpus 2); split, dp4, recipe (--gpus 4); "
+        "default all of them",
+    )
     g.add_argument("--only", default=None, help="comma list of <algo>_<layout> (grpo_split, ...)")
     g.add_argument("--mini-batch", type=int, default=None, help="default: the whole rollout")
     g.add_argument(
@@ -141,7 +146,7 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--no-ray-stop", action="store_true", help="no `ray stop` after a failed run")
     g.add_argument("--merge", nargs="+", default=None, help="merge --gpus 2 result files")
     args = p.parse_args()
-    if args.gpus == 2 or args.merge:
+    if args.gpus > 1 or args.merge:
         if "--steps" not in sys.argv:
             args.steps = 2 if args.dry_run else 50
         if args.budget_s is None and not args.dry_run:
@@ -471,6 +476,7 @@ def summarize(loop: dict, standalone: dict, rollout_rows: int) -> dict:
         "overhead_train_call_s": median([r["time/train"] - r["time/train_worker"] for r in steady])
         if all("time/train_worker" in r for r in steady)
         else None,
+        **exposed_parts(steady),
         "loop_generate_tokens_per_s": loop_tps,
         "loop_engine_tokens_per_s": engine_tps,
         "standalone_generate_tokens_per_s": alone_tps,
@@ -505,8 +511,10 @@ LAYOUTS: dict[str, dict] = {
         "overrides": ["dtensor.dp=1", "rollout.replicas=1", "rollout.colocated=false"],
         "expect": {"rollout_colocated": False, "refit": "nccl"},
         # PPO: the critic cannot have a GPU of its own next to the policy's and the
-        # engine's, so the plan puts value rank 0 on policy rank 0's GPU.
+        # engine's, so the plan puts value rank 0 on policy rank 0's GPU, which the memory
+        # plan may refuse (policy and critic with their optimizers on one GPU).
         "expect_ppo": {"value_colocated": True},
+        "may_refuse": ("ppo",),
         "colocated": False,
     },
     "dp2": {
@@ -526,7 +534,37 @@ LAYOUTS: dict[str, dict] = {
         "algos": ("ppo",),
     },
 }
+# Four GPUs: the recipe's own layout (4 replicas, each colocated on policy rank 0's GPU) does
+# not fit them (the plan refuses it, recorded as such); these are the layouts it accepts.
+LAYOUTS_4: dict[str, dict] = {
+    "split": {
+        "about": "dp=2 trainers on 2 GPUs + 2 vLLM replicas on the other 2 (NCCL refit)",
+        "overrides": ["dtensor.dp=2", "rollout.replicas=2", "rollout.colocated=false"],
+        "expect": {"rollout_colocated": False, "refit": "nccl"},
+        "expect_ppo": {"value_colocated": True},
+        "colocated": False,
+    },
+    "dp4": {
+        "about": "dp=4 trainers, one vLLM replica colocated on policy rank 0's GPU (IPC refit)",
+        "overrides": ["dtensor.dp=4", "rollout.replicas=1", "rollout.colocated=true"],
+        "expect": {"rollout_colocated": True, "refit": "ipc"},
+        "expect_ppo": {"value_colocated": True},
+        "colocated": True,
+    },
+    "recipe": {
+        "about": "the recipe's own layout (rollout.replicas=4, colocated): expected refused",
+        "overrides": [],
+        "expect": {"refused": True},
+        "colocated": True,
+    },
+}
 ALGOS = ("grpo", "ppo")
+
+
+def layouts_for(args: argparse.Namespace) -> dict[str, dict]:
+    return LAYOUTS_4 if args.gpus == 4 else LAYOUTS
+
+
 # Stage keys of the loops' metrics (time/<stage>) that the summary reports.
 STAGES = ("generate", "reward", "values", "logprobs", "train_value", "train", "refit")
 PROMPT_TOKENS = 512
@@ -561,7 +599,7 @@ def two_gpu_overrides(
         "checkpoint.save_final=false",
         "cluster.startup_timeout_s=900",
     ]
-    spec = LAYOUTS[layout]
+    spec = layouts_for(args)[layout]
     gpu = [
         *common,
         *spec["overrides"],
@@ -575,7 +613,7 @@ def two_gpu_overrides(
         ),
         "precision=bf16",
         "cluster.device=cuda",
-        "cluster.num_gpus=2",
+        f"cluster.num_gpus={args.gpus}",
         *args.overrides,
     ]
     if not args.dry_run:
@@ -592,7 +630,9 @@ def two_gpu_overrides(
     return gpu, cpu
 
 
-def check_plan(algo: str, layout: str, overrides: list[str], timeout_s: float = 300.0) -> dict:
+def check_plan(
+    algo: str, layout: str, overrides: list[str], spec: dict, timeout_s: float = 300.0
+) -> dict:
     """`rltrain plan <algo> <overrides> --json` in a subprocess, reduced to what places the
     roles, and whether it shows the layout's expected GPU sharing and refit; ``ok`` False
     with ``error`` when it does not (or the overrides do not compose or validate)."""
@@ -604,7 +644,13 @@ def check_plan(algo: str, layout: str, overrides: list[str], timeout_s: float = 
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"rltrain plan did not finish within {timeout_s}s"}
     if proc.returncode != 0:
-        return {"ok": False, "error": (proc.stdout + proc.stderr)[-3000:]}
+        said = (proc.stdout + proc.stderr)[-3000:]
+        may_refuse = spec["expect"].get("refused") or algo in spec.get("may_refuse", ())
+        if may_refuse and proc.returncode == 2 and "does not fit" in said:
+            return {"ok": True, "refused": True, "error": said}
+        return {"ok": False, "error": said}
+    if spec["expect"].get("refused"):
+        return {"ok": False, "error": "the plan accepted a layout expected to be refused"}
     try:
         plan = json.loads(proc.stdout[proc.stdout.index("{") :])
     except ValueError as exc:
@@ -615,7 +661,6 @@ def check_plan(algo: str, layout: str, overrides: list[str], timeout_s: float = 
         "value_colocated": gl.get("value_colocated"),
         "refit": (plan.get("refit") or {}).get("transport"),
     }
-    spec = LAYOUTS[layout]
     expect = {**spec["expect"], **(spec.get("expect_ppo", {}) if algo == "ppo" else {})}
     wrong = {k: {"expected": v, "plan": got[k]} for k, v in expect.items() if got[k] != v}
     out = {
@@ -633,6 +678,39 @@ def check_plan(algo: str, layout: str, overrides: list[str], timeout_s: float = 
     if wrong:
         out["error"] = f"the plan does not place {algo} {layout} as intended: {wrong}"
     return out
+
+
+def exposed_parts(steady: list[dict]) -> dict:
+    """What each side stage adds to the step (medians): every stage timer of the loops
+    times only the part the step waits for (a stage that ran beside another is timed from
+    where the step starts waiting on it), so ``exposed_<stage>_s`` is its timer. The
+    reward is what is left to score once the last row is in (rows that stream out earlier
+    are scored beside the engines, ``reward_streamed_s``); ``controller_s`` is the step
+    less every timed stage: the controller's own work."""
+
+    def med(key: str) -> float | None:
+        return median([r[key] for r in steady if key in r])
+
+    return {
+        "exposed_reward_s": med("time/reward"),
+        "exposed_logprobs_s": med("time/logprobs"),
+        "exposed_values_s": med("time/values"),
+        "reward_streamed_s": med("time/reward_streamed"),
+        "generate_call_over_engine_s": median(
+            [
+                r["time/generate"] - r["time/generate_engine"]
+                for r in steady
+                if "time/generate_engine" in r
+            ]
+        ),
+        "controller_s": median(
+            [
+                r["time/step"] - sum(r.get(f"time/{k}", 0.0) for k in STAGES)
+                for r in steady
+                if "time/step" in r
+            ]
+        ),
+    }
 
 
 def summarize_two_gpu(rows: list[dict], gpu_memory: dict | None) -> dict:
@@ -660,6 +738,7 @@ def summarize_two_gpu(rows: list[dict], gpu_memory: dict | None) -> dict:
         "step_s": med("time/step"),
         **{f"{k}_s": med(f"time/{k}") for k in STAGES},
         "other_s": median([other(r) for r in steady if "time/step" in r]),
+        **exposed_parts(steady),
         "tokens_per_s": med("throughput/tokens_per_s"),
         "generate_tokens_per_s": median(
             [
@@ -710,13 +789,16 @@ def run_two_gpu_layout(
     entry: dict = {
         "algo": algo,
         "layout": layout,
-        "about": LAYOUTS[layout]["about"],
+        "about": layouts_for(args)[layout]["about"],
         "command": ["rltrain", algo, *run_ov],
     }
     print(f"[{algo}_{layout}] plan check: rltrain plan {algo} " + " ".join(plan_ov), flush=True)
-    entry["plan"] = check_plan(algo, layout, plan_ov)
+    entry["plan"] = check_plan(algo, layout, plan_ov, layouts_for(args)[layout])
     if not entry["plan"]["ok"]:
         entry.update(status="plan_failed", error=entry["plan"].get("error"))
+        return entry
+    if entry["plan"].get("refused"):
+        entry.update(status="refused_by_plan", error=entry["plan"].get("error"))
         return entry
     # An interrupted run gets INTERRUPT_GRACE_S more to shut down: stay within the budget.
     left = deadline - time.monotonic() - 30.0
@@ -781,26 +863,27 @@ def plan_estimate_vs_peak(run_dir: Path, gpu_memory: dict | None) -> dict | None
 def two_gpu_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The (algo, layout) pairs to run, in order: --only, else --algos x --layouts (a
     layout limited to some algorithms is left out for the others)."""
+    known = layouts_for(args)
     if args.only:
         pairs = []
         for name in args.only.split(","):
             algo, _, layout = name.strip().partition("_")
-            if algo not in ALGOS or layout not in LAYOUTS:
+            if algo not in ALGOS or layout not in known:
                 sys.exit(
                     f"error: --only {name!r}: expected <algo>_<layout> with algo in {ALGOS} "
-                    f"and layout in {tuple(LAYOUTS)}"
+                    f"and layout in {tuple(known)}"
                 )
             pairs.append((algo, layout))
         return pairs
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    layouts = [x.strip() for x in (args.layouts or ",".join(known)).split(",") if x.strip()]
     for a in algos:
         if a not in ALGOS:
             sys.exit(f"error: --algos: {a!r} is not one of {ALGOS}")
     for x in layouts:
-        if x not in LAYOUTS:
-            sys.exit(f"error: --layouts: {x!r} is not one of {tuple(LAYOUTS)}")
-    return [(a, x) for a in algos for x in layouts if a in LAYOUTS[x].get("algos", ALGOS)]
+        if x not in known:
+            sys.exit(f"error: --layouts: {x!r} is not one of {tuple(known)}")
+    return [(a, x) for a in algos for x in layouts if a in known[x].get("algos", ALGOS)]
 
 
 def merge_results(paths: list[str]) -> dict:
@@ -829,7 +912,7 @@ def two_gpu_main(args: argparse.Namespace) -> None:
     deadline = t_start + (args.budget_s if args.budget_s else float("inf"))
     if args.merge:
         result = merge_results(args.merge)
-        name = f"bench_e2e-{result['device']}-2gpu.json"
+        name = f"bench_e2e-{result['device']}-{result.get('gpus', 2)}gpu.json"
         path = ROOT / "scripts" / "results" / name
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["summary"], indent=2))
@@ -839,28 +922,31 @@ def two_gpu_main(args: argparse.Namespace) -> None:
     if args.dry_run:
         device = "cpu-dryrun"
     elif device == "cpu":
-        sys.exit("error: --gpus 2 needs two CUDA devices; use --dry-run on CPU.")
-    elif torch.cuda.device_count() < 2:
-        sys.exit(f"error: --gpus 2 needs two CUDA devices, {torch.cuda.device_count()} visible.")
+        sys.exit(f"error: --gpus {args.gpus} needs {args.gpus} CUDA devices; use --dry-run on CPU.")
+    elif torch.cuda.device_count() < args.gpus:
+        sys.exit(
+            f"error: --gpus {args.gpus} needs {args.gpus} CUDA devices, "
+            f"{torch.cuda.device_count()} visible."
+        )
     pairs = two_gpu_runs(args)
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rltrain-bench-e2e-2gpu-"))
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix=f"rltrain-bench-e2e-{args.gpus}gpu-"))
     model_dir = Path(
         args.model_dir
         or Path(tempfile.gettempdir())
         / f"rltrain-bench-e2e-model{'-smoke' if args.dry_run else ''}"
     )
     result: dict = {
-        "script": "scripts/bench_e2e.py --gpus 2",
+        "script": f"scripts/bench_e2e.py --gpus {args.gpus}",
         "device": device,
         "device_name": device_name,
-        "gpus": 2,
+        "gpus": args.gpus,
         "torch": torch.__version__,
         "args": {k: v for k, v in vars(args).items() if k not in ("standalone_worker", "merge")},
-        "layouts": {k: v["about"] for k, v in LAYOUTS.items()},
+        "layouts": {k: v["about"] for k, v in layouts_for(args).items()},
         "runs": {},
         "summary": {},
     }
-    name = f"bench_e2e-{device}-2gpu.json"
+    name = f"bench_e2e-{device}-{args.gpus}gpu.json"
     paths = [work / name] + ([Path(args.out) / name] if args.out else [])
     if not args.dry_run:
         paths.insert(0, ROOT / "scripts" / "results" / name)
@@ -893,7 +979,7 @@ def two_gpu_main(args: argparse.Namespace) -> None:
         save()
     print(json.dumps(result["summary"], indent=2))
     print("wrote " + ", ".join(map(str, paths)))
-    if any(e["status"] != "ok" for e in result["runs"].values()):
+    if any(e["status"] not in ("ok", "refused_by_plan") for e in result["runs"].values()):
         sys.exit(1)
 
 
@@ -902,7 +988,7 @@ def main() -> None:
     if args.standalone_worker:
         standalone_worker(json.loads(args.standalone_worker))
         return
-    if args.gpus == 2 or args.merge:
+    if args.gpus > 1 or args.merge:
         two_gpu_main(args)
         return
     import tempfile
