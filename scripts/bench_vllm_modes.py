@@ -56,8 +56,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", default="/tmp/rltrain-bench-e2e-model")
     p.add_argument("--timeout", type=float, default=300.0, help="per mode (s)")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--burn-s",
+        type=float,
+        default=0.0,
+        help="before each call, this many seconds of bf16 matmuls on the same GPU (as the "
+        "trainer's step before a colocated engine's generate): does the loop's slower "
+        "generation follow the GPU's state after training?",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def burn(seconds: float) -> None:
+    """``seconds`` of back-to-back bf16 matmuls on this process's GPU (a training step's
+    load), ended with a synchronize."""
+    if seconds <= 0:
+        return
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+    del a
+    torch.cuda.empty_cache()
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now (NVML through torch), None where it cannot be read."""
+    import torch
+
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # noqa: BLE001 - a figure of the result, not a failure
+        return None
 
 
 def worker(spec: dict) -> None:
@@ -82,11 +117,21 @@ def worker(spec: dict) -> None:
             tokenizer, task.sample(cfg.algorithm.prompts_per_step), cfg.algorithm.samples_per_prompt
         )
         sampling = replace(sampling_params(cfg), seed=step_seed(cfg.seed, call))
+        burn(spec.get("burn_s", 0.0))
+        clock = sm_clock_mhz()
         t = time.perf_counter()
         out = engine.generate(prompt_ids, sampling)
         seconds = time.perf_counter() - t
         tokens = sum(len(r) for r in out.response_ids)
-        calls.append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+        calls.append(
+            {
+                "seconds": seconds,
+                "tokens": tokens,
+                "tokens_per_s": tokens / seconds,
+                "sm_clock_mhz_before": clock,
+                "sm_clock_mhz_after": sm_clock_mhz(),
+            }
+        )
     engine.shutdown()
     print("RESULT " + json.dumps({"startup_s": startup, "calls": calls}), flush=True)
 
@@ -119,7 +164,7 @@ def main() -> None:
     ]
     result = result_doc("scripts/bench_vllm_modes.py", device, name, args, modes={}, summary={})
     for mode in args.modes.split(","):
-        spec = {"overrides": [*common, *MODES[mode]], "calls": args.calls}
+        spec = {"overrides": [*common, *MODES[mode]], "calls": args.calls, "burn_s": args.burn_s}
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -143,7 +188,8 @@ def main() -> None:
                 "call_s": statistics.median(c["seconds"] for c in steady),
             }
         print(mode, json.dumps(result["summary"].get(mode) or run.get("error", "")[-500:]))
-    write_json(result, result_paths(f"bench_vllm_modes-{device}.json", args.out))
+    suffix = "-burn" if args.burn_s else ""
+    write_json(result, result_paths(f"bench_vllm_modes-{device}{suffix}.json", args.out))
 
 
 if __name__ == "__main__":
