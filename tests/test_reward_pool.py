@@ -96,7 +96,7 @@ def test_workers_resolve_per_device(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert RewardConfig().resolved_workers("cuda") == 8
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert RewardConfig().resolved_workers("cuda") == 8
+    assert RewardConfig().resolved_workers("cuda") == 16
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     assert RewardConfig().resolved_workers("cuda") == 3
     assert RewardConfig(workers=3).resolved_workers("cpu") == 3

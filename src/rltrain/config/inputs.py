@@ -98,7 +98,7 @@ def validate_reward_eval(cfg: RunConfig) -> None:
     if rw.workers is not None and rw.workers < 0:
         raise ConfigError(
             f"reward.workers={rw.workers} must be >= 0 (0 = score in the controller; "
-            "null = 0 on CPU, up to 8 on GPUs)."
+            "null = 0 on CPU, up to 16 on GPUs)."
         )
     if ev.every_n_steps < 0:
         raise ConfigError("eval.every_n_steps must be >= 0 (0 = no evaluation during training).")

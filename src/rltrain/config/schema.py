@@ -317,7 +317,7 @@ class RewardConfig:
     # An exception or NaN from the reward: "zero" scores 0 and counts it, "fail" stops the run.
     on_error: str = "zero"
     # Processes that score responses side by side as they stream out of the engines; 0 =
-    # in the controller. null = 0 on CPU, on GPUs up to 8 (half the controller's cores):
+    # in the controller. null = 0 on CPU, on GPUs up to 16 (half the machine's cores):
     # a step's rows that end together are then scored in a fraction of the time.
     workers: int | None = None
 
@@ -329,7 +329,7 @@ class RewardConfig:
             return 0
         import os
 
-        return min(8, (os.cpu_count() or 1) // 2)
+        return min(16, (os.cpu_count() or 1) // 2)
 
 
 @dataclass
