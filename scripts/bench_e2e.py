@@ -562,7 +562,7 @@ ALGOS = ("grpo", "ppo")
 
 
 def layouts_for(args: argparse.Namespace) -> dict[str, dict]:
-    return LAYOUTS_4 if args.gpus == 4 else LAYOUTS
+    return LAYOUTS_4 if getattr(args, "gpus", 2) == 4 else LAYOUTS
 
 
 # Stage keys of the loops' metrics (time/<stage>) that the summary reports.
@@ -613,7 +613,7 @@ def two_gpu_overrides(
         ),
         "precision=bf16",
         "cluster.device=cuda",
-        f"cluster.num_gpus={args.gpus}",
+        f"cluster.num_gpus={getattr(args, 'gpus', 2)}",
         *args.overrides,
     ]
     if not args.dry_run:
@@ -631,11 +631,16 @@ def two_gpu_overrides(
 
 
 def check_plan(
-    algo: str, layout: str, overrides: list[str], spec: dict, timeout_s: float = 300.0
+    algo: str,
+    layout: str,
+    overrides: list[str],
+    spec: dict | None = None,
+    timeout_s: float = 300.0,
 ) -> dict:
     """`rltrain plan <algo> <overrides> --json` in a subprocess, reduced to what places the
     roles, and whether it shows the layout's expected GPU sharing and refit; ``ok`` False
     with ``error`` when it does not (or the overrides do not compose or validate)."""
+    spec = spec or LAYOUTS[layout]
     command = [sys.executable, "-m", "rltrain.cli", "plan", algo, *overrides, "--json"]
     try:
         proc = subprocess.run(

@@ -48,7 +48,8 @@ def test_process_gpu_memory_reads_the_allocator_and_the_device(monkeypatch):
     monkeypatch.setattr(c, "max_memory_reserved", lambda d: 36 * GIB)
     monkeypatch.setattr(c, "memory_allocated", lambda d: 3 * GIB)
     monkeypatch.setattr(c, "memory_reserved", lambda d: 6 * GIB)
-    monkeypatch.setattr(gpu_memory, "_nvml_process_bytes", lambda d: int(7.5 * GIB))
+    # this process 1.5 GiB, the processes it started (an engine core) 6 GiB
+    monkeypatch.setattr(gpu_memory, "_nvml_process_bytes", lambda d: (int(1.5 * GIB), 6 * GIB))
     assert process_gpu_memory() == {
         "device": 1.0,
         "peak_allocated_gib": 30.0,
@@ -58,9 +59,38 @@ def test_process_gpu_memory_reads_the_allocator_and_the_device(monkeypatch):
         "device_used_gib": 40.0,
         "device_total_gib": 140.0,
         "process_used_gib": 7.5,
+        "child_processes_used_gib": 6.0,
     }
     monkeypatch.setattr(gpu_memory, "_nvml_process_bytes", lambda d: None)
     assert "process_used_gib" not in process_gpu_memory()
+
+
+def test_nvml_counts_the_process_and_the_processes_it_started(monkeypatch):
+    """A vLLM replica's memory is in its engine core's process: NVML's rows for this
+    process and its descendants are summed apart from every other process's."""
+    import os
+    import sys
+    import types
+
+    rows = [
+        types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=GIB),
+        types.SimpleNamespace(pid=4242, usedGpuMemory=10 * GIB),  # an engine core
+        types.SimpleNamespace(pid=999_999, usedGpuMemory=30 * GIB),  # a trainer beside
+        types.SimpleNamespace(pid=4343, usedGpuMemory=None),  # not reported
+    ]
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: rows,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda d: d)
+    monkeypatch.setattr(gpu_memory, "_descendants", lambda: {4242, 4343})
+    assert gpu_memory._nvml_process_bytes(0) == (GIB, 10 * GIB)
+    monkeypatch.setattr(gpu_memory, "_descendants", lambda: set())
+    assert gpu_memory._nvml_process_bytes(0) == (GIB, 0)
+    rows[0] = types.SimpleNamespace(pid=1, usedGpuMemory=GIB)  # this process not listed
+    assert gpu_memory._nvml_process_bytes(0) is None
 
 
 def test_role_peaks_takes_the_largest_rank_per_figure():

@@ -16,23 +16,40 @@ import torch
 GIB = float(1 << 30)
 
 
-def _nvml_process_bytes(device: int) -> int | None:
-    """Device memory NVML sees this process use on ``device`` (torch index): its CUDA
-    context, NCCL buffers and allocations outside torch's allocator included. None where
-    NVML (the ``pynvml`` module) is missing or does not list the process (another PID
-    namespace)."""
+def _descendants() -> set[int]:
+    """PIDs of this process's children, grandchildren, ... (vLLM's engine core and its
+    workers under a rollout replica); empty where psutil is missing."""
+    try:
+        import psutil
+
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:  # optional: any failure means "none known"
+        return set()
+
+
+def _nvml_process_bytes(device: int) -> tuple[int, int] | None:
+    """Device memory NVML sees on ``device`` (torch index) for (this process, its
+    descendant processes): CUDA contexts, NCCL buffers and allocations outside torch's
+    allocator included. None where NVML (the ``pynvml`` module) is missing or does not
+    list this process (another PID namespace)."""
     try:
         import pynvml  # type: ignore[import-not-found]
 
         pynvml.nvmlInit()
         index = torch.cuda._get_nvml_device_index(device)
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        children = _descendants()
+        own, below, seen = 0, 0, False
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                return int(proc.usedGpuMemory)
+            if proc.usedGpuMemory is None:
+                continue
+            if proc.pid == os.getpid():
+                own, seen = own + int(proc.usedGpuMemory), True
+            elif proc.pid in children:
+                below += int(proc.usedGpuMemory)
     except Exception:  # optional: any failure means "not known"
         return None
-    return None
+    return (own, below) if seen or below else None
 
 
 def process_gpu_memory() -> dict[str, float]:
@@ -62,7 +79,10 @@ def process_gpu_memory() -> dict[str, float]:
     }
     used = _nvml_process_bytes(device)
     if used is not None:
-        out["process_used_gib"] = used / GIB
+        # The process and the processes it started: a vLLM replica's weights and KV cache
+        # live in its engine core's process, not in the replica's.
+        out["process_used_gib"] = (used[0] + used[1]) / GIB
+        out["child_processes_used_gib"] = used[1] / GIB
     return out
 
 
