@@ -114,6 +114,13 @@ def inject_lora(model: nn.Module, lora: LoraConfig) -> list[str]:
     return wrapped
 
 
+def freeze_base(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every frozen parameter (the base) to ``dtype``; the adapters stay fp32."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+
+
 def lora_modules(model: nn.Module) -> Iterator[LoRALinear]:
     for m in model.modules():
         if isinstance(m, LoRALinear):

@@ -48,6 +48,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _OPTIONS() -> Any:  # noqa: N802 - a constant, built lazily (the import costs ~2 s)
+    """The state-dict options of every trainer checkpoint: trainable parameters only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
+
+
 def save_trainer_state(
     path: str | Path,
     model: torch.nn.Module,
@@ -72,7 +79,8 @@ def save_trainer_state(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Frozen parameters (LoRA's base) are not saved: the run rebuilds them from model.path.
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -113,11 +121,15 @@ def load_trainer_state(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS())
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_OPTIONS(),
     )
     extra = torch.load(path / "trainer.pt", weights_only=False)
     if lr_scheduler is not None and extra["lr_scheduler"] is not None:
