@@ -64,7 +64,9 @@ def validate_lora(cfg: RunConfig) -> None:
 QWEN2_LINEAR_NAMES = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
 
 
-def check_lora_model(cfg: RunConfig, hidden_size: int, linear_names: list[str], source: str) -> None:
+def check_lora_model(
+    cfg: RunConfig, hidden_size: int, linear_names: list[str], source: str
+) -> None:
     """``train.lora`` against the policy model (``source`` names where its sizes came from):
     the rank at most the hidden size, every target one of its decoder blocks' linear layers."""
     lo = cfg.train.lora

@@ -550,9 +550,7 @@ def value_run_config(cfg: RunConfig) -> RunConfig:
     optim = replace(cfg.optim, lr=v.lr)
     # The critic trains in full: its scalar head is new, and LoRA is the policy's (train.lora).
     train = replace(cfg.train, lora=LoraConfig())
-    return replace(
-        cfg, model=model, precision=precision, dtensor=dtensor, optim=optim, train=train
-    )
+    return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim, train=train)
 
 
 def lora_lr(cfg: RunConfig) -> float:

@@ -200,7 +200,10 @@ def validate(cfg: RunConfig) -> None:
     if m.path is None:
         check_mesh_fits_model(cfg, tiny_model_shape(cfg), "policy")
         check_lora_model(
-            cfg, cfg.model.tiny.hidden_size, list(QWEN2_LINEAR_NAMES), "the embedded tiny model, model.tiny"
+            cfg,
+            cfg.model.tiny.hidden_size,
+            list(QWEN2_LINEAR_NAMES),
+            "the embedded tiny model, model.tiny",
         )
     if a.name == "ppo" and cfg.value.model_path is None and m.path is None:
         check_mesh_fits_model(cfg, tiny_model_shape(cfg), "value")

@@ -103,7 +103,10 @@ def inject_lora(model: nn.Module, lora: LoraConfig) -> list[str]:
     model.requires_grad_(False)
     wrapped = []
     alpha, dropout = lora.resolved_alpha(), lora.dropout or 0.0
-    for i, layer in enumerate(getattr(model, "model").layers):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList to adapt")
+    for i, layer in enumerate(layers):
         for name, module in list(layer.named_modules()):
             if isinstance(module, LoRALinear):
                 continue
@@ -170,6 +173,8 @@ def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
     }
 
 
-def merge_into(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+def merge_into(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """``weight + scaling * B A`` in fp32 (the merged export; never used for a refit)."""
     return weight.float() + scaling * (b.float() @ a.float())

@@ -22,7 +22,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from rltrain.config.schema import RunConfig
-from rltrain.models.lora import freeze_base, inject_lora
 from rltrain.models.loader import (
     TORCH_DTYPES,
     blocked_token_ids,
@@ -30,6 +29,7 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
+from rltrain.models.lora import freeze_base, inject_lora
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -114,10 +114,10 @@ class ShardedModel:
         lora = trainable and self.lora
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
             # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
-            loaded = load_model(self.cfg, "float32")
+            whole: torch.nn.Module = load_model(self.cfg, "float32")
             if lora:
-                self._prepare_lora(loaded)
-            return self._shard(loaded, trainable)
+                self._prepare_lora(whole)
+            return self._shard(whole, trainable)
         # imported here: ~2 s the driver (which imports this module) does not need
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
