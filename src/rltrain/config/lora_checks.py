@@ -52,6 +52,11 @@ def validate_lora(cfg: RunConfig) -> None:
             "dtensor.sequence_parallel=false (or train.lora.rank=0)."
         )
     ro = cfg.rollout
+    if ro.engine == "vllm" and lo.rank > 512:
+        raise ConfigError(
+            f"train.lora.rank={lo.rank} is above 512, the largest adapter rank vLLM serves; "
+            "use train.lora.rank <= 512 or rollout=torch."
+        )
     if ro.engine == "vllm" and ro.tp > 1:
         raise ConfigError(
             f"train.lora.rank={lo.rank} with rollout=vllm and rollout.tp={ro.tp}: the adapter "
