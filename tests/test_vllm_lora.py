@@ -81,7 +81,7 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
             params = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
             result: dict = {}
             t = threading.Thread(
-                target=lambda v=version, ps=params: result.update(
+                target=lambda v=version, ps=params, r=result: r.update(
                     s=sender["s"].send(fill_from(ps), weight_version=v)
                 )
             )
