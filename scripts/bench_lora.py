@@ -160,6 +160,7 @@ def run_parity(model_dir: Path, args: argparse.Namespace, cuda: bool) -> dict:
 
     engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
     overrides = [
+        "model=qwen2.5-1.5b-instruct",
         f"model.path={model_dir}",
         "model.name=random-qwen2.5-1.5b-shape",
         "precision=fp32",
