@@ -110,6 +110,31 @@ def test_default_task_learns(tmp_path):
     assert last >= 0.5, f"exact match over the last 10 steps: {last:.3f}"
 
 
+@pytest.mark.timeout(400)
+def test_lora_default_task_learns(tmp_path):
+    """150 steps of the embedded default with rank-8 adapters (train.lora.lr at its default,
+    10 x optim.lr) lift exact match from ~0 (measured here: 0.03 over the first 10 steps,
+    0.23 over the last 10); every refit moves the adapters only."""
+    out = tmp_path / "lora"
+    proc = _run_cli(
+        "grpo",
+        "train.lora.rank=8",
+        "max_steps=150",
+        f"output_dir={out}",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+        "checkpoint.save_final=false",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _metrics(out)
+    first = sum(r["reward/exact_match"] for r in rows[:10]) / 10
+    last = sum(r["reward/exact_match"] for r in rows[-10:]) / 10
+    assert first < 0.1
+    assert last >= 0.15 and last > first + 0.1, f"exact match first / last 10: {first} / {last}"
+    # rank 8 on the tiny model: 32,768 fp32 adapter values, not the 298,368 of the model
+    assert {r["refit/bytes"] for r in rows} == {4 * 32_768}
+
+
 @pytest.mark.timeout(300)
 def test_workers_refit_keeps_engine_and_trainer_in_step(ray_session):
     """Ray actors: dp=2 policy + torch engine; after a refit both score tokens identically."""

@@ -35,6 +35,8 @@ def check_inputs(cfg: RunConfig, hub_ids: bool = True) -> None:
     # The meshes against the model's sizes, where its config.json is on this machine.
     if path is not None and (shape := model_shape(path, "model.path")) is not None:
         check_mesh_fits_model(cfg, shape, "policy")
+    if path is not None and cfg.train.lora.rank > 0:
+        check_lora_targets(cfg, path)
     if cfg.algorithm.name == "ppo":
         critic = cfg.value.model_path or path
         key = "value.model_path" if cfg.value.model_path else "model.path"
@@ -192,3 +194,31 @@ def check_mesh_fits_model(cfg: RunConfig, shape: ModelShape, role: str) -> None:
                 f"{critic} ({shape.source}) that tensor parallelism splits; "
                 f"use {key} in {{{', '.join(map(str, fits))}}}."
             )
+
+
+def check_lora_targets(cfg: RunConfig, path: str) -> None:
+    """``train.lora`` against the model at ``path`` (built on the meta device from its
+    config.json, no weights read); skipped when no config.json is on this machine (the
+    trainer checks again when it wraps the layers)."""
+    from rltrain.models.source import looks_local
+
+    config_json = Path(path).expanduser() / "config.json"
+    if not looks_local(path) or not config_json.is_file():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rltrain.config.lora_checks import check_lora_model
+    from rltrain.models.lora import linear_module_names
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"model.path '{path}' could not be built from its config.json ({exc}); give a model folder "
+            "transformers can load."
+        ) from exc
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    check_lora_model(cfg, int(text.hidden_size), linear_module_names(model), f"model.path={path}")

@@ -72,6 +72,46 @@ REWARD_ON_ERROR: tuple[str, ...] = get_args(RewardOnError)
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+# The modules LoRA adapts by default: the attention and MLP projections of Qwen2/Llama blocks.
+LORA_DEFAULT_TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+# train.lora.lr=null: this multiple of optim.lr ("LoRA Without Regret", Schulman et al. 2025:
+# the best LoRA learning rate was about 10x the best full fine-tuning one, across ranks).
+LORA_LR_MULTIPLIER = 10.0
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy (docs/user-guide.md, "LoRA"): the base stays frozen in
+    the compute dtype; only the adapters train and travel in each refit. The critic of PPO
+    always trains in full. Every key but rank stays null while rank is 0."""
+
+    rank: int = 0  # adapter rank r; 0 = off (full fine-tuning)
+    # Scale of the adapter's output is alpha / rank; null = 2 x rank (a scale of 2).
+    alpha: float | None = None
+    dropout: float | None = None  # dropout on the adapter's input while training; null = 0
+    # Module names (the last part: q_proj, down_proj, ...) of the linear layers adapted in
+    # every decoder block; null = the attention and MLP projections (LORA_DEFAULT_TARGETS).
+    targets: list[str] | None = None
+    # The adapters' peak learning rate; null = 10 x optim.lr (LORA_LR_MULTIPLIER).
+    lr: float | None = None
+    # Checkpoints also write the merged model (base + scale x B A, fp32) under merged/.
+    export_merged: bool | None = None
+
+    def resolved_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+    def resolved_targets(self) -> tuple[str, ...]:
+        return tuple(self.targets) if self.targets is not None else LORA_DEFAULT_TARGETS
+
+
 @dataclass
 class TrainConfig:
     """Batch shape of the trainer. Sizes count sequences (prompt + response)."""
@@ -107,6 +147,8 @@ class TrainConfig:
     compile: bool | None = None
     # liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA; liger-kernel installed).
     liger: bool = False
+    # Low-rank adapters instead of full fine-tuning (rank 0 = off).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -520,7 +562,15 @@ def value_run_config(cfg: RunConfig) -> RunConfig:
     }
     dtensor = replace(cfg.dtensor, **{k: x for k, x in overrides.items() if x is not None})
     optim = replace(cfg.optim, lr=v.lr)
-    return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim)
+    # The critic trains in full: its scalar head is new, and LoRA is the policy's (train.lora).
+    train = replace(cfg.train, lora=LoraConfig())
+    return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim, train=train)
+
+
+def lora_lr(cfg: RunConfig) -> float:
+    """The adapters' learning rate: ``train.lora.lr``, null = LORA_LR_MULTIPLIER x optim.lr."""
+    lo = cfg.train.lora
+    return lo.lr if lo.lr is not None else LORA_LR_MULTIPLIER * cfg.optim.lr
 
 
 def is_level(cfg: RunConfig) -> ISLevel | None:

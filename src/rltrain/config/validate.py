@@ -15,6 +15,7 @@ from rltrain.config.inputs import (
     validate_dataset,
     validate_reward_eval,
 )
+from rltrain.config.lora_checks import QWEN2_LINEAR_NAMES, check_lora_model, validate_lora
 from rltrain.config.objective_checks import validate_objective, validate_ppo
 from rltrain.config.schema import (
     ALGORITHMS,
@@ -69,6 +70,7 @@ def validate(cfg: RunConfig) -> None:
             "use precision=bf16 or fp16, or train.attention=flex."
         )
     _validate_speed(cfg)
+    validate_lora(cfg)
     o = cfg.optim
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0.")
@@ -197,6 +199,12 @@ def validate(cfg: RunConfig) -> None:
         )
     if m.path is None:
         check_mesh_fits_model(cfg, tiny_model_shape(cfg), "policy")
+        check_lora_model(
+            cfg,
+            cfg.model.tiny.hidden_size,
+            list(QWEN2_LINEAR_NAMES),
+            "the embedded tiny model, model.tiny",
+        )
     if a.name == "ppo" and cfg.value.model_path is None and m.path is None:
         check_mesh_fits_model(cfg, tiny_model_shape(cfg), "value")
 

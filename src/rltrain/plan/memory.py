@@ -31,10 +31,10 @@ with every measured figure.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from rltrain.config.schema import DTYPE_BYTES, RunConfig
+from rltrain.config.schema import DTYPE_BYTES, LoraConfig, RunConfig
 from rltrain.models.shapes import ModelShape, known_shape, read_config_json
 
 GIB = 2**30
@@ -172,6 +172,32 @@ def micro_batch_tokens(cfg: RunConfig, micro_rows: int | None) -> int:
     return (micro_rows or 1) * longest
 
 
+def lora_params(cfg: RunConfig, shape: ModelShape) -> int:
+    """Adapter parameters of ``train.lora`` on ``shape``: rank x (in + out) of every targeted
+    projection of every block (0 with LoRA off; targets other than the attention and MLP
+    projections are not counted)."""
+    lo = cfg.train.lora
+    if lo.rank <= 0:
+        return 0
+    h, q, kv, i = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.kv_dim,
+        shape.intermediate_size,
+    )
+    dims = {
+        "q_proj": h + q,
+        "k_proj": h + kv,
+        "v_proj": h + kv,
+        "o_proj": q + h,
+        "gate_proj": h + i,
+        "up_proj": h + i,
+        "down_proj": i + h,
+    }
+    per_layer = sum(dims.get(t, 0) for t in set(lo.resolved_targets()))
+    return shape.num_layers * lo.rank * per_layer
+
+
 def trainer_parts(
     cfg: RunConfig, shape: ModelShape, dp: int, role: str, tokens: int, cuda: bool
 ) -> dict[str, int]:
@@ -191,13 +217,25 @@ def trainer_parts(
         else shape.value_model_params - shape.num_layers * shape.layer_params
     )
     gathered = n if not reshard else root + 2 * shape.layer_params
-    parts = {
-        "weights": 4 * shard * on_gpu,
-        "gradients": rb * n // tp if grad_sync == "step" else 4 * shard * on_gpu,
-        "optimizer": 8 * shard * on_gpu,
-        "gathered": cb * gathered // tp,
-    }
-    if role == "policy" and cfg.algorithm.kl_coef > 0:
+    n_lora = lora_params(cfg, shape) if role == "policy" else 0
+    if n_lora:
+        # LoRA: the frozen base in the compute dtype; fp32 adapters with their gradients
+        # and AdamW moments; the reference is the base (no second model).
+        lora_shard = -(-n_lora // (dp * tp))
+        parts = {
+            "weights": (cb * shard + 4 * lora_shard) * on_gpu,
+            "gradients": rb * n_lora // tp if grad_sync == "step" else 4 * lora_shard * on_gpu,
+            "optimizer": 8 * lora_shard * on_gpu,
+            "gathered": cb * (gathered + n_lora) // tp,
+        }
+    else:
+        parts = {
+            "weights": 4 * shard * on_gpu,
+            "gradients": rb * n // tp if grad_sync == "step" else 4 * shard * on_gpu,
+            "optimizer": 8 * shard * on_gpu,
+            "gathered": cb * gathered // tp,
+        }
+    if role == "policy" and cfg.algorithm.kl_coef > 0 and not n_lora:
         # fp32 shards, and the compute-dtype copy a no-grad forward leaves gathered
         parts["reference"] = 4 * shard * on_gpu + cb * (n if not reshard else root) // tp
     h, kv, inter, layers = (
@@ -342,6 +380,10 @@ class MemoryPlan:
     capacity: str = ""
     margin: str = ""
     notes: tuple[str, ...] = ()
+    # LoRA (train.lora.rank > 0): the adapters' parameters (what trains and what a refit
+    # moves), and the trainer bytes per policy rank it saves against full fine-tuning.
+    trainable_params: int | None = None
+    lora_saved_bytes: int | None = None
 
     @property
     def over(self) -> tuple[GpuMemory, ...]:
@@ -428,13 +470,14 @@ def gpu_memory_plan(
         out.append(GpuMemory(index, tuple(procs), max(awake, *phases.values(), 0), phases, fits))
     return MemoryPlan(
         num_params=shape.num_params,
-        refit_bytes_per_step=DTYPE_BYTES[cfg.precision.refit_dtype] * shape.num_params,
+        refit_bytes_per_step=DTYPE_BYTES[cfg.precision.refit_dtype] * refit_params(cfg, shape),
         model=shape.source,
         gpus=tuple(out),
         capacity_bytes=cap,
         capacity=cap_text,
         margin=MARGIN,
         notes=tuple(notes),
+        **lora_fields(cfg, shape, dp, tokens, True),  # type: ignore[arg-type]
     )
 
 
@@ -451,9 +494,29 @@ def cpu_memory_plan(cfg: RunConfig) -> MemoryPlan:
         return MemoryPlan(None, notes=(_UNKNOWN,))
     return MemoryPlan(
         num_params=shape.num_params,
-        refit_bytes_per_step=DTYPE_BYTES[cfg.precision.refit_dtype] * shape.num_params,
+        refit_bytes_per_step=DTYPE_BYTES[cfg.precision.refit_dtype] * refit_params(cfg, shape),
         model=shape.source,
+        **lora_fields(cfg, shape, 1, micro_batch_tokens(cfg, None), False),  # type: ignore[arg-type]
     )
+
+
+def refit_params(cfg: RunConfig, shape: ModelShape) -> int:
+    """Parameters one refit moves: the whole model, or with LoRA the adapters only."""
+    return lora_params(cfg, shape) or shape.num_params
+
+
+def lora_fields(
+    cfg: RunConfig, shape: ModelShape, dp: int, tokens: int, cuda: bool
+) -> dict[str, int | None]:
+    """MemoryPlan's LoRA figures: adapter parameters, and a policy rank's trainer bytes
+    saved against the same run with full fine-tuning (both None with LoRA off)."""
+    n = lora_params(cfg, shape)
+    if not n:
+        return {"trainable_params": None, "lora_saved_bytes": None}
+    full = replace(cfg, train=replace(cfg.train, lora=LoraConfig()))
+    with_lora = sum(trainer_parts(cfg, shape, dp, "policy", tokens, cuda).values())
+    without = sum(trainer_parts(full, shape, dp, "policy", tokens, cuda).values())
+    return {"trainable_params": n, "lora_saved_bytes": without - with_lora}
 
 
 def gib(n: int) -> str:

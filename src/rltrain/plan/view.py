@@ -137,7 +137,7 @@ def _micro_line(b: BatchPlan) -> str:
 
 # Column titles of the per-GPU table, in order (a part shows when some process has it).
 PART_TITLES = {
-    "weights": "weights (fp32 master)",
+    "weights": "weights (fp32 master; LoRA: base in compute dtype)",
     "engine_weights": "weights (rollout dtype)",
     "gradients": "gradients",
     "optimizer": "AdamW moments",
@@ -162,6 +162,13 @@ def _add_memory(tree: Tree, memory: MemoryPlan) -> None:
         )
     else:
         mem.add("num_params: None")
+    if memory.trainable_params is not None and memory.num_params:
+        saved = memory.lora_saved_bytes or 0
+        mem.add(
+            f"LoRA: trainable {memory.trainable_params:,} "
+            f"({memory.trainable_params / memory.num_params:.2%} of the model); the refit moves "
+            f"the adapters only; trainer memory saved per policy rank: {_fmt_bytes(saved)}"
+        )
     for note in memory.notes:
         mem.add(note)
     if not memory.gpus:

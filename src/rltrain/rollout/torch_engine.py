@@ -23,6 +23,7 @@ import torch
 from rltrain.algorithms.logprobs import scale_logits
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
+from rltrain.models.lora import inject_lora
 from rltrain.refit import RefitReceiver, make_refit_receiver
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
@@ -52,6 +53,12 @@ class TorchEngine:
         self.tokenizer = load_tokenizer(cfg)
         self.dtype = TORCH_DTYPES[cfg.precision.rollout_dtype]
         self.model = load_model(cfg, cfg.precision.rollout_dtype).to(self.device).eval()  # type: ignore[arg-type]
+        if cfg.train.lora.rank > 0:
+            # The base came in once, here; each refit moves only the adapters, which the
+            # forward applies as the trainer does (never merged into the base). B = 0 until
+            # the first refit: the base alone.
+            inject_lora(self.model, cfg.train.lora)
+            self.model.to(self.dtype)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id

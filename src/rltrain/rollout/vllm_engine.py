@@ -60,13 +60,14 @@ import torch
 from rltrain import env
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
+from rltrain.models.lora import peft_adapter_config
 from rltrain.models.shapes import ModelShape, shape_from_config_json
 from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
-from rltrain.rollout.vllm_worker import from_wire, to_wire
+from rltrain.rollout.vllm_worker import from_wire, lora_id, to_wire
 
 T = TypeVar("T")
 
@@ -74,6 +75,14 @@ GIB = 2**30
 
 
 # vLLM reads these when its engine is built; they are set from code, never by the user.
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's ``max_lora_rank`` accepts that holds ``rank``."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"train.lora.rank={rank} is above vLLM's largest max_lora_rank (512)")
+
+
 def request_seeds(base: int, n: int) -> list[int]:
     """One deterministic seed per request row (rows of one group must not share a seed)."""
     return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
@@ -226,6 +235,8 @@ class VLLMEngine(VLLMTurns):
         self.refit_receiver: RefitReceiver | None = None
         self._refit_ready = False
         self.landing_note = "not set up"  # how refits land, or why not directly
+        # LoRA: the adapter the last refit loaded (None: the base alone, before any refit).
+        self._lora_request: Any = None
         # Called on the engine's loop each time tokens stream in (partial rollouts; tests).
         self.on_tokens: Callable[[], None] | None = None
 
@@ -266,6 +277,12 @@ class VLLMEngine(VLLMTurns):
             "disable_log_stats": True,
             "worker_extension_cls": "rltrain.rollout.vllm_worker.RefitWorkerExtension",
         }
+        lo = self.cfg.train.lora
+        if lo.rank > 0:
+            # vLLM's own LoRA path: the adapter of each refit is applied by its LoRA kernels.
+            kwargs["enable_lora"] = True
+            kwargs["max_lora_rank"] = vllm_lora_rank(lo.rank)
+            kwargs["max_loras"] = 1
         compilation = compilation_config(self.cfg, self.device)
         if compilation is not None:
             kwargs["compilation_config"] = compilation
@@ -375,7 +392,11 @@ class VLLMEngine(VLLMTurns):
             try:
                 for rid, prompt, seed in zip(request_ids, prompt_ids, seeds, strict=True):
                     prompt_in = TokensPrompt(prompt_token_ids=list(prompt))
-                    collectors.append(await self.llm.add_request(rid, prompt_in, params(seed)))
+                    collectors.append(
+                        await self.llm.add_request(
+                            rid, prompt_in, params(seed), lora_request=self._lora_request
+                        )
+                    )
             finally:
                 if hold:
                     await self.llm.resume_generation()
@@ -421,7 +442,22 @@ class VLLMEngine(VLLMTurns):
         (next to the weights) and maps the manifest onto vLLM's parameters once; with
         several, this process receives and loads through ``reload_weights``."""
         r = self.cfg.refit
-        if self.cfg.rollout.tp == 1:
+        lo = self.cfg.train.lora
+        if lo.rank > 0:
+            # The base is in the engine since start-up; each refit is an adapter.
+            config = peft_adapter_config(lo, self.cfg.model.path)
+            (note,) = self._rpc(
+                "rltrain_init_refit",
+                to_wire(group),
+                rank,
+                r.timeout_s,
+                r.verify,
+                self._tie,
+                self.device == "cuda",
+                config,
+            )
+            self.landing_note = note
+        elif self.cfg.rollout.tp == 1:
             # vLLM's CPU kernels repack linear weights after loading: load through vLLM there.
             direct = self.device == "cuda"
             (note,) = self._rpc(
@@ -452,6 +488,12 @@ class VLLMEngine(VLLMTurns):
         stats = self._loop.run(self._refit_in_flight() if self._partial else self._refit_idle())
         self._version = stats.weight_version
         self._weights_discarded = False
+        if self.cfg.train.lora.rank > 0:
+            from vllm.lora.request import LoRARequest
+
+            v = stats.weight_version
+            # loaded from memory by the worker: vLLM finds the id loaded and reads no path
+            self._lora_request = LoRARequest(f"rltrain-v{v}", lora_id(v), lora_path="memory")
         return RefitStats(
             stats.weight_version,
             time.perf_counter() - t0,

@@ -46,6 +46,7 @@ class VLLMTurns:
     _version: int
     _prefix_cache_used: bool
     _request_ids: Any  # itertools.count
+    _lora_request: Any  # LoRA: the adapter of the last refit (None: the base alone)
     # The running serve_turns session's inbox (turn requests submitted from other threads).
     _turn_inbox: asyncio.Queue[tuple[list[TurnRequest], bool]] | None = None
     eos_id: int
@@ -174,7 +175,10 @@ class VLLMTurns:
                     request_ids.append(rid)
                     params = self._vllm_sampling(sampling, req.seed, req.max_new_tokens)
                     prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
-                    collector = await self.llm.add_request(rid, prompt, params)
+                    # LoRA: every turn runs with the adapter of the last refit.
+                    collector = await self.llm.add_request(
+                        rid, prompt, params, lora_request=self._lora_request
+                    )
                     tasks.add(asyncio.create_task(turn(req, collector)))
             finally:
                 if hold:

@@ -11,7 +11,11 @@ With one tensor-parallel rank every received bucket lands straight in vLLM's
 parameters with one fused copy (``vllm_landing.py``); otherwise (CPU, where vLLM
 repacks weights after loading, or layouts the landing does not map) the tensors go
 through the model runner's ``reload_weights`` while later buckets still arrive.
-Nothing here imports vLLM: ``self`` is vLLM's worker.
+Nothing here imports vLLM at module level: ``self`` is vLLM's worker.
+
+With LoRA (``train.lora.rank > 0``) every refit is an adapter: its tensors are received
+here and become vLLM's one LoRA adapter, built in memory (``LoRAModel.from_lora_tensors``,
+never a file), with a new id per weight version; the base weights never change.
 
 Arguments and results cross as pickles (:func:`to_wire` / :func:`from_wire`): vLLM's
 message encoding turns dataclasses into plain dicts on the way.
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from rltrain.models.lora import PEFT_PREFIX
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats, bucket_checksum
 from rltrain.rollout.vllm_landing import VllmLanding, build_landing
@@ -41,6 +46,11 @@ def from_wire(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+def lora_id(weight_version: int) -> int:
+    """vLLM's LoRA id of the adapter of ``weight_version`` (ids start at 1)."""
+    return weight_version + 1
+
+
 class RefitWorkerExtension:
     """Methods vLLM's worker gains for the refit (``rltrain_*``), run in the worker's process.
 
@@ -50,6 +60,9 @@ class RefitWorkerExtension:
 
     _rltrain_receiver: RefitReceiver | None = None
     _rltrain_landing: VllmLanding | None = None
+    # LoRA: the adapter's PEFT config (adapter_config.json's fields); each refit then
+    # carries adapter tensors, loaded into vLLM's LoRA manager from memory.
+    _rltrain_lora: dict | None = None
 
     def _rltrain_model(self) -> torch.nn.Module:
         runner: Any = self.model_runner  # type: ignore[attr-defined]
@@ -63,13 +76,19 @@ class RefitWorkerExtension:
         verify: bool,
         tie_word_embeddings: bool,
         direct: bool,
+        lora_config: dict | None = None,
     ) -> str:
         """Join the refit group (``group_wire``: a :class:`RefitGroup` through :func:`to_wire`)
         as group rank ``rank`` (>= 1) and map its manifest onto vLLM's parameters once.
-        ``direct=False`` (CPU) loads through ``reload_weights``. Returns how refits land."""
+        ``direct=False`` (CPU) loads through ``reload_weights``. With ``lora_config`` (a PEFT
+        adapter config) every refit is an adapter for vLLM's LoRA manager instead. Returns
+        how refits land."""
         group: RefitGroup = from_wire(group_wire)
         device = "cuda" if torch.cuda.is_available() and direct else "cpu"
         self._rltrain_receiver = join_refit_group(group, rank, timeout_s, device, verify)
+        if lora_config is not None:
+            self._rltrain_lora = lora_config
+            return "adapter: vLLM's LoRA manager, loaded from tensors in memory"
         if not direct:
             return "reload_weights"
         landing, why = build_landing(group.manifest, self._rltrain_model(), tie_word_embeddings)
@@ -102,6 +121,19 @@ class RefitWorkerExtension:
         t0 = time.perf_counter()
         versions: set[int] = set()
         m = receiver.manifest
+        if self._rltrain_lora is not None:
+            tensors = {}
+            for sent_version, name, tensor in receiver.receive():
+                versions.add(sent_version)
+                # a copy: the receive buffer is reused for the next bucket
+                tensors[PEFT_PREFIX + name] = tensor.detach().to("cpu", copy=True)
+            (version,) = versions
+            t_land = time.perf_counter()
+            self._rltrain_add_adapter(tensors, version)
+            extra = {"tensors": float(len(tensors)), "land_s": time.perf_counter() - t_land}
+            return RefitStats(
+                version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), extra
+            )
         if self._rltrain_landing is None:
             count = 0
 
@@ -163,6 +195,40 @@ class RefitWorkerExtension:
                 for targets in landing.targets
             ]
         return to_wire(torch.stack(sums).cpu())
+
+    def _rltrain_add_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Build vLLM's LoRA model of ``tensors`` (PEFT names) in memory and make it the one
+        adapter of this worker, id :func:`lora_id` (``version``); the previous one is
+        removed. Requests then name it with a LoRARequest of that id (the manager finds it
+        loaded and never reads ``lora_path``)."""
+        import inspect
+
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        manager = runner.lora_manager  # vLLM's (LRU) WorkerLoRAManager
+        adapters = manager._adapter_manager
+        helper = PEFTHelper.from_dict(dict(self._rltrain_lora or {}))
+        helper.validate_legal(manager.lora_config)
+        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+        if mapper is not None and hasattr(mapper, "get_rename_mapper"):
+            mapper = mapper.get_rename_mapper()
+        kwargs: dict[str, Any] = {
+            "lora_model_id": lora_id(version),
+            "tensors": tensors,
+            "peft_helper": helper,
+            "device": "cpu",
+            "dtype": manager.lora_config.lora_dtype,
+            "model_vocab_size": getattr(manager, "vocab_size", None),
+            "weights_mapper": mapper,
+        }
+        accepted = inspect.signature(LoRAModel.from_lora_tensors).parameters
+        lora = LoRAModel.from_lora_tensors(**{k: v for k, v in kwargs.items() if k in accepted})
+        for old in list(manager.list_adapters()):
+            manager.remove_adapter(old)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(lora.id)
 
     def rltrain_named_parameters(self) -> bytes:
         """A CPU copy of every parameter of vLLM's model by vLLM's names, through

@@ -48,6 +48,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _options(model: torch.nn.Module) -> Any:
+    """The state-dict options of every trainer checkpoint: trainable parameters only (a
+    LoRA policy's frozen base is rebuilt from model.path). Loading is strict unless the
+    model has frozen parameters, which the checkpoint then does not hold; DCP's load still
+    fails on a trainable parameter the checkpoint lacks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def save_trainer_state(
     path: str | Path,
     model: torch.nn.Module,
@@ -72,7 +83,8 @@ def save_trainer_state(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Frozen parameters (LoRA's base) are not saved: the run rebuilds them from model.path.
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -113,11 +125,15 @@ def load_trainer_state(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(model),
     )
     extra = torch.load(path / "trainer.pt", weights_only=False)
     if lr_scheduler is not None and extra["lr_scheduler"] is not None:

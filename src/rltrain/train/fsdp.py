@@ -11,13 +11,14 @@ on all ranks of the gang (collectives inside), unless it says otherwise.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, lora_lr
 from rltrain.train.batch import TrainBatch
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
 from rltrain.train.distributed import DistEnv
@@ -64,7 +65,10 @@ class FSDPTrainer(ShardedModel):
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         super().__init__(cfg, env, num_threads)
         o = cfg.optim
-        self.optimizer = make_adamw(list(self.model.parameters()), o)
+        if self.lora:  # the adapters' own learning rate (train.lora.lr)
+            o = replace(o, lr=lora_lr(cfg))
+        # Only what trains has optimizer state (with LoRA: the adapters, not the frozen base).
+        self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad], o)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, o, total_optimizer_steps(cfg))
         self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
         self._deferred = False  # gradients accumulated unsharded, not yet reduced

@@ -87,7 +87,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bo
         )
     layers = decoder_layers(model)
     for layer in layers:
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, lora_tp_plan(layer, plan))
     if sequence_parallel:
         # DTensors (not local shards) carry the global shape, so a sequence length
         # that tp does not divide is sharded unevenly but correctly.
@@ -107,6 +107,32 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bo
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
             ),
         )
+
+
+def lora_tp_plan(layer: torch.nn.Module, plan: dict) -> dict:
+    """``plan`` with every adapted layer (a LoRALinear: ``base_layer``, ``lora_A``,
+    ``lora_B``) split to match its base: a column-parallel base shards ``lora_B`` by
+    columns (its input, A x, is whole on every rank; the backward all-reduces its
+    gradient); a row-parallel base shards ``lora_A`` by rows of its input (the low-rank
+    output is all-reduced, then ``lora_B`` runs whole). Each rank's adapter output then
+    has the base output's layout, and the sum needs no further communication."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {}
+    for key, style in plan.items():
+        try:
+            module = layer.get_submodule(key)
+        except AttributeError:
+            module = None
+        if module is None or not hasattr(module, "lora_A"):
+            out[key] = style
+            continue
+        out[f"{key}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            out[f"{key}.lora_B"] = ColwiseParallel()
+        else:
+            out[f"{key}.lora_A"] = RowwiseParallel()
+    return out
 
 
 def grad_groups(params: list[torch.nn.Parameter]) -> list[list[torch.Tensor]]:

@@ -7,6 +7,7 @@ same rows) and every method is called on all ranks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import cast
@@ -16,6 +17,7 @@ import torch
 from rltrain.algorithms.logprobs import chunked_token_logprobs
 from rltrain.algorithms.losses import Objective, policy_loss
 from rltrain.config.schema import RunConfig
+from rltrain.models.lora import adapters_disabled
 from rltrain.refit import RefitSender, make_refit_sender
 from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
@@ -35,7 +37,8 @@ class PolicyWorker(FSDPTrainer):
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         super().__init__(cfg, env, num_threads)
         self.reference = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and not self.lora:
+            # With LoRA the reference is the frozen base: the policy with its adapters off.
             self.reference = self.load_sharded_model(trainable=False).eval()
         self.temperature = cfg.rollout.temperature
         self.objective = Objective.from_config(cfg)
@@ -75,7 +78,8 @@ class PolicyWorker(FSDPTrainer):
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Token-aligned logprobs_BT of this rank's rows under the current (or reference) policy."""
-        model = self.reference if reference else self.model
+        base = reference and self.lora  # LoRA: the reference is the policy without adapters
+        model = self.model if base or not reference else self.reference
         if model is None:
             raise RuntimeError(
                 "reference logprobs asked for, but algorithm.kl_coef=0 built no reference model"
@@ -83,9 +87,10 @@ class PolicyWorker(FSDPTrainer):
         model.eval()
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
         done = []
-        for rows in self.plan_micro_batches(batch):
-            micro = self.make_micro_batch(batch, rows)
-            done.append((self.token_logprobs(model, micro)[0], micro))
+        with adapters_disabled(model) if base else contextlib.nullcontext():
+            for rows in self.plan_micro_batches(batch):
+                micro = self.make_micro_batch(batch, rows)
+                done.append((self.token_logprobs(model, micro)[0], micro))
         for lp, micro in done:  # read back after the last forward was queued
             unpack(lp, micro, out)
         return out

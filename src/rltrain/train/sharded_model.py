@@ -29,6 +29,7 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
+from rltrain.models.lora import freeze_base, inject_lora
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -110,9 +111,13 @@ class ShardedModel:
         ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
         state dict) are broadcast too, so every rank ends with rank 0's weights.
         """
+        lora = trainable and self.lora
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
             # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
-            return self._shard(load_model(self.cfg, "float32"), trainable)
+            whole: torch.nn.Module = load_model(self.cfg, "float32")
+            if lora:
+                self._prepare_lora(whole)
+            return self._shard(whole, trainable)
         # imported here: ~2 s the driver (which imports this module) does not need
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -120,11 +125,15 @@ class ShardedModel:
         full_buffers: dict[str, torch.Tensor] = {}
         if self.is_rank0:
             loaded = self.build_model()
+            if lora:
+                self._prepare_lora(loaded)
             full_sd = loaded.state_dict()
             full_buffers = {hf_name(n): b for n, b in loaded.named_buffers()}
             del loaded
         with torch.device("meta"):
             model = self.build_empty_model()
+            if lora:
+                self._prepare_lora(model)
         model = self._shard(model, trainable)
         model.to_empty(device=self.device)
         set_model_state_dict(
@@ -140,6 +149,18 @@ class ShardedModel:
                     dist.broadcast(buf, src=0)
         return model
 
+    @property
+    def lora(self) -> bool:
+        """The policy trains low-rank adapters (``train.lora.rank > 0``) on a frozen base."""
+        return self.cfg.train.lora.rank > 0
+
+    def _prepare_lora(self, model: torch.nn.Module) -> None:
+        """Wrap the targeted layers in adapters (fp32, seeded: the same on every rank) and
+        keep the frozen base in the compute dtype: no fp32 master copy of it."""
+        torch.manual_seed(self.cfg.seed)
+        inject_lora(model, self.cfg.train.lora)
+        freeze_base(model, TORCH_DTYPES[self.cfg.precision.param_dtype])
+
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         if self.compiled is None:  # the policy (or critic) decides; a reference model follows
             num_params = sum(p.numel() for p in model.parameters())
@@ -154,7 +175,7 @@ class ShardedModel:
         if t.liger:
             apply_liger(model)  # module swaps only: names and parameters unchanged
         if d.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"], d.sequence_parallel)
+            apply_tensor_parallel(model, self.mesh["tp"], d.sequence_parallel)  # adapters too
         if d.activation_checkpointing and trainable:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper,
@@ -324,8 +345,13 @@ class ShardedModel:
 
     # -- weights out --------------------------------------------------------------
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(HF name, global shape) of every parameter, in a fixed order."""
-        return [(hf_name(n), tuple(p.shape)) for n, p in self.model.named_parameters()]
+        """(HF name, global shape) of every parameter a refit moves, in a fixed order: all of
+        them, or with LoRA the adapters only (the engines hold the frozen base already)."""
+        return [
+            (hf_name(n), tuple(p.shape))
+            for n, p in self.model.named_parameters()
+            if p.requires_grad or not self.lora
+        ]
 
     def full_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Unsharded parameters by HF name (collective: all ranks, same ``names``)."""
@@ -340,9 +366,21 @@ class ShardedModel:
         return out
 
     def export_hf(self, path: str | Path, metadata: dict | None = None) -> str:
-        """Write an HF folder (config, safetensors, tokenizer) loadable by from_pretrained."""
+        """Write an HF folder (config, safetensors, tokenizer) loadable by from_pretrained.
+
+        With LoRA: the adapter in PEFT's format (adapter_config.json,
+        adapter_model.safetensors) and, with ``train.lora.export_merged``, the merged model
+        under ``merged/`` (see :func:`rltrain.train.lora.export_adapter`).
+        """
         from safetensors.torch import save_file
 
+        if self.lora:
+            from rltrain.train.lora import export_adapter
+
+            export_adapter(self, Path(path), metadata)
+            if dist.is_initialized() and self.env.world_size > 1:
+                dist.barrier()
+            return str(path)
         tensors = self.full_tensors()
         path = Path(path)
         if self.is_rank0:

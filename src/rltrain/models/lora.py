@@ -1,0 +1,180 @@
+"""Low-rank adapters (LoRA): the layer, its injection into a model, and the PEFT naming.
+
+``y = base(x) + (alpha / r) * B(A(dropout(x)))`` with ``A`` [r, in] and ``B`` [out, r];
+``B`` starts at zero, so a fresh adapter leaves the model unchanged. The base layer is
+kept as ``<module>.base_layer`` and the adapters as ``<module>.lora_A`` /
+``<module>.lora_B`` (PEFT's module names), plain ``nn.Linear`` modules, so DTensor tensor
+parallelism and FSDP2 shard them like any linear layer (``train/parallel.py``).
+
+Why not PEFT's own layer: PEFT wraps each target in a layer that keeps its adapters in
+``ModuleDict``s per adapter name and routes through per-adapter bookkeeping; DTensor's
+Colwise/RowwiseParallel re-register every parameter of the module they are given by
+its (dotted) name, which fails on such a wrapper, and PEFT shards adapters only for
+Megatron's parallel layers. The few lines here keep the module tree the TP plan and
+FSDP2 expect, and the adapter files are written in PEFT's format (see
+:func:`peft_adapter_config`), which PEFT and vLLM load.
+
+Shared by the trainer (``train/``) and the torch rollout engine (``rollout/``), which
+applies the adapter in its forward exactly as the trainer does (never merged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from rltrain.config.schema import LoraConfig
+
+# A PEFT adapter's tensor names are the module's name under this prefix.
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    """``base_layer`` (a frozen ``nn.Linear``) plus a trainable low-rank update."""
+
+    def __init__(self, base_layer: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base_layer = base_layer
+        self.rank = rank
+        self.scaling = alpha / rank
+        dev = base_layer.weight.device
+        # The adapters are kept in fp32 (the trainer's master weights; an engine casts them).
+        self.lora_A = nn.Linear(
+            base_layer.in_features, rank, bias=False, device=dev, dtype=torch.float32
+        )
+        self.lora_B = nn.Linear(
+            rank, base_layer.out_features, bias=False, device=dev, dtype=torch.float32
+        )
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False  # the reference policy: the base alone
+        if not base_layer.weight.is_meta:
+            self.reset_adapter()
+
+    def reset_adapter(self) -> None:
+        """PEFT's initialisation: A Kaiming-uniform (as ``nn.Linear``), B zero."""
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        if self.disabled:
+            return out
+        a = self.lora_A.weight
+        update = self.lora_B(self.lora_A(self.dropout(x.to(a.dtype))))
+        return out + (update * self.scaling).to(out.dtype)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The distinct last names of the ``nn.Linear`` modules inside the decoder blocks
+    (``model.model.layers``): what ``train.lora.targets`` may name."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return []
+    names = {
+        name.rsplit(".", 1)[-1]
+        for layer in layers
+        for name, mod in layer.named_modules()
+        if isinstance(mod, nn.Linear) and name
+    }
+    return sorted(names - {"base_layer", "lora_A", "lora_B"})
+
+
+def inject_lora(model: nn.Module, lora: LoraConfig) -> list[str]:
+    """Wrap every targeted linear layer of the decoder blocks in a :class:`LoRALinear`, in
+    place; freeze everything else. Returns the wrapped modules' full names.
+
+    Raises ValueError naming ``train.lora.targets`` when a target matches nothing.
+    Adapters are initialised from torch's global RNG (seed it for identical adapters on
+    every process that calls this).
+    """
+    targets = set(lora.resolved_targets())
+    have = linear_module_names(model)
+    missing = sorted(targets - set(have))
+    if missing:
+        raise ValueError(
+            f"train.lora.targets names {missing}, which the model's decoder blocks do not have; "
+            f"use names of its linear layers: {', '.join(have)}"
+        )
+    model.requires_grad_(False)
+    wrapped = []
+    alpha, dropout = lora.resolved_alpha(), lora.dropout or 0.0
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList to adapt")
+    for i, layer in enumerate(layers):
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, LoRALinear):
+                continue
+            for child_name, child in list(module.named_children()):
+                if child_name in targets and isinstance(child, nn.Linear):
+                    setattr(module, child_name, LoRALinear(child, lora.rank, alpha, dropout))
+                    wrapped.append(f"model.layers.{i}.{name}.{child_name}".replace("..", "."))
+    return wrapped
+
+
+def freeze_base(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every frozen parameter (the base) to ``dtype``; the adapters stay fp32."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+
+
+def lora_modules(model: nn.Module) -> Iterator[LoRALinear]:
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            yield m
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base (the reference policy of a KL penalty) inside the block."""
+    mods = list(lora_modules(model))
+    for m in mods:
+        m.disabled = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.disabled = False
+
+
+def is_adapter_name(name: str) -> bool:
+    """A LoRA tensor's name (``....lora_A.weight`` / ``....lora_B.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """The HF checkpoint name of a wrapped base layer's tensor (``base_layer`` dropped)."""
+    return name.replace(".base_layer.", ".")
+
+
+def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter with these settings."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.resolved_alpha(),
+        "lora_dropout": lora.dropout or 0.0,
+        "target_modules": sorted(lora.resolved_targets()),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def merge_into(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``weight + scaling * B A`` in fp32 (the merged export; never used for a refit)."""
+    return weight.float() + scaling * (b.float() @ a.float())

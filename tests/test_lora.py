@@ -1,0 +1,214 @@
+"""LoRA: the trainer (frozen base, adapter-only optimizer state, reference = base, bitwise
+resume, PEFT-format and merged export), the adapter-only refit into the torch engine
+(logprob parity), and dp / tp sharding of the adapters (parity with one rank).
+
+fp32 on CPU; single-rank checks run in this process (a world of one on gloo), the dp=2
+and tp=2 checks in one spawn of two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_packing import mixed_batch
+from tests.test_train_step import _cfg, _close, _moved, _weights, _worker
+
+pytestmark = pytest.mark.dist
+
+LORA = {"train.lora.rank": 4, "optim.lr": 0.05}
+
+
+def _adapters(worker) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _weights(worker).items() if ".lora_" in k}
+
+
+def _base(worker) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _weights(worker).items() if ".lora_" not in k}
+
+
+def _batch(seed: int = 0):
+    batch = mixed_batch(B=6, T=12, seed=seed)
+    batch.old_logprobs_BT = None
+    return batch
+
+
+def test_lora_trainer_freezes_the_base_and_resumes_bitwise(tmp_path):
+    """Only the adapters move and hold optimizer state; the base stays bit-identical; the
+    reference (kl) is the base; a checkpoint holds the adapters and optimizer and resumes
+    bitwise; the initial policy equals the base model exactly (B = 0)."""
+    full = _worker(_cfg(**{"algorithm.kl_coef": 0.01}))
+    batch = _batch()
+    base_lp = full.compute_logprobs(batch)
+    full.shutdown()
+
+    w = _worker(_cfg(**LORA, **{"algorithm.kl_coef": 0.01}))
+    assert w.reference is None  # no second copy of the model: the base is the reference
+    trainable = [p for p in w.model.parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 7 * 2  # A and B of 7 projections in 2 blocks
+    assert torch.equal(w.compute_logprobs(batch), base_lp)
+    base0 = _base(w)
+    adapters0 = _adapters(w)
+    w.train(batch, [batch.size])
+    assert len(w.optimizer.state) == len(trainable)
+    assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # 10 x optim.lr
+    base1, adapters1 = _base(w), _adapters(w)
+    assert all(torch.equal(base0[k], base1[k]) for k in base0)
+    assert _moved(adapters0, adapters1) > 1e-3
+    assert torch.equal(w.compute_logprobs(batch, reference=True), base_lp)
+    assert (w.compute_logprobs(batch) - base_lp).abs().max() > 1e-3
+
+    ckpt = tmp_path / "ckpt"
+    w.save_state(ckpt)
+    batch2 = _batch(seed=3)
+    w.train(batch2, [batch2.size])
+    after = _adapters(w)
+    w.shutdown()
+    saved = {k for k in json.dumps(os.listdir(ckpt / "dcp")).split('"')}
+    assert saved  # DCP wrote its files
+    w2 = _worker(_cfg(**LORA, **{"algorithm.kl_coef": 0.01}))
+    w2.load_state(ckpt)
+    assert all(torch.equal(adapters1[k], v) for k, v in _adapters(w2).items())
+    w2.train(batch2, [batch2.size])
+    resumed = _adapters(w2)
+    assert all(torch.equal(after[k], resumed[k]) for k in after)
+    w2.shutdown()
+
+
+def test_lora_checkpoint_holds_no_base(tmp_path):
+    """The DCP shards of a LoRA checkpoint hold adapters and their optimizer state only."""
+    import torch.distributed.checkpoint as dcp
+
+    w = _worker(_cfg(**LORA))
+    w.save_state(tmp_path / "ckpt")
+    w.shutdown()
+    meta = dcp.FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata()
+    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)
+
+
+def test_lora_export_peft_format_and_merged(tmp_path):
+    """The export is a PEFT adapter (PEFT loads it to the trainer's logits when installed)
+    and, on request, a merged HF model with the same logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.models.loader import load_model
+    from rltrain.models.lora import PEFT_PREFIX, inject_lora
+
+    cfg = _cfg(**LORA, **{"train.lora.export_merged": True})
+    w = _worker(cfg)
+    batch = _batch()
+    w.train(batch, [batch.size])
+    w.export_hf(tmp_path / "export", {"step": 1})
+    w.shutdown()
+    out = tmp_path / "export"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert len(tensors) == 28 and all(k.startswith(PEFT_PREFIX) for k in tensors)
+
+    ids = batch.input_ids_BT
+    own = load_model(cfg)
+    inject_lora(own, cfg.train.lora)
+    own.load_state_dict({k[len(PEFT_PREFIX) :]: v for k, v in tensors.items()}, strict=False)
+    with torch.no_grad():
+        want = own(ids, attention_mask=batch.attention_mask_BT).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+        got = merged(ids, attention_mask=batch.attention_mask_BT).logits
+    assert (got - want).abs().max() < 1e-4
+    peft = pytest.importorskip("peft")
+    model = peft.PeftModel.from_pretrained(load_model(cfg), str(out))
+    with torch.no_grad():
+        via_peft = model(ids, attention_mask=batch.attention_mask_BT).logits
+    assert (via_peft - want).abs().max() < 1e-5
+
+
+def test_lora_refit_into_the_torch_engine_matches_the_trainer():
+    """The refit moves the adapters only; the torch engine applies them in its forward and
+    its logprobs of the tokens it samples match the trainer's (fp32, CPU)."""
+    from rltrain.refit.base import plan_refit
+    from rltrain.rollout.base import SamplingParams
+    from rltrain.rollout.torch_engine import TorchEngine
+    from rltrain.train.batch import build_train_batch
+
+    cfg = _cfg(**LORA, **{"rollout.max_new_tokens": 6})
+    w = _worker(cfg)
+    batch = _batch()
+    w.train(batch, [batch.size])
+    names = [n for n, _ in w.param_shapes()]
+    assert names and all(".lora_" in n for n in names)
+    manifest = plan_refit(w.param_shapes(), "float32", 2**20, 2)
+    full = sum(p.numel() for p in w.model.parameters())
+    assert manifest.total_numel < 0.1 * full  # only adapters travel (tiny model: ~5%)
+
+    engine = TorchEngine(cfg)
+    base_weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    adapters = w.full_tensors(names)
+    assert engine.load_weights(adapters.items(), weight_version=1) == len(names)
+    # the base was not touched by the refit
+    for n, p in engine.model.named_parameters():
+        if ".lora_" not in n:
+            assert torch.equal(p, base_weights[n])
+    prompts = [[4, 5, 6], [7, 4], [5, 5, 5, 6], [8]]
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
+    tb = build_train_batch(out, engine.pad_id)
+    trainer_lp = w.compute_logprobs(tb)
+    w.shutdown()
+    mask = tb.response_mask_BT.bool()
+    diff = (trainer_lp[mask] - tb.engine_logprobs_BT[mask]).abs().max()
+    assert diff < 1e-5, f"engine vs trainer logprobs differ by {diff}"
+
+
+# -- dp=2 and tp=2 against one rank ---------------------------------------------------------
+
+
+def _sharded_rank(rank: int, port_dp: int, port_tp: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        batch = _batch(seed=5)
+        out = {}
+        for name, port, extra in (
+            ("dp", port_dp, {}),
+            ("tp", port_tp, {"dtensor.tp": 2}),
+        ):
+            w = _worker(_cfg(**LORA, **extra), rank, 2, port)
+            rows = batch if name == "tp" else batch.select([0, 2, 4] if rank == 0 else [1, 3, 5])
+            w.train(rows, [rows.size])
+            out[name] = _adapters(w)
+            w.shutdown()
+        if rank == 0:
+            torch.save(out, os.path.join(out_dir, "sharded.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.timeout(300)
+def test_lora_dp2_and_tp2_match_one_rank(tmp_path):
+    """Adapters sharded by FSDP2 over dp=2, and by the TP plan over tp=2 (lora_B of the
+    column-parallel projections, lora_A of the row-parallel ones), train to the one-rank
+    adapters."""
+    from rltrain.train.distributed import free_port
+
+    try:
+        mp.spawn(_sharded_rank, args=(free_port(), free_port(), str(tmp_path)), nprocs=2, join=True)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
+        pytest.fail(f"a rank failed:\n{errors}")
+    got = torch.load(tmp_path / "sharded.pt")
+    w = _worker(_cfg(**LORA))
+    before = _adapters(w)
+    batch = _batch(seed=5)
+    w.train(batch, [batch.size])
+    ref = _adapters(w)
+    w.shutdown()
+    assert _moved(before, ref) > 1e-3
+    _close(got["dp"], ref, "dp2 vs one rank")
+    _close(got["tp"], ref, "tp2 vs one rank")

@@ -1,0 +1,104 @@
+"""LoRA refit into the vLLM engine (real vLLM on CPU): adapter tensors over the gloo
+transport become vLLM's LoRA adapter, built in memory; its logprobs then match a forward
+of the base with the same adapter applied (fp32)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rltrain.config.schema import LoraConfig, RunConfig
+from rltrain.models.loader import load_model
+from rltrain.models.lora import inject_lora
+from rltrain.refit.base import RefitGroup, fill_from, plan_buckets
+from rltrain.refit.gloo import GlooRefitSender
+from rltrain.rollout.base import SamplingParams
+from rltrain.train.distributed import free_port
+from tests.test_vllm_engine import BLOCKED, PROMPTS, _encode, _max_logprob_diff
+
+pytest.importorskip("vllm")
+
+# vLLM on CPU, fp32, against the trainer's forward: what the adapter path allows here.
+LOGPROB_TOL = 1e-4
+
+
+def _cfg() -> RunConfig:
+    cfg = RunConfig()
+    cfg.model.blocked_tokens = list(BLOCKED)
+    cfg.model.tiny.max_position_embeddings = 192
+    cfg.rollout.vllm.cpu_kv_cache_gib = 0.25
+    cfg.train.lora = LoraConfig(rank=8)
+    return cfg
+
+
+def _adapted(seed: int) -> torch.nn.Module:
+    """The base with a random (non-zero) adapter: what the trainer holds after some steps."""
+    cfg = _cfg()
+    model = load_model(cfg).eval()
+    inject_lora(model, cfg.train.lora)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.mark.timeout(900)
+def test_adapter_refit_into_vllm_matches_the_adapted_forward():
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    engine = VLLMEngine(_cfg(), num_threads=1)
+    try:
+        prompts = _encode(engine, PROMPTS) * 3
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=21)
+        base = load_model(_cfg()).eval()
+        before = engine.generate(prompts, sampling)  # no adapter yet: the base
+        worst, _ = _max_logprob_diff(engine, base, prompts, before, 1.0)
+        assert worst < LOGPROB_TOL, worst
+
+        models = {1: _adapted(1), 2: _adapted(2)}
+        names = [n for n, _ in models[1].named_parameters() if ".lora_" in n]
+        shapes = [(n, tuple(dict(models[1].named_parameters())[n].shape)) for n in names]
+        manifest = plan_buckets(shapes, "float32", 2**16, num_buffers=2)
+        full_numel = sum(p.numel() for n, p in base.named_parameters())
+        assert manifest.total_numel < 0.2 * full_numel  # adapters only
+
+        port = free_port()
+        sender: dict[str, GlooRefitSender] = {}
+        t = threading.Thread(
+            target=lambda: sender.update(s=GlooRefitSender(manifest, "127.0.0.1", port, 2, 60.0))
+        )
+        t.start()
+        engine.init_refit(RefitGroup(manifest, "127.0.0.1", port, 2), 1)
+        t.join()
+        assert engine.landing_note.startswith("adapter")
+
+        for version, model in models.items():
+            params = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+            result: dict = {}
+            t = threading.Thread(
+                target=lambda v=version, ps=params, r=result: r.update(
+                    s=sender["s"].send(fill_from(ps), weight_version=v)
+                )
+            )
+            t.start()
+            stats = engine.refit_receive()
+            t.join()
+            assert stats.weight_version == version == engine.weight_version()
+            assert stats.extra["tensors"] == len(names)
+            out = engine.generate(prompts, sampling)
+            assert out.weight_version == version
+            worst, mult = _max_logprob_diff(engine, model, prompts, out, 1.0)
+            print(f"vLLM LoRA v{version}: max |logprob diff| {worst:.3g}, mean exp|diff| {mult}")
+            assert worst < LOGPROB_TOL and mult < 1.0001, (worst, mult)
+            # and not the base: the adapter is applied
+            worst_base, _ = _max_logprob_diff(engine, base, prompts, out, 1.0)
+            assert worst_base > 1e-2
+    finally:
+        engine.shutdown()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
