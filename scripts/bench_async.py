@@ -38,8 +38,20 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "scripts" / "results"
+from benchlib import (
+    DATA,
+    RESULTS,
+    cli_command,
+    cpu_slug,
+    ensure_qwen_model,
+    first_window_reaching,
+    gpu_slug,
+    median_or_none,
+    read_metrics,
+    result_paths,
+    write_json,
+)
+
 QUIET = ["logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false"]
 
 
@@ -63,9 +75,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     # cuda: the shapes of scripts/bench_e2e.py
     p.add_argument("--model-dir", default="/tmp/rltrain-bench-qwen1.5b")
-    p.add_argument(
-        "--data", default=str(ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl")
-    )
+    p.add_argument("--data", default=str(DATA))
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -80,20 +90,18 @@ def parse_args() -> argparse.Namespace:
 
 
 def device_name(device: str) -> str:
+    """``cpu<cores>`` or the GPU's slug (an error without CUDA, before any model is built)."""
     if device == "cpu":
-        return f"cpu{os.cpu_count()}"
+        return cpu_slug()
     import torch
 
-    return "-".join(torch.cuda.get_device_name(0).lower().split()[:2])
+    return gpu_slug(torch.cuda.get_device_name(0))
 
 
 def cuda_overrides(args: argparse.Namespace) -> list[str]:
     """1.5B shapes on two GPUs: one trainer rank, one vLLM replica on the other GPU."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_e2e import ensure_model  # noqa: PLC0415 - a sibling script
-
     model_dir = Path(args.model_dir)
-    ensure_model(model_dir, smoke=False)
+    ensure_qwen_model(model_dir, smoke=False)
     prompt_tokens = 512
     return [
         "model=qwen2.5-1.5b-instruct",
@@ -120,11 +128,8 @@ def cuda_overrides(args: argparse.Namespace) -> list[str]:
 
 def first_reaching(rows: list[dict], launched: float, bound: float = 0.8) -> float | None:
     """Seconds from ``launched`` to the first row whose last-10 exact match mean >= bound."""
-    for i in range(9, len(rows)):
-        window = [r["reward/exact_match"] for r in rows[i - 9 : i + 1]]
-        if sum(window) / 10 >= bound:
-            return rows[i]["wall_time"] - launched
-    return None
+    i = first_window_reaching([r["reward/exact_match"] for r in rows], 10, bound)
+    return None if i is None else rows[i]["wall_time"] - launched
 
 
 def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], work: Path) -> dict:
@@ -140,7 +145,7 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
             f"algorithm.async_rollout.partial_rollouts={str(partial).lower()}",
         ]
     overrides += args.overrides
-    command = [sys.executable, "-m", "rltrain.cli", "grpo", *overrides]
+    command = cli_command("grpo", *overrides)
     print(f"{mode} seed {seed}: rltrain grpo {' '.join(overrides)}", flush=True)
     launched = time.time()
     with (work / f"{mode}-seed{seed}.log").open("w") as log:
@@ -148,7 +153,7 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
     if proc.returncode != 0:
         tail = (work / f"{mode}-seed{seed}.log").read_text()[-3000:]
         raise SystemExit(f"{mode} seed {seed} exited {proc.returncode}:\n{tail}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     summary = json.loads((out / "summary.json").read_text())
     loop_s = rows[-1]["wall_time"] - (rows[0]["wall_time"] - rows[0]["time/step"])
     result = {
@@ -175,13 +180,6 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
         flush=True,
     )
     return result
-
-
-def median_or_none(values: list[float | None]) -> float | None:
-    """Median where a run that never got there counts as infinitely slow; None if most did not."""
-    finite = sorted(float("inf") if v is None else v for v in values)
-    m = statistics.median(finite)
-    return None if m == float("inf") else m
 
 
 def main() -> None:
@@ -231,14 +229,9 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    text = json.dumps(result, indent=2)
     print(json.dumps(summary, indent=2))
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"bench_async-{device}.json"
-    (RESULTS / name).write_text(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / name).write_text(text)
+    write_json(result, result_paths(name, args.out), newline=False)
     print(f"wrote {RESULTS / name}")
 
 

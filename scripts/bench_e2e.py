@@ -60,31 +60,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by path
+from benchlib import (  # noqa: E402
+    DATA,
+    RESULTS,
+    SMOKE_SHAPE,
+    child_env,
+    cli_command,
+    device_slug,
+    ensure_qwen_model,
+    median,
+    read_metrics,
+    read_summary,
+    result_doc,
+    result_paths,
+    run_cli,
+    write_json,
+)
 from memory_estimate import estimate_vs_peak  # noqa: E402
-
-DATA = ROOT / "tests" / "fixtures" / "gsm8k" / "train_sample500.jsonl"
-# Seconds an interrupted run gets to shut its workers down before it is killed.
-INTERRUPT_GRACE_S = 45.0
-SMOKE_SHAPE = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 128,
-}
 
 
 def parse_args() -> argparse.Namespace:
@@ -176,44 +175,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def device_slug() -> tuple[str, str]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu", "cpu"
-    name = torch.cuda.get_device_name(0)
-    return "-".join(name.lower().split()[:2]), name
-
-
-def ensure_model(model_dir: Path, smoke: bool) -> dict:
-    """The random Qwen2.5-shaped model in ``model_dir``: reused if there, else built."""
-    if (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file():
-        return {"path": str(model_dir), "reused": True}
-    import torch
-
-    from rltrain.models.offline_qwen import build_qwen_tokenizer, save_random_qwen2
-
-    t0 = time.perf_counter()
-    tokenizer = build_qwen_tokenizer()
-    t_tok = time.perf_counter() - t0
-    cuda = torch.cuda.is_available() and not smoke
-    save_random_qwen2(
-        model_dir,
-        tokenizer,
-        dtype=torch.bfloat16,
-        device="cuda" if cuda else "cpu",
-        **(SMOKE_SHAPE if smoke else {}),
-    )
-    if cuda:
-        torch.cuda.empty_cache()
-    return {
-        "path": str(model_dir),
-        "reused": False,
-        "tokenizer_build_s": round(t_tok, 1),
-        "build_s": round(time.perf_counter() - t0, 1),
-    }
-
-
 def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> list[str]:
     """The `rltrain grpo` overrides of the benchmarked run."""
     prompt_tokens = 512
@@ -251,18 +212,6 @@ def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> l
     ]
 
 
-def child_env(explain_recompiles: bool = False) -> dict[str, str]:
-    src = str(ROOT / "src")
-    path = os.environ.get("PYTHONPATH", "")
-    return {
-        **os.environ,
-        **({"TORCH_LOGS": "recompiles"} if explain_recompiles else {}),
-        "PYTHONUNBUFFERED": "1",
-        "COLUMNS": "120",
-        "PYTHONPATH": src + (os.pathsep + path if path else ""),
-    }
-
-
 def recompile_reasons(log: str) -> list[str]:
     """Dynamo's "Recompiling function ..." reports in a run's log, each with its guard failures."""
     out: list[str] = []
@@ -284,43 +233,17 @@ def run_loop(
     """`rltrain <algo> <overrides>` in a subprocess; its output goes to run_dir/run.log.
 
     Past ``timeout_s`` the run gets SIGINT (it shuts its workers down and keeps the
-    metrics rows it logged), then SIGKILL after INTERRUPT_GRACE_S; ``returncode`` is None
-    and ``timed_out`` true.
+    metrics rows it logged), then SIGKILL after INTERRUPT_GRACE_S (benchlib.run_cli);
+    ``returncode`` is None and ``timed_out`` true.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "rltrain.cli", algo, *overrides]
-    t0 = time.perf_counter()
-    timed_out = False
-    with open(run_dir / "run.log", "w") as log:
-        proc = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env(explain_recompiles),
-            start_new_session=True,  # its own process group: an interrupt reaches it alone
-        )
-        try:
-            rc: int | None = proc.wait(timeout=max(1.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            timed_out, rc = True, None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=INTERRUPT_GRACE_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    out: dict = {"returncode": rc, "wall_s": round(time.perf_counter() - t0, 1)}
-    if timed_out:
+    env = child_env(**({"TORCH_LOGS": "recompiles"} if explain_recompiles else {}))
+    run = run_cli([algo, *overrides], timeout_s, log=run_dir / "run.log", env=env)
+    out: dict = {"returncode": run.returncode, "wall_s": round(run.wall_s, 1)}
+    if run.timed_out:
         out["timed_out"] = True
-    metrics = run_dir / "metrics.jsonl"
-    out["rows"] = (
-        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    )
-    summary = run_dir / "summary.json"
-    out["run_summary"] = json.loads(summary.read_text()) if summary.is_file() else None
-    if rc != 0:
+    out["rows"] = read_metrics(run_dir)
+    out["run_summary"] = read_summary(run_dir)
+    if run.returncode != 0:
         out["log_tail"] = (run_dir / "run.log").read_text()[-6000:]
     return out
 
@@ -402,10 +325,6 @@ def standalone_worker(spec: dict) -> None:
     Path(spec["result"]).write_text(
         json.dumps({"engine": cfg.rollout.engine, "startup_s": startup_s, "steps": steps})
     )
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def after_first(rows: list) -> list:
@@ -641,7 +560,7 @@ def check_plan(
     roles, and whether it shows the layout's expected GPU sharing and refit; ``ok`` False
     with ``error`` when it does not (or the overrides do not compose or validate)."""
     spec = spec or LAYOUTS[layout]
-    command = [sys.executable, "-m", "rltrain.cli", "plan", algo, *overrides, "--json"]
+    command = cli_command("plan", algo, *overrides, "--json")
     try:
         proc = subprocess.run(
             command, capture_output=True, text=True, env=child_env(), timeout=timeout_s
@@ -918,8 +837,7 @@ def two_gpu_main(args: argparse.Namespace) -> None:
     if args.merge:
         result = merge_results(args.merge)
         name = f"bench_e2e-{result['device']}-{result.get('gpus', 2)}gpu.json"
-        path = ROOT / "scripts" / "results" / name
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        (path,) = write_json(result, RESULTS / name)
         print(json.dumps(result["summary"], indent=2))
         print(f"wrote {path}")
         return
@@ -952,17 +870,18 @@ def two_gpu_main(args: argparse.Namespace) -> None:
         "summary": {},
     }
     name = f"bench_e2e-{device}-{args.gpus}gpu.json"
-    paths = [work / name] + ([Path(args.out) / name] if args.out else [])
-    if not args.dry_run:
-        paths.insert(0, ROOT / "scripts" / "results" / name)
+    # scripts/results/ (not for --dry-run), the run folder, then --out
+    paths = [
+        *result_paths(name, committed=not args.dry_run),
+        work / name,
+        *result_paths(name, args.out, committed=False),
+    ]
 
     def save() -> None:
-        for path in paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, paths)
 
     print(f"model: {model_dir}", flush=True)
-    result["model"] = ensure_model(model_dir, args.dry_run)
+    result["model"] = ensure_qwen_model(model_dir, args.dry_run)
     result["model"]["shape"] = SMOKE_SHAPE if args.dry_run else "Qwen2.5-1.5B"
     if not args.dry_run:
         torch.cuda.empty_cache()
@@ -998,8 +917,6 @@ def main() -> None:
         return
     import tempfile
 
-    import torch
-
     device, device_name = device_slug()
     if device == "cpu" and not args.smoke:
         sys.exit("error: scripts/bench_e2e.py needs a CUDA device; use --smoke on CPU.")
@@ -1010,26 +927,23 @@ def main() -> None:
         args.model_dir
         or Path(tempfile.gettempdir()) / f"rltrain-bench-e2e-model{'-smoke' if args.smoke else ''}"
     )
-    result: dict = {
-        "script": "scripts/bench_e2e.py",
-        "device": device,
-        "device_name": device_name,
-        "torch": torch.__version__,
-        "args": {k: v for k, v in vars(args).items() if k != "standalone_worker"},
-        "errors": {},
-    }
+    result: dict = result_doc(
+        "scripts/bench_e2e.py",
+        device,
+        device_name,
+        {k: v for k, v in vars(args).items() if k != "standalone_worker"},
+        errors={},
+    )
     # The defaults' own file: no engine flag and no override changes what a user gets.
     defaults = not (args.eager or args.overrides or args.smoke)
     name = f"bench_e2e-{device}{'-defaults' if defaults else ''}.json"
-    paths = [ROOT / "scripts" / "results" / name] + ([Path(args.out) / name] if args.out else [])
+    paths = result_paths(name, args.out)
 
     def save() -> None:
-        for path in paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, paths)
 
     print(f"model: {model_dir}", flush=True)
-    result["model"] = ensure_model(model_dir, args.smoke)
+    result["model"] = ensure_qwen_model(model_dir, args.smoke)
     result["model"]["shape"] = SMOKE_SHAPE if args.smoke else "Qwen2.5-1.5B"
     run_dir = work / "run"
     overrides = run_overrides(args, model_dir, run_dir)

@@ -38,15 +38,12 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_default import ROOT, run_seed  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "src"))  # this checkout's rltrain (the sandbox), not another
+from bench_default import run_seed
+from benchlib import DATA, RESULTS, device_slug, ensure_qwen_model, read_metrics, write_json
 
 NO_EOS = "model.blocked_tokens=['<eos>']"
 QUIET = ("logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false")
@@ -55,7 +52,7 @@ QUIET = ("logger.progress=false", "logger.tensorboard=false", "checkpoint.save_f
 def tool_copy(seed: int, work: Path, timeout_s: float) -> dict:
     out = work / f"tool_copy-seed{seed}-{int(time.time())}"
     fig = run_seed(seed, out, timeout_s, ("env=tool_copy", *QUIET))
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     fig["tool_calls_mean_last"] = rows[-1]["env/tool_calls_mean"]
     fig["turns_mean_last"] = rows[-1]["env/turns_mean"]
     fig["env_ms"] = median(1000 * r["time/env"] for r in rows[5:])
@@ -72,7 +69,7 @@ def turns_cost(work: Path, steps: int, timeout_s: float) -> dict:
     for name, overrides in runs.items():
         d = work / f"{name}-{int(time.time())}"
         run_seed(0, d, timeout_s, (*overrides, NO_EOS, f"max_steps={steps}", *QUIET))
-        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()][2:]
+        rows = read_metrics(d)[2:]
         out[name] = {
             "step_ms": median(1000 * r["time/step"] for r in rows),
             "generate_ms": median(1000 * r["time/generate"] for r in rows),
@@ -101,7 +98,7 @@ def add_sandbox(out: Path) -> None:
         raise SystemExit("rltrain.envs.sandbox is not present in this checkout")
     result["summary"]["sandbox_calls_per_s"] = rate
     result["load"]["sandbox"] = os.getloadavg()
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out)
     print(json.dumps(result["summary"], indent=2))
 
 
@@ -153,14 +150,14 @@ def gpu_overrides(
 
 def gpu_bench(args: argparse.Namespace) -> None:
     """``--gpu``: bench_turns (4 x 64) against one turn (256) at 1.5B shapes on vLLM."""
-    from bench_e2e import after_first, device_slug, ensure_model, run_loop
+    from bench_e2e import after_first, run_loop
 
     if args.smoke:
         args.steps, args.prompts, args.samples = min(args.steps, 2), 4, 2
     slug, name = device_slug()
     work = args.work / f"gpu-{int(time.time())}"
     model_dir = Path(args.model_dir) if args.model_dir else work / "model"
-    model = ensure_model(model_dir, args.smoke)
+    model = ensure_qwen_model(model_dir, args.smoke)
     runs: dict[str, dict] = {}
     for label, turns in (("multiturn", True), ("single_turn", False)):
         overrides = gpu_overrides(args, model_dir, work / label, turns)
@@ -218,10 +215,10 @@ def gpu_bench(args: argparse.Namespace) -> None:
         },
         "runs": runs,
     }
-    out = args.out or ROOT / "scripts" / "results" / f"bench_multiturn-{device}.json"
+    out = args.out or RESULTS / f"bench_multiturn-{device}.json"
     if out.is_dir():
         out = out / f"bench_multiturn-{device}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out)
     print(json.dumps(result["summary"], indent=2))
     failed = [k for k, r in runs.items() if r["returncode"] != 0]
     if failed:
@@ -248,14 +245,14 @@ def main() -> None:
     g.add_argument("--prompts", type=int, default=32, help="algorithm.prompts_per_step")
     g.add_argument("--samples", type=int, default=8, help="algorithm.samples_per_prompt")
     g.add_argument("--model-dir", default=None, help="model folder to reuse or create")
-    g.add_argument("--data", default=str(ROOT / "tests/fixtures/gsm8k/train_sample500.jsonl"))
+    g.add_argument("--data", default=str(DATA))
     g.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     g.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = ap.parse_args()
     if args.gpu:
         gpu_bench(args)
         return
-    out = args.out or ROOT / "scripts" / "results" / f"bench_multiturn-{args.device}.json"
+    out = args.out or RESULTS / f"bench_multiturn-{args.device}.json"
     if args.sandbox_only:
         add_sandbox(out)
         return
@@ -294,7 +291,7 @@ def main() -> None:
         "per_seed": per_seed,
         "turns": turns,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out)
     print(json.dumps(summary, indent=2))
 
 

@@ -129,12 +129,16 @@ def result_paths(name: str, out: str | Path | None = None, committed: bool = Tru
 
 
 def write_json(
-    result: dict, paths: Path | str | Iterable[Path | str], indent: int | None = 2
+    result: dict,
+    paths: Path | str | Iterable[Path | str],
+    indent: int | None = 2,
+    newline: bool = True,
 ) -> list[Path]:
     """``result`` as JSON to every path (folders created), each replaced whole (written
-    beside it, then renamed): a reader never sees half a file. Returns the paths."""
+    beside it, then renamed): a reader never sees half a file. ``newline``: end the file
+    with one (bench_async's files have none). Returns the paths."""
     targets = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
-    text = json.dumps(result, indent=indent) + "\n"
+    text = json.dumps(result, indent=indent) + ("\n" if newline else "")
     for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
