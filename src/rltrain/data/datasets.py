@@ -14,14 +14,13 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DataConfig, RewardConfig
-from rltrain.data.task import PromptItem, RewardResult
+from rltrain.data.task import PromptItem, ScoredByRewardFunction
 from rltrain.rewards.registry import RewardFunction
 
 log = logging.getLogger(__name__)
@@ -167,7 +166,7 @@ def build_items(
     return items, report
 
 
-class DatasetTask:
+class DatasetTask(ScoredByRewardFunction):
     """Prompts from a dataset split, sampled without replacement in a seeded order per epoch.
 
     Built once in the controller. ``sample`` walks a permutation of the rows
@@ -232,26 +231,6 @@ class DatasetTask:
 
     def validation(self) -> list[PromptItem]:
         return list(self.val_items)
-
-    def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult:
-        return self.submit_reward(item, response, finished)()
-
-    def submit_reward(
-        self, item: PromptItem, response: str, finished: bool
-    ) -> Callable[[], RewardResult]:
-        later = self.reward_fn.submit(response, item.answer, finished=finished, prompt=item.prompt)
-
-        def result() -> RewardResult:
-            r = later()
-            return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
-
-        return result
-
-    def set_reward_workers(self, workers: int) -> None:
-        self.reward_fn.set_workers(workers)
-
-    def reward_metrics(self) -> dict[str, float]:
-        return self.reward_fn.pop_metrics()
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "cursor": self.cursor}

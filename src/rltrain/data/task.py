@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rltrain.rewards.registry import RewardFunction
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,33 @@ class Task(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ScoredByRewardFunction:
+    """The reward half of a :class:`Task` whose responses a :class:`RewardFunction` scores
+    against ``item.answer`` (a reward of 1 or more is an exact match)."""
+
+    reward_fn: RewardFunction
+
+    def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult:
+        return self.submit_reward(item, response, finished)()
+
+    def submit_reward(
+        self, item: PromptItem, response: str, finished: bool
+    ) -> Callable[[], RewardResult]:
+        later = self.reward_fn.submit(response, item.answer, finished=finished, prompt=item.prompt)
+
+        def result() -> RewardResult:
+            r = later()
+            return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
+
+        return result
+
+    def set_reward_workers(self, workers: int) -> None:
+        self.reward_fn.set_workers(workers)
+
+    def reward_metrics(self) -> dict[str, float]:
+        return self.reward_fn.pop_metrics()
 
 
 def encode_groups(tokenizer, items: list[PromptItem], samples_per_prompt: int) -> list[list[int]]:

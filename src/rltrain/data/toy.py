@@ -9,11 +9,10 @@ a random model sees a gradient from the first step. The scorer is
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import Any
 
 from rltrain.config.schema import DataConfig, RewardConfig
-from rltrain.data.task import PromptItem, RewardResult
+from rltrain.data.task import PromptItem, RewardResult, ScoredByRewardFunction
 from rltrain.models.vocab import SEPARATOR
 from rltrain.rewards.copy import score as copy_score
 from rltrain.rewards.registry import RewardFunction
@@ -30,7 +29,7 @@ def copy_reward(answer: str, response: str, finished: bool, partial_credit: floa
     return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
 
 
-class CopyTask:
+class CopyTask(ScoredByRewardFunction):
     """Random strings of ``min_len``..``max_len`` characters of ``alphabet``."""
 
     def __init__(self, cfg: DataConfig, seed: int, reward: RewardConfig | None = None):
@@ -54,26 +53,6 @@ class CopyTask:
 
     def validation(self) -> list[PromptItem]:
         return self._strings(random.Random(self.seed + _VAL_SEED_OFFSET), _VAL_SIZE)
-
-    def reward(self, item: PromptItem, response: str, finished: bool) -> RewardResult:
-        return self.submit_reward(item, response, finished)()
-
-    def submit_reward(
-        self, item: PromptItem, response: str, finished: bool
-    ) -> Callable[[], RewardResult]:
-        later = self.reward_fn.submit(response, item.answer, finished=finished, prompt=item.prompt)
-
-        def result() -> RewardResult:
-            r = later()
-            return RewardResult(r, 1.0 if r >= 1.0 else 0.0)
-
-        return result
-
-    def set_reward_workers(self, workers: int) -> None:
-        self.reward_fn.set_workers(workers)
-
-    def reward_metrics(self) -> dict[str, float]:
-        return self.reward_fn.pop_metrics()
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = self.rng.getstate()

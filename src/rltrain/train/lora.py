@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +23,7 @@ from rltrain.models.lora import (
 )
 
 if TYPE_CHECKING:
-    from rltrain.train.sharded_model import ShardedModel
+    from rltrain.config.schema import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,32 +55,39 @@ def merged_tensors(named: dict[str, torch.Tensor], scaling: float) -> dict[str, 
     return out
 
 
-def export_adapter(sm: ShardedModel, path: Path, metadata: dict | None) -> None:
-    """Write the policy's adapter to ``path`` in PEFT's format (adapter_config.json,
-    adapter_model.safetensors, the tokenizer), and with ``train.lora.export_merged`` the
-    merged model as an HF folder under ``path/merged``. Collective (the tensors are
-    gathered on every rank); rank 0 writes."""
+def adapter_export_names(lora: LoraConfig, shapes: list[tuple[str, Any]]) -> list[str] | None:
+    """The tensors an export gathers: every one when it also writes the merged model, else
+    those of ``shapes`` (the trainable ones)."""
+    return None if lora.export_merged else [n for n, _ in shapes]
+
+
+def write_adapter(
+    named: dict[str, torch.Tensor],
+    path: Path,
+    lora: LoraConfig,
+    base_model: str | None,
+    tokenizer: Any,
+    hf_config: Any,
+    metadata: dict | None,
+) -> None:
+    """Write the policy's adapter (``named``: gathered HF-named tensors) to ``path`` in
+    PEFT's format (adapter_config.json, adapter_model.safetensors, the tokenizer), and with
+    ``train.lora.export_merged`` the merged model as an HF folder under ``path/merged``."""
     from safetensors.torch import save_file
 
-    lo = sm.cfg.train.lora
-    names = None if lo.export_merged else [n for n, _ in sm.param_shapes()]
-    named = sm.full_tensors(names)
-    if not sm.is_rank0:
-        return
     path.mkdir(parents=True, exist_ok=True)
     save_file(adapter_tensors(named), str(path / ADAPTER_WEIGHTS))
-    config = peft_adapter_config(lo, sm.cfg.model.path)
+    config = peft_adapter_config(lora, base_model)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    sm.tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     if metadata:
         (path / "rltrain_meta.json").write_text(json.dumps(metadata, indent=2))
-    if lo.export_merged:
+    if lora.export_merged:
         merged = path / MERGED
         merged.mkdir(exist_ok=True)
         save_file(
-            merged_tensors(named, lo.resolved_alpha() / lo.rank),
+            merged_tensors(named, lora.resolved_alpha() / lora.rank),
             str(merged / "model.safetensors"),
         )
-        config_obj = sm.hf_config
-        config_obj.save_pretrained(merged)
-        sm.tokenizer.save_pretrained(merged)
+        hf_config.save_pretrained(merged)
+        tokenizer.save_pretrained(merged)

@@ -370,14 +370,26 @@ class ShardedModel:
 
         With LoRA: the adapter in PEFT's format (adapter_config.json,
         adapter_model.safetensors) and, with ``train.lora.export_merged``, the merged model
-        under ``merged/`` (see :func:`rltrain.train.lora.export_adapter`).
+        under ``merged/`` (see :func:`rltrain.train.lora.write_adapter`).
         """
         from safetensors.torch import save_file
 
         if self.lora:
-            from rltrain.train.lora import export_adapter
+            from rltrain.train.lora import adapter_export_names, write_adapter
 
-            export_adapter(self, Path(path), metadata)
+            lo = self.cfg.train.lora
+            # Collective: every rank gathers; rank 0 writes.
+            named = self.full_tensors(adapter_export_names(lo, self.param_shapes()))
+            if self.is_rank0:
+                write_adapter(
+                    named,
+                    Path(path),
+                    lo,
+                    self.cfg.model.path,
+                    self.tokenizer,
+                    self.hf_config,
+                    metadata,
+                )
             if dist.is_initialized() and self.env.world_size > 1:
                 dist.barrier()
             return str(path)
