@@ -40,12 +40,14 @@ from pathlib import Path
 
 from benchlib import (
     DATA,
+    PROMPT_TOKENS,
     RESULTS,
     cli_command,
     cpu_slug,
     ensure_qwen_model,
     first_window_reaching,
     gpu_slug,
+    gsm8k_shape_overrides,
     median_or_none,
     read_metrics,
     result_paths,
@@ -102,18 +104,11 @@ def cuda_overrides(args: argparse.Namespace) -> list[str]:
     """1.5B shapes on two GPUs: one trainer rank, one vLLM replica on the other GPU."""
     model_dir = Path(args.model_dir)
     ensure_qwen_model(model_dir, smoke=False)
-    prompt_tokens = 512
+    prompt_tokens = PROMPT_TOKENS
     return [
-        "model=qwen2.5-1.5b-instruct",
-        f"model.path={model_dir}",
-        "model.name=random-qwen2.5-1.5b-shape",
-        "data=gsm8k",
-        f"data.path={Path(args.data).resolve()}",
-        f"data.max_prompt_tokens={prompt_tokens}",
-        "data.val_fraction=0.0",
-        f"algorithm.prompts_per_step={args.prompts}",
-        f"algorithm.samples_per_prompt={args.samples}",
-        f"rollout.max_new_tokens={args.max_new_tokens}",
+        *gsm8k_shape_overrides(
+            model_dir, args.data, args.prompts, args.samples, args.max_new_tokens
+        ),
         "precision=bf16",
         "rollout=vllm",
         "rollout.colocated=false",

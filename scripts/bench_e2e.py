@@ -69,12 +69,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by path
 from benchlib import (  # noqa: E402
     DATA,
+    PROMPT_TOKENS,
     RESULTS,
     SMOKE_SHAPE,
     child_env,
     cli_command,
     device_slug,
     ensure_qwen_model,
+    gsm8k_shape_overrides,
     median,
     read_metrics,
     read_summary,
@@ -177,18 +179,11 @@ def parse_args() -> argparse.Namespace:
 
 def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> list[str]:
     """The `rltrain grpo` overrides of the benchmarked run."""
-    prompt_tokens = 512
+    prompt_tokens = PROMPT_TOKENS
     common = [
-        "model=qwen2.5-1.5b-instruct",
-        f"model.path={model_dir}",
-        "model.name=random-qwen2.5-1.5b-shape",
-        "data=gsm8k",
-        f"data.path={Path(args.data).resolve()}",
-        f"data.max_prompt_tokens={prompt_tokens}",
-        "data.val_fraction=0.0",
-        f"algorithm.prompts_per_step={args.prompts}",
-        f"algorithm.samples_per_prompt={args.samples}",
-        f"rollout.max_new_tokens={args.max_new_tokens}",
+        *gsm8k_shape_overrides(
+            model_dir, args.data, args.prompts, args.samples, args.max_new_tokens
+        ),
         f"train.max_tokens_per_micro_batch={args.micro_tokens}",
         f"max_steps={args.steps}",
         f"output_dir={run_dir}",
@@ -491,7 +486,6 @@ def layouts_for(args: argparse.Namespace) -> dict[str, dict]:
 
 # Stage keys of the loops' metrics (time/<stage>) that the summary reports.
 STAGES = ("generate", "reward", "values", "logprobs", "train_value", "train", "refit")
-PROMPT_TOKENS = 512
 
 
 def two_gpu_overrides(

@@ -43,7 +43,15 @@ from pathlib import Path
 from statistics import median
 
 from bench_default import run_seed
-from benchlib import DATA, RESULTS, device_slug, ensure_qwen_model, read_metrics, write_json
+from benchlib import (
+    DATA,
+    RESULTS,
+    device_slug,
+    ensure_qwen_model,
+    gsm8k_shape_overrides,
+    read_metrics,
+    write_json,
+)
 
 NO_EOS = "model.blocked_tokens=['<eos>']"
 QUIET = ("logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false")
@@ -112,16 +120,7 @@ def gpu_overrides(
     # Three observations in the chat template's frame (about 12 tokens each) fit the slack.
     total = sampled + 64 * max(0, args.turns - 1)
     out = [
-        "model=qwen2.5-1.5b-instruct",
-        f"model.path={model_dir}",
-        "model.name=random-qwen2.5-1.5b-shape",
-        "data=gsm8k",
-        f"data.path={Path(args.data).resolve()}",
-        f"data.max_prompt_tokens={prompt_tokens}",
-        "data.val_fraction=0.0",
-        f"algorithm.prompts_per_step={args.prompts}",
-        f"algorithm.samples_per_prompt={args.samples}",
-        f"rollout.max_new_tokens={sampled}",
+        *gsm8k_shape_overrides(model_dir, args.data, args.prompts, args.samples, sampled),
         f"rollout.vllm.max_model_len={prompt_tokens + total}",
         f"max_steps={args.steps}",
         f"output_dir={run_dir}",

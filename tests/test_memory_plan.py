@@ -299,7 +299,8 @@ def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
     assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(24.936, abs=1e-3)
     assert got["policy rank 1"]["memory_estimate_gib"] == pytest.approx(24.77, abs=0.01)
     assert got["rollout rank 0"]["memory_estimate_gib"] == pytest.approx(13.63, abs=0.01)
-    assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.58, abs=0.01)
+    # the replica's process and its engine core's (vLLM's weights and KV cache live there)
+    assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.756, abs=0.01)
     assert bench.plan_estimate_vs_peak(tmp_path / "none", gpu_memory) is None
 
 
