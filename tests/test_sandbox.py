@@ -8,12 +8,14 @@ port the test itself serves on 127.0.0.1.
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import math
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import uuid
@@ -252,6 +254,17 @@ def test_other_calls_folders_are_closed(pool):
     assert pool.run(code).stdout == "unlistable\nTrue 0\n"
 
 
+def _tmp_in_sight(pool) -> list[str]:
+    """What a worker may see in /tmp: the pool's own folder, and the top folder of the
+    interpreter's prefixes where they live under /tmp (a checkout and its venv there)."""
+    seen = {os.path.basename(os.path.dirname(pool.calls_folder))}
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
+        real = os.path.realpath(prefix)
+        if real.startswith("/tmp/"):
+            seen.add(real.split("/")[2])
+    return sorted(seen)
+
+
 def test_only_the_system_and_the_interpreter_are_in_sight(pool):
     _enforced(pool, "filesystem")
     code = (
@@ -260,8 +273,10 @@ def test_only_the_system_and_the_interpreter_are_in_sight(pool):
         "print(os.path.isdir(os.path.dirname(os.__file__)), os.path.isdir('/usr/bin'))"
     )
     hidden, kept = pool.run(code).stdout.splitlines()
-    pool_folder = os.path.basename(os.path.dirname(pool.calls_folder))
-    assert hidden == f"False [{pool_folder!r}] []"  # this file, other temp files, sockets
+    exists, in_tmp, in_run = hidden.split(" ", 1)[0], *hidden.split(" ", 1)[1].rsplit(" ", 1)
+    # this file, other temp files, sockets: only the pool's folder and the interpreter's
+    assert exists == "False" and in_run == "[]"
+    assert sorted(ast.literal_eval(in_tmp)) == _tmp_in_sight(pool)
     assert kept == "True True"
 
 
@@ -280,8 +295,10 @@ def test_a_user_namespace_of_its_own_changes_nothing(pool):
     r = pool.run(code)
     if r.stderr == "refused\n":
         pytest.skip("this kernel refuses unprivileged user namespaces")
-    pool_folder = os.path.basename(os.path.dirname(pool.calls_folder))
-    assert r.stdout == f"[-1, -1, -1] [{pool_folder!r}]\n-1\n"
+    umounts, rest = r.stdout.split("] ", 1)
+    in_tmp, remount = rest.rsplit("\n", 2)[:2]
+    assert umounts == "[-1, -1, -1" and remount == "-1"
+    assert sorted(ast.literal_eval(in_tmp)) == _tmp_in_sight(pool)
     assert "BlockingIOError" in r.stderr
 
 
