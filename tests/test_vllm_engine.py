@@ -330,3 +330,32 @@ def test_refit_lands_while_requests_are_in_flight(engine):
     # After the refit, a new call samples with the new weights only.
     after = engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, seed=1))
     assert after.row_versions == [v1] * 4
+
+
+def test_decode_graphs_cover_a_calls_rows_and_no_more():
+    """CUDA graphs are captured for the decode batch sizes one generate call can reach: every
+    size up to the replica's rows is padded to at most 1.5x, none past the first that holds
+    them; eager engines and vLLM's compile pipeline keep vLLM's own capture list."""
+    from dataclasses import replace
+
+    from rltrain.rollout.vllm_engine import capture_sizes, compilation_config
+
+    sizes = capture_sizes(256)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == 256
+    for n in range(1, 257):
+        padded = min(s for s in sizes if s >= n)
+        assert padded <= max(2 * n, n + 1) and (n < 8 or padded <= 1.5 * n)
+    assert capture_sizes(300)[-1] == 384 and capture_sizes(5000)[-1] == 512
+    assert capture_sizes(1) == [1] and capture_sizes(9) == [1, 2, 4, 8, 12]
+
+    cfg = RunConfig()
+    cfg = replace(cfg, rollout=replace(cfg.rollout, replicas=2))
+    got = compilation_config(cfg, "cuda")
+    assert got is not None and got["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    rows = -(-cfg.rollout_batch() // 2)
+    assert got["cudagraph_capture_sizes"] == capture_sizes(rows)
+    assert compilation_config(cfg, "cpu") is None  # eager on CPU
+    compiled = replace(
+        cfg, rollout=replace(cfg.rollout, vllm=replace(cfg.rollout.vllm, torch_compile=True))
+    )
+    assert compilation_config(compiled, "cuda") is None

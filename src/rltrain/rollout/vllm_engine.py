@@ -151,18 +151,18 @@ def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:
 def capture_sizes(rows: int, most: int = 512) -> list[int]:
     """The decode batch sizes to capture CUDA graphs for, when a generate call holds ``rows``
     sequences: 1, 2, 4, 8, then every power of two and the point halfway to the next, up to
-    the first that holds ``rows`` (at most ``most``). A decode step pads its batch to the
+    the first that holds ``rows`` (at most ``most``), none past it. A decode step pads its batch to the
     next size; steps of more rows than the largest run without a graph.
 
     vLLM's own list goes to 512 in steps of 8 and 16 (51 graphs); each takes part of the
     engine's start-up, while a decode step of a small model reads its weights whatever the
     batch, so the padding costs little.
     """
-    sizes = [1, 2, 4, 8]
-    while sizes[-1] < min(rows, most):
-        top = sizes[-1]
-        sizes += [top + top // 2, 2 * top]
-    return [n for n in sizes if n <= most]
+    # 1, 2, 4, 8, then every power of two and the point halfway to the next, to 512
+    ladder = [1, 2, 4, 8] + [n for p in range(3, 9) for n in (3 << (p - 1), 2 << p)]
+    ladder = [n for n in ladder if n <= most]
+    holds = next((n for n in ladder if n >= rows), ladder[-1])
+    return [n for n in ladder if n <= holds]
 
 
 class _EventLoop:
