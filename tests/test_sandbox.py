@@ -18,6 +18,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 
 import pytest
@@ -231,9 +232,20 @@ def test_writes_outside_its_folder_fail(pool, tmp_path):
     assert lines[0] == "refused EROFS"  # /tmp is writable by anyone, but not from here
 
 
+def _wait_for_idle_workers(pool: SandboxPool, n: int, timeout_s: float = 60.0) -> None:
+    """Until the server has announced ``n`` forked, idle workers (each with its folder)."""
+    ready, _ = pool._current()
+    deadline = time.monotonic() + timeout_s
+    while ready.qsize() < n:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the pool announced {ready.qsize()} of {n} idle workers in {timeout_s} s")
+        time.sleep(0.01)
+
+
 def test_other_calls_folders_are_closed(pool):
     """The idle workers' folders exist beside this call's; none can be listed or written."""
     _enforced(pool, "uid")
+    _wait_for_idle_workers(pool, 2)  # the call takes one; the other's folder stands beside it
     code = (
         "import os\n"
         "calls, own = os.path.split(os.getcwd())\n"
