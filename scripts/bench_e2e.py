@@ -98,7 +98,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", default=None, help="model folder to reuse or create")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument(
-        "--micro-tokens", type=int, default=4096, help="train.max_tokens_per_micro_batch"
+        "--micro-tokens",
+        type=int,
+        default=None,
+        help="train.max_tokens_per_micro_batch (default: the project's, auto on GPUs)",
     )
     p.add_argument("--standalone-steps", type=int, default=4)
     p.add_argument(
@@ -177,6 +180,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def micro_tokens(args: argparse.Namespace) -> list[str]:
+    """``train.max_tokens_per_micro_batch`` when ``--micro-tokens`` is given, else nothing (the
+    project's default: auto, the largest size whose plan fits the GPU)."""
+    if args.micro_tokens is None:
+        return []
+    return [f"train.max_tokens_per_micro_batch={args.micro_tokens}"]
+
+
 def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> list[str]:
     """The `rltrain grpo` overrides of the benchmarked run."""
     prompt_tokens = PROMPT_TOKENS
@@ -184,7 +195,7 @@ def run_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> l
         *gsm8k_shape_overrides(
             model_dir, args.data, args.prompts, args.samples, args.max_new_tokens
         ),
-        f"train.max_tokens_per_micro_batch={args.micro_tokens}",
+        *micro_tokens(args),
         f"max_steps={args.steps}",
         f"output_dir={run_dir}",
         "logger.progress=false",
@@ -507,7 +518,7 @@ def two_gpu_overrides(
         f"algorithm.prompts_per_step={args.prompts}",
         f"algorithm.samples_per_prompt={args.samples}",
         f"train.mini_batch_size={args.mini_batch or rollout_rows}",
-        f"train.max_tokens_per_micro_batch={args.micro_tokens}",
+        *micro_tokens(args),
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"max_steps={args.steps}",
         f"output_dir={run_dir}",

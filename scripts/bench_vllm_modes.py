@@ -10,10 +10,13 @@ never samples EOS: every row runs to the limit). Modes:
 - ``decode_graphs``: full CUDA graphs of the decode steps over the eager model
   (``rollout.vllm.torch_compile=false``, the default);
 - ``compile``: vLLM's torch.compile pipeline with its CUDA graphs
-  (``rollout.vllm.torch_compile=true``).
+  (``rollout.vllm.torch_compile=true``);
+- ``decode_graphs_seeded``: ``decode_graphs`` with a seed per request
+  (``rollout.vllm.request_seeds=true``; the default on GPUs draws from the engine's
+  seeded generator instead).
 
-Writes ``scripts/results/bench_vllm_modes-<device>.json``: per mode the start-up seconds
-and each call's seconds and tokens/s; ``summary`` per mode: ``startup_s`` and
+Writes ``scripts/results/bench_vllm_modes-<device>.json``: per mode the start-up seconds,
+each call's seconds and tokens/s and vLLM's own start-up log lines (``engine_log``); ``summary`` per mode: ``startup_s`` and
 ``tokens_per_s`` (median over the calls after the first).
 
     python scripts/bench_vllm_modes.py --out $OUT     # GPU machine, kit sourced
@@ -43,7 +46,11 @@ MODES = {
     "eager": ["rollout.vllm.enforce_eager=true"],
     "decode_graphs": ["rollout.vllm.torch_compile=false"],
     "compile": ["rollout.vllm.torch_compile=true"],
+    # the default mode with a seed per request (vLLM's sampler then loops over requests)
+    "decode_graphs_seeded": ["rollout.vllm.torch_compile=false", "rollout.vllm.request_seeds=true"],
 }
+# vLLM's own start-up lines (weights, profiling, KV cache, graphs, compile), kept per mode.
+TIMING_WORDS = ("took", "seconds", "secs", "Loading", "Graph captur", "init engine")
 
 
 def parse_args() -> argparse.Namespace:
@@ -176,6 +183,8 @@ def main() -> None:
             )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             run = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+            log = proc.stderr.splitlines() + proc.stdout.splitlines()
+            run["engine_log"] = [ln[-300:] for ln in log if any(w in ln for w in TIMING_WORDS)][:60]
         except subprocess.TimeoutExpired:
             run = {"error": f"timed out after {args.timeout:g} s"}
         run["wall_s"] = time.perf_counter() - t0

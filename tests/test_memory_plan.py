@@ -366,3 +366,39 @@ def test_tensor_parallel_engine_takes_a_share_on_each_of_its_gpus():
     assert names == [["policy rank 0"], ["rollout rank 0 (tp 0)"], ["rollout rank 0 (tp 1)"]]
     share = mem.gpus[1].processes[0].parts["gpu_memory_utilization"]
     assert share == int(0.8 * 80 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("gib", "tokens"), [(80, 8192), (64, 4096), (58, 2048), (None, 2048), ("set", 4096)]
+)
+def test_micro_batch_tokens_auto_takes_the_largest_that_fits(gib, tokens):
+    """``train.max_tokens_per_micro_batch=null`` on GPUs: the largest of 16384/8192/4096 whose
+    plan fits the GPU (bench_e2e's one-GPU run: 8192 on 80 GiB, 4096 on 64), the CPU size where
+    nothing larger fits or the GPU's memory is unknown; a value the user set stays as set."""
+    bench = _script("bench_e2e")
+    args = SimpleNamespace(
+        data=str(bench.DATA),
+        prompts=32,
+        samples=8,
+        max_new_tokens=256,
+        micro_tokens=4096 if gib == "set" else None,
+        steps=5,
+        smoke=False,
+        gpu_memory_utilization=0.3,
+        eager=False,
+        overrides=[],
+    )
+    folder = Path(_script("memory_estimate").model_folder())
+    overrides = bench.run_overrides(args, folder, Path("/tmp/unused"))
+    memory = [f"cluster.gpu_memory_gib={gib}"] if isinstance(gib, int) else []
+    cfg, choices = compose([*overrides, *memory], algorithm="grpo")
+    plan = make_plan(cfg, Resources(num_cpus=16, num_gpus=1), choices)
+    assert plan.batch.micro_batch_tokens == tokens
+    auto = plan.batch.micro_batch_tokens_auto
+    assert (auto is None) == (gib == "set")
+    if gib in (58, None):
+        assert auto is not None and "smallest size" in auto
+    from rltrain.plan.view import _micro_line
+
+    if gib == 80:
+        assert "max_tokens_per_micro_batch=null: auto, the largest" in _micro_line(plan.batch)

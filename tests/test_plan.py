@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import CPU_MICRO_BATCH_TOKENS, RunConfig
 from rltrain.plan import Resources, estimate_num_params, make_plan
 from rltrain.plan.view import plan_tree
 
@@ -48,7 +48,7 @@ def test_defaults_on_cpu():
     assert b.dp == 1
     # packing (the default) fills micro batches by tokens: no sequence count applies
     assert (b.micro_batch, b.grad_accum_steps) == (None, None)
-    assert b.micro_batch_tokens == RunConfig().train.max_tokens_per_micro_batch
+    assert b.micro_batch_tokens == CPU_MICRO_BATCH_TOKENS  # null: auto, the CPU size
     assert b.notes == ()
     assert b.optimizer_steps_per_rollout == 1
     assert b.sequences_per_rank == 256

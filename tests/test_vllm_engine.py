@@ -359,3 +359,30 @@ def test_decode_graphs_cover_a_calls_rows_and_no_more():
         cfg, rollout=replace(cfg.rollout, vllm=replace(cfg.rollout.vllm, torch_compile=True))
     )
     assert compilation_config(compiled, "cuda") is None
+
+
+def test_request_seeds_resolve_per_device_and_reach_the_sampling_params():
+    """``rollout.vllm.request_seeds=null``: a seed per request on CPU, none on GPUs (vLLM's
+    sampler then draws every row's noise at once from the engine's seeded generator); an
+    explicit value holds on both."""
+    from dataclasses import replace
+
+    pytest.importorskip("vllm")
+    from rltrain.rollout.vllm_engine import seeds_per_request
+    from rltrain.rollout.vllm_turns import VLLMTurns
+
+    cfg = RunConfig()
+    assert seeds_per_request(cfg, "cpu") and not seeds_per_request(cfg, "cuda")
+    for choice in (True, False):
+        v = replace(cfg.rollout.vllm, request_seeds=choice)
+        c = replace(cfg, rollout=replace(cfg.rollout, vllm=v))
+        assert seeds_per_request(c, "cpu") is choice and seeds_per_request(c, "cuda") is choice
+
+    turns = VLLMTurns()
+    turns._partial, turns.eos_id = False, 7
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+    for seeded in (True, False):
+        turns._request_seeds = seeded
+        params = turns._vllm_sampling(sampling, 1234, 4)
+        assert params.seed == (1234 if seeded else None)
+        assert params.logprobs == 0 and params.stop_token_ids == [7]

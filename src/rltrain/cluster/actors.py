@@ -127,11 +127,14 @@ class WorkerHost:
         process can answer: its GPU, its imports)."""
         return fn(*args)
 
-    def build(self, worker_class: Callable[..., Any], *args: Any) -> bool:
+    def build(self, worker_class: Callable[..., Any], *args: Any) -> dict[str, float]:
         """Build the worker: ``worker_class(*args)`` (the class arrives by reference, so its
-        module is imported here)."""
+        module is imported here). Returns the seconds of the build and of the parts the
+        worker timed (its ``startup_phases``)."""
+        t0 = time.perf_counter()
         self.worker = worker_class(*args)
-        return True
+        phases = dict(getattr(self.worker, "startup_phases", None) or {})
+        return {"build_s": time.perf_counter() - t0, **phases}
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -316,7 +319,7 @@ class Actor(Generic[W]):
 
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs
-    ) -> Pending[bool]:
+    ) -> Pending[dict[str, float]]:
         """Build the hosted worker as ``worker_class(*args)``."""
         assert not kwargs, "workers are built from positional arguments"
         return Pending(self.handle.build.remote(worker_class, *args), self.name)
@@ -481,7 +484,7 @@ class LocalActor(Actor[W]):
 
     def build(
         self, worker_class: Callable[P, W], *args: P.args, **kwargs: P.kwargs
-    ) -> Pending[bool]:
+    ) -> Pending[dict[str, float]]:
         assert not kwargs, "workers are built from positional arguments"
         return self._run(self.host.build, worker_class, *args)
 

@@ -100,9 +100,17 @@ class Workers:
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
         self.pgs: list = []
-        # The workers see the plan's answer to rollout.colocated=null (auto): the vLLM
-        # engine enables sleep mode from it.
-        self.cfg = replace(cfg, rollout=replace(cfg.rollout, colocated=plan.colocated))
+        # The workers see the plan's answers to the auto keys: rollout.colocated (the vLLM
+        # engine enables sleep mode from it) and train.max_tokens_per_micro_batch.
+        self.cfg = replace(
+            cfg,
+            rollout=replace(cfg.rollout, colocated=plan.colocated),
+            train=replace(
+                cfg.train,
+                max_tokens_per_micro_batch=plan.batch.micro_batch_tokens
+                or cfg.train.max_tokens_per_micro_batch,
+            ),
+        )
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
         self.calls = Calls(cfg.cluster.call_timeout_s)
@@ -246,7 +254,7 @@ class Workers:
             )
         )
         if after_trainers:
-            wait_all(builds, self.timeout, "building workers")
+            self._phases("trainer", wait_all(builds, self.timeout, "building workers")[:1])
             builds = []
             self.startup["trainers_build_s"] = time.perf_counter() - t0
         self.startup["engine_imports_s"] = max(imports, default=0.0)
@@ -256,13 +264,22 @@ class Workers:
             a.build(build_engine, cfg, plan.device, i, rollout.threads)
             for i, a in enumerate(rollout_actors)
         ]
-        wait_all(builds, self.timeout, "building workers")
+        built = wait_all(builds, self.timeout, "building workers")
         self.startup["engines_build_s"] = time.perf_counter() - t1
+        if not after_trainers:
+            self._phases("trainer", built[:1])
+        self._phases("engine", built[len(built) - len(rollout_actors) :][:1])
         if not after_trainers:  # built side by side with the trainers
             self.startup["trainers_build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._init_refit()
         self.startup["refit_init_s"] = time.perf_counter() - t0
+
+    def _phases(self, role: str, built: list[dict[str, float]]) -> None:
+        """Record the parts of the first ``role`` worker's build (policy rank 0, replica 0)
+        as start-up phases ``<role>/<part>``."""
+        for phases in built:
+            self.startup.update({f"{role}/{k}": v for k, v in phases.items()})
 
     def _placement_group(self, rb: RoleBundles):
         """Reserve one role's bundles; a reservation that cannot be met ends in a WorkerError."""

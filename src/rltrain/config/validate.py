@@ -54,7 +54,8 @@ def validate(cfg: RunConfig) -> None:
     check_positive("train.epochs", t.epochs)
     if t.mini_batch_size is not None:
         check_positive("train.mini_batch_size", t.mini_batch_size)
-    check_positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
+    if t.max_tokens_per_micro_batch is not None:
+        check_positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     check_positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     if cfg.dtensor.grad_sync is not None:
         check_choice("dtensor.grad_sync", cfg.dtensor.grad_sync, GRAD_SYNCS)

@@ -27,6 +27,8 @@ class BatchPlan:
     optimizer_steps_per_rollout: int
     sequences_per_rank: int  # rollout_batch / dp
     micro_batch_tokens: int | None = None  # packing: train.max_tokens_per_micro_batch
+    # How a null (auto) train.max_tokens_per_micro_batch was resolved; None = set by the user.
+    micro_batch_tokens_auto: str | None = None
     notes: tuple[str, ...] = ()  # knobs set that this layout does not use
 
 
@@ -78,7 +80,7 @@ def batch_plan(cfg: RunConfig, dp: int) -> BatchPlan:
                 "batches by tokens (train.max_tokens_per_micro_batch); it applies with "
                 "train.packing=false",
             )
-        return plan(None, None, t.max_tokens_per_micro_batch, unused)
+        return plan(None, None, t.micro_batch_tokens, unused)
     micro = t.micro_batch_size or mini // dp
     if mini % (micro * dp):
         raise ConfigError(

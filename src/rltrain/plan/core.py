@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import (
+    CPU_MICRO_BATCH_TOKENS,
     RunConfig,
     value_run_config,
 )
@@ -253,10 +254,52 @@ def make_plan(
     return _make_plan(cfg, resources, choices, True)
 
 
+# train.max_tokens_per_micro_batch=null on GPUs: the largest of these whose plan fits.
+AUTO_MICRO_BATCH_TOKENS = (16384, 8192, 4096)
+MICRO_KEY = "train.max_tokens_per_micro_batch"
+
+
 def _make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None, suggest: bool
 ) -> RunPlan:
-    """:func:`make_plan`; ``suggest``: search the changes that fit when memory is short."""
+    """:func:`make_plan`; ``suggest``: search the changes that fit when memory is short.
+
+    ``train.max_tokens_per_micro_batch=null`` resolves here: on GPUs (packed rows) to the
+    largest of :data:`AUTO_MICRO_BATCH_TOKENS` whose plan fits the GPUs' known memory, else
+    (and on CPU) to :data:`~rltrain.config.schema.CPU_MICRO_BATCH_TOKENS`.
+    """
+    t = cfg.train
+    if t.max_tokens_per_micro_batch is not None:
+        return _make_plan_resolved(cfg, resources, choices, suggest)
+    gpus = cfg.cluster.device != "cpu" and resources.num_gpus > 0
+    if gpus and t.packing:
+        for tokens in AUTO_MICRO_BATCH_TOKENS:
+            try:
+                fit = _make_plan_resolved(
+                    with_overrides(cfg, {MICRO_KEY: tokens}), resources, choices, False
+                )
+            except ConfigError:
+                continue  # over the memory at this size (or wrong for another reason)
+            if fit.memory.capacity_bytes is None:
+                break  # the GPUs' memory is unknown: nothing to size against
+            why = f"auto, the largest of {'/'.join(map(str, AUTO_MICRO_BATCH_TOKENS))} that fits"
+            return replace(fit, batch=replace(fit.batch, micro_batch_tokens_auto=why))
+    cfg = with_overrides(cfg, {MICRO_KEY: CPU_MICRO_BATCH_TOKENS})
+    plan = _make_plan_resolved(cfg, resources, choices, suggest)
+    if not t.packing:
+        return plan
+    why = (
+        "auto, the CPU size"
+        if not gpus
+        else "auto, the smallest size (nothing larger fits or the GPU memory is unknown)"
+    )
+    return replace(plan, batch=replace(plan.batch, micro_batch_tokens_auto=why))
+
+
+def _make_plan_resolved(
+    cfg: RunConfig, resources: Resources, choices: dict[str, str] | None, suggest: bool
+) -> RunPlan:
+    """:func:`_make_plan` once ``train.max_tokens_per_micro_batch`` is set."""
     d, ro, p = cfg.dtensor, cfg.rollout, cfg.precision
     if cfg.cluster.device == "cuda" and resources.num_gpus == 0:
         raise ConfigError(
@@ -479,7 +522,7 @@ def _check_memory(
         ):
             continue
         try:
-            fit = _make_plan(with_overrides(cfg, overrides), resources, choices, False)
+            fit = _make_plan_resolved(with_overrides(cfg, overrides), resources, choices, False)
         except ConfigError:
             continue
         fitted.append(overrides)

@@ -168,7 +168,7 @@ def micro_batch_tokens(cfg: RunConfig, micro_rows: int | None) -> int:
     t, ro = cfg.train, cfg.rollout
     longest = (cfg.data.max_prompt_tokens or 0) + ro.max_new_tokens
     if t.packing:
-        return max(t.max_tokens_per_micro_batch, longest)
+        return max(t.micro_batch_tokens, longest)
     return (micro_rows or 1) * longest
 
 
@@ -561,7 +561,7 @@ def fix_candidates(cfg: RunConfig, dp: int, num_gpus: int, colocated: bool) -> l
     if d.dp is not None and dp * d.tp < num_gpus:
         out += [{"dtensor.dp": k} for k in range(dp + 1, num_gpus // d.tp + 1)]
     if t.packing:
-        budget = t.max_tokens_per_micro_batch
+        budget = t.micro_batch_tokens
         out += [
             {"train.max_tokens_per_micro_batch": budget // f} for f in (2, 4) if budget // f >= 256
         ]

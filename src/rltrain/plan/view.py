@@ -126,7 +126,9 @@ def _micro_line(b: BatchPlan) -> str:
     if b.micro_batch_tokens is not None:
         return (
             f"micro batches packed by tokens: up to {b.micro_batch_tokens} tokens each "
-            f"(train.max_tokens_per_micro_batch), {b.mini_batch // b.dp} sequences per rank x dp "
+            f"(train.max_tokens_per_micro_batch"
+            + (f"=null: {b.micro_batch_tokens_auto}" if b.micro_batch_tokens_auto else "")
+            + f"), {b.mini_batch // b.dp} sequences per rank x dp "
             f"{b.dp} per optimizer step; as many micro batches as their lengths need"
         )
     return (

@@ -134,6 +134,14 @@ def enforce_eager(cfg: RunConfig, device: str) -> bool:
     return device != "cuda" if v is None else v
 
 
+def seeds_per_request(cfg: RunConfig, device: str) -> bool:
+    """``rollout.vllm.request_seeds`` resolved: null = a seed per request on CPU, the
+    engine's seeded generator on GPUs (vLLM's sampler draws a seeded request's noise in a
+    Python loop of its own, one kernel per request and decode step)."""
+    v = cfg.rollout.vllm.request_seeds
+    return device != "cuda" if v is None else v
+
+
 def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:
     """vLLM's ``compilation_config`` from ``rollout.vllm``: None = vLLM's own (eager, or its
     compile pipeline with piecewise CUDA graphs); without ``torch_compile`` (the default)
@@ -210,7 +218,9 @@ class VLLMEngine(VLLMTurns):
         self.cfg = cfg
         self.device = device
         self.replica_index = replica_index
+        t0 = time.perf_counter()
         self.tokenizer = load_tokenizer(cfg)
+        self.startup_phases = {"tokenizer_s": time.perf_counter() - t0}
         self.eos_id = self.tokenizer.eos_token_id
         self._blocked = set(blocked_token_ids(cfg, self.tokenizer))
         self._model_dir: tempfile.TemporaryDirectory | None = None
@@ -219,8 +229,11 @@ class VLLMEngine(VLLMTurns):
         # Refits that land mid-generation need each token's version: rows then stream their
         # tokens as they are sampled instead of coming back whole.
         self._partial = ar.enabled and ar.partial_rollouts
+        self._request_seeds = seeds_per_request(cfg, device)
         self._loop = _EventLoop(f"vllm-replica-{replica_index}")
+        t0 = time.perf_counter()
         self.llm: Any = self._loop.run(self._build_llm(model_path))
+        self.startup_phases["async_llm_s"] = time.perf_counter() - t0
         self._tie = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self._version = 0
         self._calls = 0

@@ -43,6 +43,7 @@ class VLLMTurns:
     llm: Any
     _loop: Any  # the engine's _EventLoop
     _partial: bool
+    _request_seeds: bool  # each request carries its seed (rollout.vllm.request_seeds)
     _version: int
     _prefix_cache_used: bool
     _request_ids: Any  # itertools.count
@@ -71,7 +72,7 @@ class VLLMTurns:
             # otherwise add generation_config's extra EOS ids).
             ignore_eos=True,
             stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
-            seed=seed,
+            seed=seed if self._request_seeds else None,
             logprobs=0,  # the sampled token's own logprob only
             detokenize=False,
             # Partial rollouts: tokens stream in as sampled, each stamped with its version.

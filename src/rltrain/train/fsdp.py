@@ -11,6 +11,7 @@ on all ranks of the gang (collectives inside), unless it says otherwise.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -64,6 +65,7 @@ class FSDPTrainer(ShardedModel):
 
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         super().__init__(cfg, env, num_threads)
+        t0 = time.perf_counter()
         o = cfg.optim
         if self.lora:  # the adapters' own learning rate (train.lora.lr)
             o = replace(o, lr=lora_lr(cfg))
@@ -85,6 +87,7 @@ class FSDPTrainer(ShardedModel):
                 backoff_factor=gs.backoff_factor,
                 growth_interval=gs.growth_interval,
             )
+        self.startup_phases["optimizer_s"] = time.perf_counter() - t0
 
     # -- split train step -------------------------------------------------------
     # begin_train_step -> train_microbatch (any number of calls, the same number
@@ -113,7 +116,7 @@ class FSDPTrainer(ShardedModel):
         """
         t = self.cfg.train
         if t.packing:
-            return float(t.max_tokens_per_micro_batch)
+            return float(t.micro_batch_tokens)
         rows = t.micro_batch_size or self.cfg.mini_batch() // self.dp
         return float(rows * self.cfg.rollout.max_new_tokens)
 

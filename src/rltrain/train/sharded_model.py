@@ -12,6 +12,7 @@ otherwise.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -74,6 +75,9 @@ class ShardedModel:
             torch.set_num_threads(num_threads)
         self.cfg = cfg
         self.env = env
+        # Seconds of each part of the build (the run's start-up phases report rank 0's).
+        self.startup_phases: dict[str, float] = {}
+        t0 = time.perf_counter()
         self.device = init_distributed(env)
         d = cfg.dtensor
         self.tp = d.tp
@@ -84,12 +88,17 @@ class ShardedModel:
         self.reshard_after_forward, self.grad_sync = resolve_speed_knobs(cfg, self.dp)
         self.compiled: bool | None = None
         self._compile_counter = CompileCounter()  # compile_metrics: counts since its last call
+        self.startup_phases["process_group_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.tokenizer = load_tokenizer(cfg)
         self.blocked = torch.tensor(
             blocked_token_ids(cfg, self.tokenizer), dtype=torch.long, device=self.device
         )
+        self.startup_phases["tokenizer_s"] = time.perf_counter() - t0
         torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
         self.model = self.load_sharded_model()  # fp32 master weights
+        self.startup_phases["weights_s"] = time.perf_counter() - t0
         self.causal_rows = resolve_causal_rows(cfg, bool(self.compiled))
         self.hf_config = cast("PretrainedConfig", self.model.config)
 
@@ -123,6 +132,7 @@ class ShardedModel:
 
         full_sd: dict[str, Any] = {}
         full_buffers: dict[str, torch.Tensor] = {}
+        t0 = time.perf_counter()
         if self.is_rank0:
             loaded = self.build_model()
             if lora:
@@ -130,6 +140,7 @@ class ShardedModel:
             full_sd = loaded.state_dict()
             full_buffers = {hf_name(n): b for n, b in loaded.named_buffers()}
             del loaded
+        self.startup_phases.setdefault("weights_read_s", time.perf_counter() - t0)
         with torch.device("meta"):
             model = self.build_empty_model()
             if lora:
@@ -258,7 +269,7 @@ class ShardedModel:
         t = self.cfg.train
         micros = plan_micro_batches(
             row_lengths(batch),
-            t.max_tokens_per_micro_batch if t.packing else None,
+            t.micro_batch_tokens if t.packing else None,
             t.micro_batch_size,
         )
         return micros + [[] for _ in range(self.dp_max(len(micros)) - len(micros))]
