@@ -50,7 +50,7 @@ MODES = {
     "decode_graphs_seeded": ["rollout.vllm.torch_compile=false", "rollout.vllm.request_seeds=true"],
 }
 # vLLM's own start-up lines (weights, profiling, KV cache, graphs, compile), kept per mode.
-TIMING_WORDS = ("took", "seconds", "secs", "Loading", "Graph captur", "init engine")
+TIMING_WORDS = ("took", "seconds", "secs", "Graph captur", "init engine", "Initializing a V1", "async")
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,6 +70,13 @@ def parse_args() -> argparse.Namespace:
         help="before each call, this many seconds of bf16 matmuls on the same GPU (as the "
         "trainer's step before a colocated engine's generate): does the loop's slower "
         "generation follow the GPU's state after training?",
+    )
+    p.add_argument(
+        "--variant-rounds",
+        type=int,
+        default=0,
+        help="after the calls, this many rounds of the sampling VARIANTS on the last call's "
+        "prompts (what logprobs, per-request seeds, stop ids, streamed outputs cost)",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -139,8 +146,72 @@ def worker(spec: dict) -> None:
                 "sm_clock_mhz_after": sm_clock_mhz(),
             }
         )
+    variants = sampling_variants(engine, prompt_ids, spec.get("variant_rounds", 0))
     engine.shutdown()
-    print("RESULT " + json.dumps({"startup_s": startup, "calls": calls}), flush=True)
+    out_doc = {"startup_s": startup, "calls": calls, "variants": variants}
+    print("RESULT " + json.dumps(out_doc), flush=True)
+
+
+# What each part of the engine's per-request sampling costs: the engine's own parameters
+# with one thing changed (the same prompts, rounds interleaved against drift).
+VARIANTS = {
+    "engine": {},
+    "no_logprobs": {"logprobs": None},
+    "seeded": {"seed": "per_request"},
+    "no_stop_ids": {"stop_token_ids": []},
+    "delta_output": {"output_kind": "DELTA"},
+}
+
+
+def sampling_variants(engine, prompt_ids: list[list[int]], rounds: int) -> dict:
+    """Tokens/s of one generate call of ``prompt_ids`` straight on the engine's AsyncLLM, per
+    entry of :data:`VARIANTS` (``rounds`` rounds, the variants interleaved); {} for 0."""
+    if rounds <= 0:
+        return {}
+    import asyncio
+
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from rltrain.rollout.base import SamplingParams
+
+    base = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=256)
+    ids = iter(range(10**9))
+
+    def params(change: dict, row: int):
+        p = engine._vllm_sampling(base, None, base.max_new_tokens)
+        for key, value in change.items():
+            if key == "seed":
+                value = 1000 + row
+            elif key == "output_kind":
+                value = RequestOutputKind[value]
+            setattr(p, key, value)
+        return p
+
+    async def call(change: dict) -> int:
+        async def one(row: int, prompt: list[int]) -> int:
+            n = 0
+            gen = engine.llm.generate(
+                TokensPrompt(prompt_token_ids=prompt), params(change, row), f"v{next(ids)}"
+            )
+            async for out in gen:
+                n = (
+                    len(out.outputs[0].token_ids)
+                    if change.get("output_kind") != "DELTA"
+                    else (n + len(out.outputs[0].token_ids))
+                )
+            return n
+
+        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
+        return sum(counts)
+
+    out: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(rounds):
+        for name, change in VARIANTS.items():
+            t = time.perf_counter()
+            tokens = engine._loop.run(call(change))
+            out[name].append(tokens / (time.perf_counter() - t))
+    return {name: {"tokens_per_s": tps} for name, tps in out.items()}
 
 
 def main() -> None:
@@ -171,7 +242,12 @@ def main() -> None:
     ]
     result = result_doc("scripts/bench_vllm_modes.py", device, name, args, modes={}, summary={})
     for mode in args.modes.split(","):
-        spec = {"overrides": [*common, *MODES[mode]], "calls": args.calls, "burn_s": args.burn_s}
+        spec = {
+            "overrides": [*common, *MODES[mode]],
+            "calls": args.calls,
+            "burn_s": args.burn_s,
+            "variant_rounds": args.variant_rounds,
+        }
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -192,6 +268,10 @@ def main() -> None:
         if "calls" in run:
             steady = run["calls"][1:] or run["calls"]
             result["summary"][mode] = {
+                **{
+                    f"{name}_tokens_per_s": statistics.median(v["tokens_per_s"])
+                    for name, v in run.get("variants", {}).items()
+                },
                 "startup_s": run["startup_s"],
                 "tokens_per_s": statistics.median(c["tokens_per_s"] for c in steady),
                 "call_s": statistics.median(c["seconds"] for c in steady),
