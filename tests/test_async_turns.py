@@ -23,6 +23,7 @@ from rltrain.envs.bench_turns import BenchTurnsEnv
 from rltrain.envs.driver import TurnDriver
 from rltrain.loops.async_buffer import AsyncController, AsyncState, join_groups
 from rltrain.loops.async_episodes import env_metrics
+from rltrain.loops.async_grpo import straddling_rows
 from rltrain.models.loader import load_tokenizer
 from rltrain.rollout.torch_engine import TorchEngine
 from rltrain.train.batch import build_train_batch
@@ -124,6 +125,7 @@ def test_turns_that_straddle_refits_keep_per_token_versions(straddled):
             PER_TURN - SWAP_STEP
         )
     assert rollout.versions() == [0, 0, 0, 0]  # staleness counts from the oldest token
+    assert straddling_rows(rollout) == 4  # async/straddled_frac: every row spans a refit
     # the env/* metrics of the call, as the synchronous loop logs them
     metrics = env_metrics(gen.state.waiting)
     assert metrics["env/turns_mean"] == 3.0 and metrics["env/observation_truncated"] == 0.0

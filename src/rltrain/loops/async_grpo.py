@@ -54,6 +54,18 @@ def sampled_tokens(rollout: RolloutBatch) -> int:
     return sum(sum(m) for m in rollout.response_mask)
 
 
+def straddling_rows(rollout: RolloutBatch) -> int:
+    """Rows whose sampled tokens span a refit (partial rollouts: within a response, or
+    between the turns of an episode), so carry more than one weight version."""
+    if rollout.response_versions is None:
+        return 0
+    masks = rollout.response_mask or [[1] * len(v) for v in rollout.response_versions]
+    return sum(
+        len({v for v, m in zip(vs, mask, strict=True) if m}) > 1
+        for vs, mask in zip(rollout.response_versions, masks, strict=True)
+    )
+
+
 def train_grpo_async(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
     """Run ``ctx.cfg.max_steps`` asynchronous GRPO steps (``algorithm.async_rollout``);
     ``on_step`` logs each one. Resumes the buffer a checkpoint saved (``ctx.resumed_loop_state``).
@@ -231,6 +243,7 @@ def _step(
         **env_metrics(trained),  # multi-turn episodes: the env/* metrics of their calls
         "async/staleness_mean": float(staleness.mean()),
         "async/staleness_max": float(staleness.max()),
+        "async/straddled_frac": sum(straddling_rows(g.rollout) for g in trained) / len(finished),
         "async/dropped_samples": float(dropped),
         "async/dropped_total": float(gen.state.dropped_total),
         "async/buffer_groups": float(gen.queued()),
