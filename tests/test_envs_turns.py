@@ -168,3 +168,44 @@ def test_per_trajectory_equals_lockstep_and_trainer_logprobs(pool, engine):
         diff = (torch.tensor(lps) - ref[0, len(prompt) :])[sampled].abs()
         worst = max(worst, float(diff.max()))
     assert worst < 1e-4, worst
+
+
+def test_async_call_of_episodes_is_the_drivers_turn_session(pool):
+    """The asynchronous loop's call of episodes on vLLM (loops/async_episodes.py): the
+    call's episodes run as a turn session on its replica from a thread of the controller, and
+    its groups enter the buffer with exactly what the per-trajectory driver samples for the
+    same prompts and the call's seed (ids, masks, logprobs, versions)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.async_buffer import AsyncController, AsyncState, join_groups
+    from rltrain.loops.collect import sampling_params, step_seed
+
+    cfg = _cfg(**{"env.max_turns": 2, "env.max_tokens_per_turn": 4,
+                  "env.options.observation_chars": 2, "algorithm.async_rollout.enabled": True,
+                  "algorithm.prompts_per_step": 2, "algorithm.samples_per_prompt": 2})  # fmt: skip
+    driver, task = _driver(cfg)
+    items = task.sample(2)
+    ctx = SimpleNamespace(cfg=cfg, rollout=pool, task=SimpleNamespace(sample=lambda n: items[:n]),
+                          tokenizer=driver.tokenizer, driver=driver)  # fmt: skip
+    try:
+        gen = AsyncController(ctx, AsyncState())
+        gen.fill(taken=0, groups_left=2)  # one call (one replica): both groups
+        assert len(gen.in_flight) == 1
+        while gen.in_flight:
+            gen.collect(None)
+        seeded = replace(sampling_params(cfg), seed=step_seed(cfg.seed, 1))
+        direct = driver.run_per_trajectory(pool, items, 2, seeded, StageTimer()).rollout
+    finally:
+        driver.close()
+    got = join_groups(gen.state.waiting)
+    assert [g.version for g in gen.state.waiting] == [0, 0]
+    assert got.response_ids == direct.response_ids
+    assert got.response_mask == direct.response_mask
+    assert got.response_versions == direct.response_versions
+    for x, y in zip(got.response_logprobs, direct.response_logprobs, strict=True):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-6)
+    obs = len(got.response_mask[0]) - 8
+    assert obs >= 2 and got.response_mask == [[1] * 4 + [0] * obs + [1] * 4] * 4
+    assert gen.state.waiting[0].metrics["env/turns_mean"] == 2.0

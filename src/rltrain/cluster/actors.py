@@ -12,10 +12,16 @@ A run that fits one process (``cluster.in_process``) holds its workers as
 :class:`LocalActor`\ s instead: the same calls run at once in the driver and their
 :class:`Pending` results are already :class:`Done`. Ray is imported only by the Ray
 paths, so such a run never loads it.
+
+A :class:`Pending` may also hold a :class:`concurrent.futures.Future`: work the controller
+runs on a thread of its own that makes calls of its own (the asynchronous loop's episodes,
+turn after turn). :func:`ready` waits on those beside actor calls, and :func:`wait_all`
+takes their results.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib
 import os
@@ -520,6 +526,10 @@ def ready(pending: Sequence[Pending[Any]], timeout_s: float | None) -> list[int]
         return []
     if all(isinstance(p.ref, Done) for p in pending):
         return list(range(len(pending)))
+    if any(isinstance(p.ref, concurrent.futures.Future) for p in pending):
+        futures = [_as_future(p.ref) for p in pending]
+        concurrent.futures.wait(futures, timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        return [i for i, f in enumerate(futures) if f.done()]
     import ray
 
     refs = [p.ref for p in pending]
@@ -541,6 +551,8 @@ def wait(refs: list, names: list[str], timeout_s: float | None, what: str) -> li
     """
     if all(isinstance(r, Done) for r in refs):
         return _local_results(refs, names, what)
+    if all(isinstance(r, concurrent.futures.Future) for r in refs):
+        return _thread_results(refs, names, timeout_s, what)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -596,6 +608,38 @@ def _local_results(refs: list[Done], names: list[str], what: str) -> list:
             exc = ref.error
             raise WorkerError(_failed(what, name, exc)) from exc
     return [r.value for r in refs]
+
+
+def _as_future(ref: Any) -> concurrent.futures.Future:
+    """A call's ref as a future: a controller thread's own, a finished one for a call that
+    ran in this process, Ray's for an actor call (set once its object is ready)."""
+    if isinstance(ref, concurrent.futures.Future):
+        return ref
+    if isinstance(ref, Done):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)  # only whether it finished counts here: wait_all takes the value
+        return done
+    return ref.future()
+
+
+def _thread_results(
+    refs: list[concurrent.futures.Future], names: list[str], timeout_s: float | None, what: str
+) -> list:
+    """The values of work run on controller threads; what one raised is raised again (a
+    :class:`WorkerError` of a call it made as it is, anything else as a failure naming it)."""
+    done, left = concurrent.futures.wait(refs, timeout_s)
+    if left:
+        stuck = [n for r, n in zip(refs, names, strict=True) if r in left]
+        raise WorkerError(
+            f"{what}: {', '.join(stuck)} did not answer within {timeout_s}s", "timeout"
+        )
+    for ref, name in zip(refs, names, strict=True):
+        exc = ref.exception()
+        if isinstance(exc, WorkerError):
+            raise exc
+        if exc is not None:
+            raise WorkerError(_failed(what, name, exc)) from exc
+    return [r.result() for r in refs]
 
 
 # Messages of a collective whose peer process went away (gloo, NCCL, c10d store).

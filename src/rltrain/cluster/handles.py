@@ -354,6 +354,7 @@ class RolloutPool:
         colocated: bool,
         calls: Calls,
         streams_rows: bool = False,
+        settles: bool = True,
     ) -> None:
         self.actors = actors
         self.colocated = colocated
@@ -368,10 +369,18 @@ class RolloutPool:
         # trainer calls have waited on them since the last train_sleep_wait().
         self._sleeping: list[Pending[None]] = []
         self._sleep_wait_s = 0.0
-        calls.settle = self.settle
+        if settles:  # trainer calls wait for this pool's sleeps (one pool per run does)
+            calls.settle = self.settle
 
     def names(self) -> list[str]:
         return [a.name for a in self.actors]
+
+    def replica(self, index: int) -> RolloutPool:
+        """A pool of replica ``index`` alone, sharing this one's calls: the asynchronous loop
+        runs a call's episodes on one replica with the turn driver (engines of their own:
+        nothing sleeps)."""
+        assert not self.colocated, "the asynchronous controller runs with engines of their own"
+        return RolloutPool([self.actors[index]], False, self.calls, self.streams_rows, False)
 
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingParams, then_sleep: bool = True

@@ -402,7 +402,7 @@ def _validate_faults(cfg: RunConfig) -> None:
 
 def _validate_env(cfg: RunConfig) -> None:
     """The ``env`` node: turn and token budgets, the reward rule, the tool timeout, and what
-    a multi-turn environment does not run with (the asynchronous loop, evaluation)."""
+    a multi-turn environment does not run with (the overlong buffer, evaluation)."""
     e = cfg.env
     if e.max_turns < 1:
         raise ConfigError(
@@ -428,12 +428,6 @@ def _validate_env(cfg: RunConfig) -> None:
                 "choose one (env=tool_copy, env=python_tool) or set env.target=module:Class."
             )
         return
-    if cfg.algorithm.async_rollout.enabled:
-        raise ConfigError(
-            f"env={e.name} (a multi-turn environment) does not run with "
-            "algorithm.async_rollout.enabled=true yet; set algorithm.async_rollout.enabled=false "
-            "or env=single_turn."
-        )
     if cfg.algorithm.overlong.buffer:
         raise ConfigError(
             f"algorithm.overlong.buffer={cfg.algorithm.overlong.buffer} measures a response "

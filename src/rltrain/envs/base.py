@@ -14,6 +14,9 @@ sandbox processes) must be thread-safe. So a driver may step some episodes while
 engine generates for others: on vLLM each episode's next turn is submitted as soon as its
 step returned (``TurnDriver.run_per_trajectory``), and a ``step`` call holds the turns
 that finished together; the torch engine's driver waits for each turn's generate call.
+Under the asynchronous loop several calls' episodes run at once (each call on a controller
+thread of its own): ``reset`` stays in one thread (the controller's, in call order) but may
+run while other episodes are stepped.
 
 A new environment is a class with ``reset`` and ``step`` that takes
 ``(cfg: EnvConfig, task: Task, tokenizer, seed: int, **env.options)``; select it with

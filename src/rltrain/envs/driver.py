@@ -41,6 +41,8 @@ from rltrain.rollout.vllm_engine import request_seeds
 # Episodes per step whose ids are compared with their text encoded again
 # (env/template_drift_tokens).
 DRIFT_SAMPLE = 16
+# The env/* metrics that count over a call's episodes (the others are means or fractions).
+COUNT_METRICS = frozenset({"env/tool_errors", "env/observation_truncated"})
 
 
 class Generate(Protocol):
@@ -56,6 +58,15 @@ class Episodes:
     rewards: list[float]
     exact: list[float]
     metrics: dict[str, float]
+
+
+@dataclass
+class Started:
+    """Episodes reset by the environment and not yet run: each with its trajectory (the
+    first prompt's ids)."""
+
+    episodes: list[Episode]
+    trajectories: list[Trajectory]
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:
@@ -116,6 +127,20 @@ class TurnDriver:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
+    def start(self, items: list[PromptItem], samples_per_prompt: int, timer: StageTimer) -> Started:
+        """The episodes for ``items``, each repeated ``samples_per_prompt`` times (one GRPO
+        group), in that order, reset by the environment (its first prompts as ids). Times
+        "env" on ``timer``. :meth:`run` and :meth:`run_per_trajectory` call it themselves
+        unless handed its result (the asynchronous loop resets in the controller's thread, in
+        call order, and runs the episodes on a thread of their own)."""
+        episodes = [
+            Episode(item, i) for i, item in enumerate(items) for _ in range(samples_per_prompt)
+        ]
+        with timer("env"):
+            prompts = self.env.reset(episodes)
+        prompt_ids = [list(ids) for ids in self.tokenizer(prompts).input_ids]
+        return Started(episodes, [Trajectory(p) for p in prompt_ids])
+
     def run(
         self,
         generate: Generate,
@@ -123,18 +148,14 @@ class TurnDriver:
         samples_per_prompt: int,
         sampling: SamplingParams,
         timer: StageTimer,
+        started: Started | None = None,
     ) -> Episodes:
         """Episodes for ``items``, each repeated ``samples_per_prompt`` times (one GRPO
-        group), in that order. Times "generate" (every turn's call) and "env" (reset and
-        every step) on ``timer``."""
+        group), in that order (``started``: the :meth:`start` of those, already reset).
+        Times "generate" (every turn's call) and "env" (reset and every step) on ``timer``."""
         cfg = self.cfg
-        episodes = [
-            Episode(item, i) for i, item in enumerate(items) for _ in range(samples_per_prompt)
-        ]
-        with timer("env"):
-            prompts = self.env.reset(episodes)
-        prompt_ids = [list(ids) for ids in self.tokenizer(prompts).input_ids]
-        trajs = [Trajectory(p) for p in prompt_ids]
+        got = started if started is not None else self.start(items, samples_per_prompt, timer)
+        episodes, trajs = got.episodes, got.trajectories
         results: list[list[StepResult]] = [[] for _ in episodes]
         eos = [False] * len(episodes)
         truncated_obs = tool_calls = tool_errors = 0
@@ -195,6 +216,7 @@ class TurnDriver:
         samples_per_prompt: int,
         sampling: SamplingParams,
         timer: StageTimer,
+        started: Started | None = None,
     ) -> Episodes:
         """:meth:`run` with each episode moving on its own (engines that serve turns: vLLM).
 
@@ -210,13 +232,8 @@ class TurnDriver:
         do. Times "generate" (the sessions, first turn to last), "env" (reset) and
         "env_streamed" (steps, beside generation) on ``timer``."""
         cfg = self.cfg
-        episodes = [
-            Episode(item, i) for i, item in enumerate(items) for _ in range(samples_per_prompt)
-        ]
-        with timer("env"):
-            prompts = self.env.reset(episodes)
-        prompt_ids = [list(ids) for ids in self.tokenizer(prompts).input_ids]
-        trajs = [Trajectory(p) for p in prompt_ids]
+        got = started if started is not None else self.start(items, samples_per_prompt, timer)
+        episodes, trajs = got.episodes, got.trajectories
         results: list[list[StepResult]] = [[] for _ in episodes]
         eos = [False] * len(episodes)
         B, n = len(episodes), len(rollout.actors)
@@ -421,7 +438,7 @@ class TurnDriver:
             weight_version=version,
             engine_seconds=engine_s,
             started_at=started_at,
-            row_versions=[min(t.versions, default=version) for t in trajs],
+            row_versions=[t.oldest_version(version) for t in trajs],
             response_versions=[t.versions for t in trajs],
             response_mask=[t.mask for t in trajs],
         )

@@ -64,6 +64,12 @@ class Trajectory:
         self.versions += [version] * len(ids)
         self.observations.append((start, len(self.ids)))
 
+    def oldest_version(self, default: int) -> int:
+        """The weight version of the trajectory's oldest sampled token (what the asynchronous
+        loop's staleness bound counts from), ``default`` when it has none. Observation tokens
+        are context, not samples: their version does not count."""
+        return min((v for v, m in zip(self.versions, self.mask, strict=True) if m), default=default)
+
     @property
     def sampled_tokens(self) -> int:
         return sum(self.mask)

@@ -2,7 +2,9 @@
 buffer of scored prompt groups, the staleness bound, and what a checkpoint keeps of them.
 
 :mod:`rltrain.loops.async_grpo` drives an :class:`AsyncController` step by step; this
-module knows nothing of the trainer. docs/async.md has the rules.
+module knows nothing of the trainer. A run with a multi-turn environment makes its calls of
+whole episodes (:mod:`rltrain.loops.async_episodes`); their groups are buffered, bounded and
+trained as single-turn ones. docs/async.md has the rules.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from rltrain.cluster.actors import Pending, WorkerError, ready, wait_all
 from rltrain.data import encode_groups, score_groups
 from rltrain.data.task import PromptItem
-from rltrain.loops.collect import sampling_params, step_seed
+from rltrain.envs.driver import Episodes
+from rltrain.loops.async_episodes import EpisodeCalls
+from rltrain.loops.collect import concat_rollouts, sampling_params, select_rows, step_seed
 from rltrain.loops.context import RunContext
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
@@ -25,20 +29,24 @@ from rltrain.rollout.base import RolloutBatch, SamplingParams
 @dataclass
 class Group:
     """One scored prompt group waiting in the buffer: its samples_per_prompt rows, their
-    rewards and exact matches, and the weight version of its oldest token."""
+    rewards and exact matches, and the weight version of its oldest (sampled) token.
+    Multi-turn rows keep their per-token versions and observation mask, and the group the
+    env/* metrics of its call (``call_groups`` groups)."""
 
     rollout: RolloutBatch
     rewards: torch.Tensor
     exact: torch.Tensor
     version: int
     call: int  # the generate call it came from (buffer order within a version)
+    metrics: dict[str, float] = field(default_factory=dict)
+    call_groups: int = 1
 
 
 @dataclass
 class Call:
     """A generate call in flight."""
 
-    pending: Pending[RolloutBatch]
+    pending: Pending[RolloutBatch] | Pending[Episodes]
     replica: int
     index: int
     items: list[PromptItem]
@@ -81,10 +89,14 @@ class AsyncState:
                     "response_logprobs": g.rollout.response_logprobs,
                     "finished": g.rollout.finished,
                     "row_versions": g.rollout.versions(),
+                    "response_versions": g.rollout.response_versions,
+                    "response_mask": g.rollout.response_mask,
                     "rewards": g.rewards.tolist(),
                     "exact": g.exact.tolist(),
                     "version": g.version,
                     "call": g.call,
+                    "metrics": g.metrics,
+                    "call_groups": g.call_groups,
                 }
                 for g in self.waiting
             ],
@@ -101,11 +113,15 @@ class AsyncState:
                     finished=w["finished"],
                     weight_version=min(w["row_versions"]),
                     row_versions=w["row_versions"],
+                    response_versions=w.get("response_versions"),
+                    response_mask=w.get("response_mask"),
                 ),
                 torch.tensor(w["rewards"]),
                 torch.tensor(w["exact"]),
                 w["version"],
                 w["call"],
+                w.get("metrics", {}),
+                w.get("call_groups", 1),
             )
             for w in state["waiting"]
         ]
@@ -140,38 +156,39 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return total
 
 
-def split_groups(rollout: RolloutBatch, rewards, exact, g: int, call: int) -> list[Group]:
-    """A call's rollout as its prompt groups (g consecutive rows each)."""
+def split_groups(
+    rollout: RolloutBatch,
+    rewards: torch.Tensor,
+    exact: torch.Tensor,
+    g: int,
+    call: int,
+    metrics: dict[str, float] | None = None,
+) -> list[Group]:
+    """A call's rollout as its prompt groups (g consecutive rows each), every per-row and
+    per-token field kept; each group carries the call's env/* ``metrics``."""
     versions = rollout.versions()
+    starts = range(0, len(rollout.response_ids), g)
     out = []
-    for start in range(0, len(rollout.response_ids), g):
-        rows = slice(start, start + g)
+    for start in starts:
+        rows = list(range(start, min(start + g, len(rollout.response_ids))))
         part = replace(
-            rollout,
-            prompt_ids=rollout.prompt_ids[rows],
-            response_ids=rollout.response_ids[rows],
-            response_logprobs=rollout.response_logprobs[rows],
-            finished=rollout.finished[rows],
-            row_versions=versions[rows],
-            weight_version=min(versions[rows]),
+            select_rows(rollout, rows),
+            row_versions=[versions[i] for i in rows],
+            weight_version=min(versions[i] for i in rows),
         )
-        out.append(Group(part, rewards[rows], exact[rows], min(versions[rows]), call))
+        group = Group(part, rewards[rows], exact[rows], part.weight_version, call)
+        group.metrics, group.call_groups = dict(metrics or {}), len(starts)
+        out.append(group)
     return out
 
 
 def join_groups(groups: list[Group]) -> RolloutBatch:
-    """Rows of several groups, one group after another."""
-    first = groups[0].rollout
+    """Rows of several groups, one group after another (versions and masks per token kept)."""
     versions = [v for g in groups for v in g.rollout.versions()]
-    return replace(
-        first,
-        prompt_ids=[x for g in groups for x in g.rollout.prompt_ids],
-        response_ids=[x for g in groups for x in g.rollout.response_ids],
-        response_logprobs=[x for g in groups for x in g.rollout.response_logprobs],
-        finished=[x for g in groups for x in g.rollout.finished],
-        row_versions=versions,
-        weight_version=min(versions),
+    joined = concat_rollouts(
+        [replace(g.rollout, row_versions=g.rollout.versions()) for g in groups]
     )
+    return replace(joined, row_versions=versions, weight_version=min(versions))
 
 
 class AsyncController:
@@ -190,6 +207,9 @@ class AsyncController:
         self.timeout_s = ar.group_timeout_s
         self.partial = ar.partial_rollouts
         self.sampling: SamplingParams = sampling_params(cfg)
+        # A multi-turn run's calls are whole episodes (async_episodes.py).
+        driver = getattr(ctx, "driver", None)
+        self.episodes = EpisodeCalls(ctx) if driver is not None else None
         self.in_flight: list[Call] = []
         # When each replica's last returned call ended (time.time()).
         self.last_end = [0.0] * self.replicas
@@ -221,13 +241,19 @@ class AsyncController:
         step, j = c // self.calls_per_step + 1, c % self.calls_per_step
         # The synchronous loop's seeds: with one call per replica per step, call j of a
         # step gets what replica j gets there (RolloutPool.generate).
-        seed = step_seed(self.ctx.cfg.seed, step) * self.calls_per_step + j
-        prompt_ids = encode_groups(self.ctx.tokenizer, items, self.G)
+        sampling = replace(
+            self.sampling, seed=step_seed(self.ctx.cfg.seed, step) * self.calls_per_step + j
+        )
         busy = [0] * self.replicas
         for call in self.in_flight:
             busy[call.replica] += 1
         replica = min(range(self.replicas), key=lambda r: (busy[r], r))
-        pending = self.ctx.rollout.submit(replica, prompt_ids, replace(self.sampling, seed=seed))
+        pending: Pending[RolloutBatch] | Pending[Episodes]
+        if self.episodes is not None:  # episodes, reset here, run on a thread of their own
+            pending = self.episodes.submit(replica, c, items, self.G, sampling)
+        else:
+            prompt_ids = encode_groups(self.ctx.tokenizer, items, self.G)
+            pending = self.ctx.rollout.submit(replica, prompt_ids, sampling)
         self.in_flight.append(Call(pending, replica, c, items, time.monotonic(), time.time()))
 
     def collect(self, timeout_s: float | None) -> int:
@@ -260,22 +286,30 @@ class AsyncController:
             return 0
         calls = [self.in_flight[i] for i in done]
         self.in_flight = [c for i, c in enumerate(self.in_flight) if i not in set(done)]
-        rollouts = wait_all([c.pending for c in calls], None, "generate")
-        for call, rollout in zip(calls, rollouts, strict=True):
+        results = cast(
+            list[RolloutBatch | Episodes], wait_all([c.pending for c in calls], None, "generate")
+        )
+        for call, result in zip(calls, results, strict=True):
+            metrics: dict[str, float] = {}
+            if isinstance(result, Episodes):  # rewarded by the environment
+                rollout, metrics = result.rollout, result.metrics
+                rewards, exact = torch.tensor(result.rewards), torch.tensor(result.exact)
+            else:
+                rollout = result
+                scored = score_groups(
+                    self.ctx.task,
+                    self.ctx.tokenizer,
+                    call.items,
+                    rollout.response_ids,
+                    rollout.finished,
+                    self.G,
+                )
+                rewards = torch.tensor([s.reward for s in scored])
+                exact = torch.tensor([s.exact_match for s in scored])
             end = rollout.started_at + rollout.engine_seconds
             self.state.gen_intervals.append((rollout.started_at, end))
             self.last_end[call.replica] = max(self.last_end[call.replica], end)
-            scored = score_groups(
-                self.ctx.task,
-                self.ctx.tokenizer,
-                call.items,
-                rollout.response_ids,
-                rollout.finished,
-                self.G,
-            )
-            rewards = torch.tensor([s.reward for s in scored])
-            exact = torch.tensor([s.exact_match for s in scored])
-            self.state.waiting += split_groups(rollout, rewards, exact, self.G, call.index)
+            self.state.waiting += split_groups(rollout, rewards, exact, self.G, call.index, metrics)
         return len(calls)
 
     def collect_during(self, work: Sequence[Pending[object]]) -> None:

@@ -12,7 +12,8 @@ is finished the policy is refitted into the pool as t. A sample generated with w
 v (its oldest token's) trains at version t only while t - v <= max_staleness; older
 ones are dropped and counted. max_staleness=0 submits only the current step's calls
 (the synchronous loop's samples, seeds and batches). The generate side and the buffer
-live in :mod:`rltrain.loops.async_buffer`; docs/async.md has the rest.
+live in :mod:`rltrain.loops.async_buffer`, a multi-turn environment's calls of whole
+episodes in :mod:`rltrain.loops.async_episodes`; docs/async.md has the rest.
 """
 
 from __future__ import annotations
@@ -35,13 +36,34 @@ from rltrain.loops.async_buffer import (
     join_groups,
     overlap_seconds,
 )
+from rltrain.loops.async_episodes import env_metrics
 from rltrain.loops.context import RunContext
 from rltrain.loops.grpo import group_advantages, shape_rewards
 from rltrain.loops.step import end_step, old_and_reference_logprobs
+from rltrain.rollout.base import RolloutBatch
 from rltrain.train.batch import PolicyBatch, build_train_batch
 
 # A step's end that may run during the next step: wait for its refit, then log it.
 Tail = Callable[[], None]
+
+
+def sampled_tokens(rollout: RolloutBatch) -> int:
+    """The rollout's tokens the engine sampled (a multi-turn row's observations left out)."""
+    if rollout.response_mask is None:
+        return sum(len(r) for r in rollout.response_ids)
+    return sum(sum(m) for m in rollout.response_mask)
+
+
+def straddling_rows(rollout: RolloutBatch) -> int:
+    """Rows whose sampled tokens span a refit (partial rollouts: within a response, or
+    between the turns of an episode), so carry more than one weight version."""
+    if rollout.response_versions is None:
+        return 0
+    masks = rollout.response_mask or [[1] * len(v) for v in rollout.response_versions]
+    return sum(
+        len({v for v, m in zip(vs, mask, strict=True) if m}) > 1
+        for vs, mask in zip(rollout.response_versions, masks, strict=True)
+    )
 
 
 def train_grpo_async(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]) -> None:
@@ -199,7 +221,7 @@ def _step(
     rewards = torch.cat([g.rewards for g in trained])
     exact = torch.cat([g.exact for g in trained])
     groups_view = rewards.view(-1, G)
-    n_tokens = float(sum(len(r) for g in trained for r in g.rollout.response_ids))
+    n_tokens = float(sum(sampled_tokens(g.rollout) for g in trained))  # observations out
     finished = [f for g in trained for f in g.rollout.finished]
     metrics = {
         "reward/mean": float(rewards.mean()),
@@ -218,8 +240,10 @@ def _step(
         **train_metrics,
         "weight_version": float(version),
         **ctx.task.reward_metrics(),
+        **env_metrics(trained),  # multi-turn episodes: the env/* metrics of their calls
         "async/staleness_mean": float(staleness.mean()),
         "async/staleness_max": float(staleness.max()),
+        "async/straddled_frac": sum(straddling_rows(g.rollout) for g in trained) / len(finished),
         "async/dropped_samples": float(dropped),
         "async/dropped_total": float(gen.state.dropped_total),
         "async/buffer_groups": float(gen.queued()),
