@@ -50,7 +50,15 @@ MODES = {
     "decode_graphs_seeded": ["rollout.vllm.torch_compile=false", "rollout.vllm.request_seeds=true"],
 }
 # vLLM's own start-up lines (weights, profiling, KV cache, graphs, compile), kept per mode.
-TIMING_WORDS = ("took", "seconds", "secs", "Graph captur", "init engine", "Initializing a V1", "async")
+TIMING_WORDS = (
+    "took",
+    "seconds",
+    "secs",
+    "Graph captur",
+    "init engine",
+    "Initializing a V1",
+    "async",
+)
 
 
 def parse_args() -> argparse.Namespace:

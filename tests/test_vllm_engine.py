@@ -386,3 +386,47 @@ def test_request_seeds_resolve_per_device_and_reach_the_sampling_params():
         params = turns._vllm_sampling(sampling, 1234, 4)
         assert params.seed == (1234 if seeded else None)
         assert params.logprobs == 0 and params.stop_token_ids == [7]
+
+
+def test_engine_logprobs_sample_gives_every_nth_row_and_the_metric_skips_the_rest(engine):
+    """``rollout.engine_logprobs=sample``: rows 0, n, 2n, ... carry the engine's logprobs (the
+    same values as with every row's), the others NaN, and token_mult_prob_error counts only
+    the rows that have them; ``auto`` samples only on GPUs and where nothing else reads them."""
+    import math
+    from dataclasses import replace
+
+    from rltrain.algorithms.logprobs import token_mult_prob_error
+    from rltrain.config.schema import ENGINE_LOGPROB_SAMPLE, engine_logprob_stride
+
+    prompts = [[1, 2, 3]] * 6
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, seed=11)
+    full = engine.generate(prompts, sampling)
+    engine._logprob_stride = 4
+    try:
+        part = engine.generate(prompts, sampling)
+    finally:
+        engine._logprob_stride = 1
+    assert part.response_ids == full.response_ids  # the sample is the same (request seeds)
+    pairs = zip(part.response_logprobs, full.response_logprobs, strict=True)
+    for i, (lp, ref) in enumerate(pairs):
+        if i % 4 == 0:
+            assert lp == ref
+        else:
+            assert len(lp) == len(ref) and all(math.isnan(x) for x in lp)
+
+    engine_lp = torch.tensor([[0.0, -1.0, float("nan")], [0.0, -2.0, -3.0]])
+    train_lp = torch.tensor([[0.0, -1.5, -9.0], [0.0, -2.0, -3.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    want = (math.exp(0.5) + 1.0 + 1.0) / 3
+    assert token_mult_prob_error(train_lp, engine_lp, mask) == pytest.approx(want, rel=1e-6)
+
+    cfg = RunConfig()
+    assert engine_logprob_stride(cfg, "cpu") == 1
+    assert engine_logprob_stride(cfg, "cuda") == ENGINE_LOGPROB_SAMPLE
+    a = cfg.algorithm
+    on = replace(a, async_rollout=replace(a.async_rollout, enabled=True))
+    assert engine_logprob_stride(replace(cfg, algorithm=on), "cuda") == 1
+    rc = replace(a, rollout_correction=replace(a.rollout_correction, weights="token"))
+    assert engine_logprob_stride(replace(cfg, algorithm=rc), "cuda") == 1
+    every = replace(cfg, rollout=replace(cfg.rollout, engine_logprobs="all"))
+    assert engine_logprob_stride(every, "cuda") == 1

@@ -201,8 +201,12 @@ def mult_prob_error_sums(
     train_lp_BT: torch.Tensor, engine_lp_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over response tokens of exp(|train logprob - engine logprob|), token count): the
-    parts of :func:`token_mult_prob_error`, for a step whose rows come in several chunks."""
-    return ((train_lp_BT - engine_lp_BT).abs().exp() * mask_BT).sum(), mask_BT.sum()
+    parts of :func:`token_mult_prob_error`, for a step whose rows come in several chunks.
+    Tokens whose engine logprob is NaN (rows outside ``rollout.engine_logprobs=sample``)
+    are not counted."""
+    mask_BT = mask_BT * engine_lp_BT.isfinite()
+    err = (train_lp_BT - engine_lp_BT.nan_to_num(0.0)).abs().exp()
+    return (torch.where(mask_BT.bool(), err, 0.0)).sum(), mask_BT.sum()
 
 
 def token_mult_prob_error(

@@ -6,6 +6,8 @@ Checks that need the cluster's size (dp auto, batch divisibility) live in
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rltrain.config.checks import check_choice, check_finite, check_positive
 from rltrain.config.env_schema import ENV_REWARDS
 from rltrain.config.errors import ConfigError
@@ -23,6 +25,8 @@ from rltrain.config.schema import (
     CLUSTER_MODES,
     DEVICES,
     DTYPES,
+    ENGINE_LOGPROB_SAMPLE,
+    ENGINE_LOGPROBS,
     ENGINES,
     GRAD_SYNCS,
     LR_SCHEDULES,
@@ -31,6 +35,7 @@ from rltrain.config.schema import (
     TASKS,
     WANDB_MODES,
     RunConfig,
+    engine_logprob_stride,
 )
 
 
@@ -155,6 +160,18 @@ def validate(cfg: RunConfig) -> None:
 
     ro = cfg.rollout
     check_choice("rollout.engine", ro.engine, ENGINES)
+    check_choice("rollout.engine_logprobs", ro.engine_logprobs, ENGINE_LOGPROBS)
+    if (
+        ro.engine_logprobs == "sample"
+        and engine_logprob_stride(replace(cfg, rollout=replace(ro, engine_logprobs="auto")), "cuda")
+        == 1
+    ):
+        raise ConfigError(
+            "rollout.engine_logprobs=sample gives only one row in "
+            f"{ENGINE_LOGPROB_SAMPLE} the engine's logprobs, but this run reads every row's "
+            "(algorithm.rollout_correction, the asynchronous loop or a multi-turn env); "
+            "use rollout.engine_logprobs=auto or all."
+        )
     check_positive("rollout.replicas", ro.replicas)
     check_positive("rollout.tp", ro.tp)
     if ro.tp != 1 and ro.engine != "vllm":

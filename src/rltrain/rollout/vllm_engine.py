@@ -58,7 +58,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from rltrain import env
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, engine_logprob_stride
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import peft_adapter_config
 from rltrain.models.shapes import ModelShape, shape_from_config_json
@@ -230,6 +230,8 @@ class VLLMEngine(VLLMTurns):
         # tokens as they are sampled instead of coming back whole.
         self._partial = ar.enabled and ar.partial_rollouts
         self._request_seeds = seeds_per_request(cfg, device)
+        # Rows 0, n, 2n, ... of a generate call carry logprobs (rollout.engine_logprobs).
+        self._logprob_stride = engine_logprob_stride(cfg, device)
         self._loop = _EventLoop(f"vllm-replica-{replica_index}")
         t0 = time.perf_counter()
         self.llm: Any = self._loop.run(self._build_llm(model_path))
@@ -382,8 +384,11 @@ class VLLMEngine(VLLMTurns):
     ) -> list[_Row]:
         from vllm.inputs import TokensPrompt
 
-        def params(seed: int) -> Any:
-            return self._vllm_sampling(sampling, seed, sampling.max_new_tokens)
+        def params(i: int, seed: int) -> Any:
+            p = self._vllm_sampling(sampling, seed, sampling.max_new_tokens)
+            if i % self._logprob_stride:
+                p.logprobs = None  # a row outside the logprob sample: NaN logprobs
+            return p
 
         async def row(i: int, collector: Any) -> _Row:
             out = await self._read_request(collector)
@@ -403,11 +408,13 @@ class VLLMEngine(VLLMTurns):
             if hold:
                 await self.llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                for rid, prompt, seed in zip(request_ids, prompt_ids, seeds, strict=True):
+                for i, (rid, prompt, seed) in enumerate(
+                    zip(request_ids, prompt_ids, seeds, strict=True)
+                ):
                     prompt_in = TokensPrompt(prompt_token_ids=list(prompt))
                     collectors.append(
                         await self.llm.add_request(
-                            rid, prompt_in, params(seed), lora_request=self._lora_request
+                            rid, prompt_in, params(i, seed), lora_request=self._lora_request
                         )
                     )
             finally:

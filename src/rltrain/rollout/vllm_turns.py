@@ -18,6 +18,7 @@ declared here.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,7 +90,11 @@ class VLLMTurns:
             if step.outputs:
                 comp = step.outputs[0]
                 ids = list(comp.token_ids)
-                lps = [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
+                lps = (
+                    [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
+                    if comp.logprobs is not None
+                    else [math.nan] * len(ids)  # a row asked without (rollout.engine_logprobs)
+                )
                 if self._partial:
                     # Tokens stream in as sampled; a refit lands only while the scheduler is
                     # paused and the streams drained (_refit_in_flight), so the version now
