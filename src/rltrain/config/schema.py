@@ -302,8 +302,8 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off; vllm engine only
     # Which rows of a generate call carry the engine's logprobs (vLLM; the torch engine
     # always has them): all | sample (one row in ENGINE_LOGPROB_SAMPLE, enough for the
-    # token_mult_prob_error diagnostic) | auto: all where the run uses them (rollout
-    # correction, the asynchronous loop, multi-turn) and on CPU, else sample. vLLM's output
+    # token_mult_prob_error diagnostic; multi-turn: one episode in n) | auto: all where the
+    # run uses them (rollout correction, the asynchronous loop) and on CPU, else sample. vLLM's output
     # path builds a Python object per token's logprob: on GPUs at 1.5B shapes, decoding
     # with every row's logprobs ran at 0.66 of the speed without.
     engine_logprobs: str = "auto"
@@ -608,7 +608,7 @@ def engine_logprob_stride(cfg: RunConfig, device: str) -> int:
     """Every how-many-th row of a generate call carries the engine's logprobs (1 = all;
     ``rollout.engine_logprobs``, auto resolved): all wherever the run reads them for more
     than the ``token_mult_prob_error`` diagnostic (rollout correction weights or mask, the
-    asynchronous loop, multi-turn episodes) and on CPU."""
+    asynchronous loop) and on CPU. Multi-turn episodes sample by episode."""
     choice = cfg.rollout.engine_logprobs
     if choice == "auto":
         a = cfg.algorithm
@@ -616,8 +616,6 @@ def engine_logprob_stride(cfg: RunConfig, device: str) -> int:
             is_level(cfg) is not None
             or a.rollout_correction.mask_bound is not None
             or a.async_rollout.enabled
-            or cfg.env.max_turns > 1
-            or cfg.env.name != "single_turn"
         )
         choice = "all" if needed or device != "cuda" else "sample"
     return ENGINE_LOGPROB_SAMPLE if choice == "sample" else 1

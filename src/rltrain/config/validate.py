@@ -169,7 +169,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "rollout.engine_logprobs=sample gives only one row in "
             f"{ENGINE_LOGPROB_SAMPLE} the engine's logprobs, but this run reads every row's "
-            "(algorithm.rollout_correction, the asynchronous loop or a multi-turn env); "
+            "(algorithm.rollout_correction or the asynchronous loop); "
             "use rollout.engine_logprobs=auto or all."
         )
     check_positive("rollout.replicas", ro.replicas)

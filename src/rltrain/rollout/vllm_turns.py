@@ -45,6 +45,7 @@ class VLLMTurns:
     _loop: Any  # the engine's _EventLoop
     _partial: bool
     _request_seeds: bool  # each request carries its seed (rollout.vllm.request_seeds)
+    _logprob_stride: int  # rows (episodes) 0, n, 2n, ... carry logprobs (rollout.engine_logprobs)
     _version: int
     _prefix_cache_used: bool
     _request_ids: Any  # itertools.count
@@ -180,6 +181,8 @@ class VLLMTurns:
                     rid = f"{self.replica_index}-{next(self._request_ids)}"
                     request_ids.append(rid)
                     params = self._vllm_sampling(sampling, req.seed, req.max_new_tokens)
+                    if req.key % self._logprob_stride:
+                        params.logprobs = None  # outside the logprob sample: NaN logprobs
                     prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
                     # LoRA: every turn runs with the adapter of the last refit.
                     collector = await self.llm.add_request(
