@@ -112,14 +112,15 @@ def test_default_task_learns(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_lora_default_task_learns(tmp_path):
-    """150 steps of the embedded default with rank-8 adapters (train.lora.lr at its default,
-    10 x optim.lr) lift exact match from ~0 (measured here: 0.03 over the first 10 steps,
-    0.23 over the last 10); every refit moves the adapters only."""
+    """The plain ``rltrain grpo train.lora.rank=8`` (the embedded default's 300 steps, every
+    LoRA key null) learns the copy task as full fine-tuning does (0.945): its resolved
+    defaults on the random base adapt the LM head too and train at 2 x optim.lr (measured
+    here: last-10 exact match 1.00; 0.72 to 1.00 over seeds 0-3; without the head adapter
+    0.35 at best, docs/user-guide.md "LoRA"). Every refit moves the adapters only."""
     out = tmp_path / "lora"
     proc = _run_cli(
         "grpo",
         "train.lora.rank=8",
-        "max_steps=150",
         f"output_dir={out}",
         "logger.progress=false",
         "logger.tensorboard=false",
@@ -127,12 +128,14 @@ def test_lora_default_task_learns(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _metrics(out)
+    assert len(rows) == 300
     first = sum(r["reward/exact_match"] for r in rows[:10]) / 10
     last = sum(r["reward/exact_match"] for r in rows[-10:]) / 10
     assert first < 0.1
-    assert last >= 0.15 and last > first + 0.1, f"exact match first / last 10: {first} / {last}"
-    # rank 8 on the tiny model: 32,768 fp32 adapter values, not the 298,368 of the model
-    assert {r["refit/bytes"] for r in rows} == {4 * 32_768}
+    assert last >= 0.8, f"exact match first / last 10: {first} / {last}"
+    # rank 8 on the tiny model: 32,768 fp32 adapter values in the blocks and 8 x (128 + 9)
+    # on the LM head, not the 298,368 of the model
+    assert {r["refit/bytes"] for r in rows} == {4 * (32_768 + 8 * (128 + 9))}
 
 
 @pytest.mark.timeout(300)

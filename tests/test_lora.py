@@ -50,13 +50,15 @@ def test_lora_trainer_freezes_the_base_and_resumes_bitwise(tmp_path):
     w = _worker(_cfg(**LORA, **{"algorithm.kl_coef": 0.01}))
     assert w.reference is None  # no second copy of the model: the base is the reference
     trainable = [p for p in w.model.parameters() if p.requires_grad]
-    assert len(trainable) == 2 * 7 * 2  # A and B of 7 projections in 2 blocks
+    # A and B of 7 projections in 2 blocks, and of the LM head (the embedded random base)
+    assert len(trainable) == 2 * 7 * 2 + 2
     assert torch.equal(w.compute_logprobs(batch), base_lp)
     base0 = _base(w)
     adapters0 = _adapters(w)
     w.train(batch, [batch.size])
     assert len(w.optimizer.state) == len(trainable)
-    assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # 10 x optim.lr
+    # 2 x optim.lr on the embedded random base (LORA_LR_MULTIPLIER_RANDOM_BASE)
+    assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
     base1, adapters1 = _base(w), _adapters(w)
     assert all(torch.equal(base0[k], base1[k]) for k in base0)
     assert _moved(adapters0, adapters1) > 1e-3
@@ -80,6 +82,32 @@ def test_lora_trainer_freezes_the_base_and_resumes_bitwise(tmp_path):
     w2.shutdown()
 
 
+def test_lora_defaults_resolve_per_base():
+    """train.lora.targets / lr = null: the LM head is adapted and the rate is 2 x optim.lr
+    on the embedded random base with the torch engine; a pretrained base (or vLLM) gets the
+    block projections and 10 x optim.lr."""
+    from rltrain.config.schema import (
+        LORA_DEFAULT_TARGETS,
+        LORA_HEAD,
+        LoraConfig,
+        RunConfig,
+        lora_lr,
+        lora_targets,
+    )
+
+    cfg = RunConfig()
+    cfg.train.lora = LoraConfig(rank=8)
+    assert lora_targets(cfg) == (*LORA_DEFAULT_TARGETS, LORA_HEAD)
+    assert lora_lr(cfg) == pytest.approx(2 * cfg.optim.lr)
+    cfg.rollout.engine = "vllm"  # serves no LM-head adapter
+    assert lora_targets(cfg) == LORA_DEFAULT_TARGETS
+    cfg.rollout.engine, cfg.model.path = "torch", "Qwen/Qwen2.5-1.5B-Instruct"
+    assert lora_targets(cfg) == LORA_DEFAULT_TARGETS
+    assert lora_lr(cfg) == pytest.approx(10 * cfg.optim.lr)
+    cfg.train.lora = LoraConfig(rank=8, targets=["q_proj", LORA_HEAD], lr=1e-4)
+    assert lora_targets(cfg) == ("q_proj", LORA_HEAD) and lora_lr(cfg) == 1e-4
+
+
 def test_lora_checkpoint_holds_no_base(tmp_path):
     """The DCP shards of a LoRA checkpoint hold adapters and their optimizer state only."""
     import torch.distributed.checkpoint as dcp
@@ -98,6 +126,7 @@ def test_lora_export_peft_format_and_merged(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from rltrain.config.schema import LORA_DEFAULT_TARGETS, LORA_HEAD, lora_targets
     from rltrain.models.loader import load_model
     from rltrain.models.lora import PEFT_PREFIX, inject_lora
 
@@ -111,11 +140,13 @@ def test_lora_export_peft_format_and_merged(tmp_path):
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
     tensors = load_file(str(out / "adapter_model.safetensors"))
-    assert len(tensors) == 28 and all(k.startswith(PEFT_PREFIX) for k in tensors)
+    assert config["target_modules"] == sorted([*LORA_DEFAULT_TARGETS, LORA_HEAD])
+    assert len(tensors) == 30 and all(k.startswith(PEFT_PREFIX) for k in tensors)
+    assert PEFT_PREFIX + "lm_head.lora_B.weight" in tensors
 
     ids = batch.input_ids_BT
     own = load_model(cfg)
-    inject_lora(own, cfg.train.lora)
+    inject_lora(own, cfg.train.lora, lora_targets(cfg))
     own.load_state_dict({k[len(PEFT_PREFIX) :]: v for k, v in tensors.items()}, strict=False)
     with torch.no_grad():
         want = own(ids, attention_mask=batch.attention_mask_BT).logits
@@ -143,6 +174,9 @@ def test_lora_refit_into_the_torch_engine_matches_the_trainer():
     w.train(batch, [batch.size])
     names = [n for n, _ in w.param_shapes()]
     assert names and all(".lora_" in n for n in names)
+    # the LM head's adapter: the trainer forms logits from the merged head weight, the
+    # engine through the adapter's forward
+    assert "lm_head.lora_A.weight" in names
     manifest = plan_refit(w.param_shapes(), "float32", 2**20, 2)
     full = sum(p.numel() for p in w.model.parameters())
     assert manifest.total_numel < 0.1 * full  # only adapters travel (tiny model: ~5%)

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from rltrain.config.schema import LoraConfig, RunConfig
+from rltrain.config.schema import LoraConfig, RunConfig, lora_targets
 from rltrain.models.loader import load_model
 from rltrain.models.lora import inject_lora
 from rltrain.refit.base import RefitGroup, fill_from, plan_buckets
@@ -29,6 +29,7 @@ def _cfg() -> RunConfig:
     cfg.model.blocked_tokens = list(BLOCKED)
     cfg.model.tiny.max_position_embeddings = 192
     cfg.rollout.vllm.cpu_kv_cache_gib = 0.25
+    cfg.rollout.engine = "vllm"  # the adapter targets vLLM serves (no LM-head adapter)
     cfg.train.lora = LoraConfig(rank=8)
     return cfg
 
@@ -37,7 +38,7 @@ def _adapted(seed: int) -> torch.nn.Module:
     """The base with a random (non-zero) adapter: what the trainer holds after some steps."""
     cfg = _cfg()
     model = load_model(cfg).eval()
-    inject_lora(model, cfg.train.lora)
+    inject_lora(model, cfg.train.lora, lora_targets(cfg))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():

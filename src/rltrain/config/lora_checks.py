@@ -5,7 +5,7 @@ width live in :func:`rltrain.config.inputs.check_lora_model`."""
 from __future__ import annotations
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import LORA_HEAD, RunConfig, lora_targets
 
 # The keys of train.lora that stay null while train.lora.rank is 0.
 LORA_OPTIONAL_KEYS = ("alpha", "dropout", "targets", "lr", "export_merged")
@@ -38,7 +38,9 @@ def validate_lora(cfg: RunConfig) -> None:
     if lo.dropout is not None and not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"train.lora.dropout={lo.dropout} must be in [0, 1); null = 0.")
     if lo.lr is not None and not lo.lr > 0:
-        raise ConfigError(f"train.lora.lr={lo.lr} must be > 0; null = 10 x optim.lr.")
+        raise ConfigError(
+            f"train.lora.lr={lo.lr} must be > 0; null = 10 x optim.lr (2 x on the embedded model)."
+        )
     if lo.targets is not None and not lo.targets:
         raise ConfigError(
             "train.lora.targets=[] adapts nothing; name linear layers (e.g. "
@@ -57,6 +59,11 @@ def validate_lora(cfg: RunConfig) -> None:
             f"train.lora.rank={lo.rank} is above 512, the largest adapter rank vLLM serves; "
             "use train.lora.rank <= 512 or rollout=torch."
         )
+    if ro.engine == "vllm" and lo.targets is not None and LORA_HEAD in lo.targets:
+        raise ConfigError(
+            f"train.lora.targets has {LORA_HEAD} with rollout=vllm, which serves no adapter on "
+            f"the LM head; drop {LORA_HEAD} from train.lora.targets, or use rollout=torch."
+        )
     if ro.engine == "vllm" and ro.tp > 1:
         raise ConfigError(
             f"train.lora.rank={lo.rank} with rollout=vllm and rollout.tp={ro.tp}: the adapter "
@@ -73,7 +80,8 @@ def check_lora_model(
     cfg: RunConfig, hidden_size: int, linear_names: list[str], source: str
 ) -> None:
     """``train.lora`` against the policy model (``source`` names where its sizes came from):
-    the rank at most the hidden size, every target one of its decoder blocks' linear layers."""
+    the rank at most the hidden size, every target one of its decoder blocks' linear layers
+    or the LM head."""
     lo = cfg.train.lora
     if lo.rank <= 0:
         return
@@ -83,9 +91,10 @@ def check_lora_model(
             f"so the adapter would not be low-rank; use train.lora.rank <= {hidden_size} "
             "(8 to 64 is usual)."
         )
-    missing = sorted(set(lo.resolved_targets()) - set(linear_names))
+    missing = sorted(set(lora_targets(cfg)) - set(linear_names) - {LORA_HEAD})
     if missing:
         raise ConfigError(
             f"train.lora.targets has {', '.join(missing)}, which the model's decoder blocks "
-            f"({source}) do not have; its linear layers are: {', '.join(sorted(linear_names))}."
+            f"({source}) do not have; its linear layers are: {', '.join(sorted(linear_names))} "
+            f"(and {LORA_HEAD}, the output projection)."
         )

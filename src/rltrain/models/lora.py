@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from rltrain.config.schema import LoraConfig
+from rltrain.config.schema import LORA_HEAD, LoraConfig
 
 # A PEFT adapter's tensor names are the module's name under this prefix.
 PEFT_PREFIX = "base_model.model."
@@ -60,6 +60,17 @@ class LoRALinear(nn.Module):
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(self.lora_B.weight)
 
+    def merged_weight(self) -> torch.Tensor:
+        """``W + scale x B A`` in the base's dtype, differentiable in the adapters (the base
+        alone while disabled): the LM head's weight for the trainer's chunked logprob head,
+        which forms logits from the weight, not through this module's forward (so the head's
+        adapter trains without ``train.lora.dropout``)."""
+        w = self.base_layer.weight
+        if self.disabled:
+            return w
+        update = self.lora_B.weight @ self.lora_A.weight
+        return w + (update * self.scaling).to(w.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         if self.disabled:
@@ -84,17 +95,20 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names - {"base_layer", "lora_A", "lora_B"})
 
 
-def inject_lora(model: nn.Module, lora: LoraConfig) -> list[str]:
-    """Wrap every targeted linear layer of the decoder blocks in a :class:`LoRALinear`, in
-    place; freeze everything else. Returns the wrapped modules' full names.
+def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> list[str]:
+    """Wrap every targeted linear layer of the decoder blocks (and the LM head when
+    ``targets`` holds LORA_HEAD) in a :class:`LoRALinear`, in place; freeze everything
+    else. ``targets``: :func:`rltrain.config.schema.lora_targets` of the run. Returns the
+    wrapped modules' full names.
 
     Raises ValueError naming ``train.lora.targets`` when a target matches nothing.
     Adapters are initialised from torch's global RNG (seed it for identical adapters on
     every process that calls this).
     """
-    targets = set(lora.resolved_targets())
+    head = LORA_HEAD in targets
+    block_targets = set(targets) - {LORA_HEAD}
     have = linear_module_names(model)
-    missing = sorted(targets - set(have))
+    missing = sorted(block_targets - set(have))
     if missing:
         raise ValueError(
             f"train.lora.targets names {missing}, which the model's decoder blocks do not have; "
@@ -111,10 +125,28 @@ def inject_lora(model: nn.Module, lora: LoraConfig) -> list[str]:
             if isinstance(module, LoRALinear):
                 continue
             for child_name, child in list(module.named_children()):
-                if child_name in targets and isinstance(child, nn.Linear):
+                if child_name in block_targets and isinstance(child, nn.Linear):
                     setattr(module, child_name, LoRALinear(child, lora.rank, alpha, dropout))
                     wrapped.append(f"model.layers.{i}.{name}.{child_name}".replace("..", "."))
+    if head:
+        lm_head = getattr(model, LORA_HEAD, None)
+        if not isinstance(lm_head, nn.Linear):
+            raise ValueError(
+                f"train.lora.targets names {LORA_HEAD}, but {type(model).__name__} has no "
+                f"linear {LORA_HEAD}; drop it from train.lora.targets"
+            )
+        setattr(model, LORA_HEAD, LoRALinear(lm_head, lora.rank, alpha, dropout))
+        wrapped.append(LORA_HEAD)
     return wrapped
+
+
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The LM head's weight [V, H] as the policy applies it: with an adapter on the head,
+    ``W + scale x B A`` (:meth:`LoRALinear.merged_weight`), else the weight itself."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if isinstance(head, LoRALinear):
+        return head.merged_weight()
+    return head.weight
 
 
 def freeze_base(model: nn.Module, dtype: torch.dtype) -> None:
@@ -153,8 +185,9 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
-    """adapter_config.json of a PEFT LoRA adapter with these settings."""
+def peft_adapter_config(lora: LoraConfig, targets: Sequence[str], base_model: str | None) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter with these settings (``targets``: the
+    run's :func:`rltrain.config.schema.lora_targets`)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -162,7 +195,7 @@ def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
         "r": lora.rank,
         "lora_alpha": lora.resolved_alpha(),
         "lora_dropout": lora.dropout or 0.0,
-        "target_modules": sorted(lora.resolved_targets()),
+        "target_modules": sorted(targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

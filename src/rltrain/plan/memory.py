@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from rltrain.config.schema import DTYPE_BYTES, LoraConfig, RunConfig
+from rltrain.config.schema import DTYPE_BYTES, LORA_HEAD, LoraConfig, RunConfig, lora_targets
 from rltrain.models.shapes import ModelShape, known_shape, read_config_json
 
 GIB = 2**30
@@ -174,8 +174,8 @@ def micro_batch_tokens(cfg: RunConfig, micro_rows: int | None) -> int:
 
 def lora_params(cfg: RunConfig, shape: ModelShape) -> int:
     """Adapter parameters of ``train.lora`` on ``shape``: rank x (in + out) of every targeted
-    projection of every block (0 with LoRA off; targets other than the attention and MLP
-    projections are not counted)."""
+    projection of every block, and of the LM head when targeted (0 with LoRA off; other
+    targets than these are not counted)."""
     lo = cfg.train.lora
     if lo.rank <= 0:
         return 0
@@ -194,8 +194,10 @@ def lora_params(cfg: RunConfig, shape: ModelShape) -> int:
         "up_proj": h + i,
         "down_proj": i + h,
     }
-    per_layer = sum(dims.get(t, 0) for t in set(lo.resolved_targets()))
-    return shape.num_layers * lo.rank * per_layer
+    targets = set(lora_targets(cfg))
+    per_layer = sum(dims.get(t, 0) for t in targets)
+    head = shape.hidden_size + shape.vocab_size if LORA_HEAD in targets else 0
+    return lo.rank * (shape.num_layers * per_layer + head)
 
 
 def trainer_parts(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from rltrain.algorithms.logprobs import scale_logits
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, lora_targets
 from rltrain.models.loader import TORCH_DTYPES, blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import inject_lora
 from rltrain.refit import RefitReceiver, make_refit_receiver
@@ -57,7 +57,7 @@ class TorchEngine:
             # The base came in once, here; each refit moves only the adapters, which the
             # forward applies as the trainer does (never merged into the base). B = 0 until
             # the first refit: the base alone.
-            inject_lora(self.model, cfg.train.lora)
+            inject_lora(self.model, cfg.train.lora, lora_targets(cfg))
             self.model.to(self.dtype)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (

@@ -58,7 +58,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from rltrain import env
-from rltrain.config.schema import RunConfig, engine_logprob_stride
+from rltrain.config.schema import RunConfig, engine_logprob_stride, lora_targets
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import peft_adapter_config
 from rltrain.models.shapes import ModelShape, shape_from_config_json
@@ -465,7 +465,7 @@ class VLLMEngine(VLLMTurns):
         lo = self.cfg.train.lora
         if lo.rank > 0:
             # The base is in the engine since start-up; each refit is an adapter.
-            config = peft_adapter_config(lo, self.cfg.model.path)
+            config = peft_adapter_config(lo, lora_targets(self.cfg), self.cfg.model.path)
             (note,) = self._rpc(
                 "rltrain_init_refit",
                 to_wire(group),

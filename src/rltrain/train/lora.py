@@ -9,6 +9,7 @@ and :func:`rltrain.train.parallel.lora_tp_plan` shards the adapters next to thei
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,19 +66,21 @@ def write_adapter(
     named: dict[str, torch.Tensor],
     path: Path,
     lora: LoraConfig,
+    targets: Sequence[str],
     base_model: str | None,
     tokenizer: Any,
     hf_config: Any,
     metadata: dict | None,
 ) -> None:
     """Write the policy's adapter (``named``: gathered HF-named tensors) to ``path`` in
-    PEFT's format (adapter_config.json, adapter_model.safetensors, the tokenizer), and with
+    PEFT's format (adapter_config.json with ``targets``, adapter_model.safetensors, the
+    tokenizer), and with
     ``train.lora.export_merged`` the merged model as an HF folder under ``path/merged``."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     save_file(adapter_tensors(named), str(path / ADAPTER_WEIGHTS))
-    config = peft_adapter_config(lora, base_model)
+    config = peft_adapter_config(lora, targets, base_model)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(path)
     if metadata:

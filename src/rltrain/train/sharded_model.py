@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rltrain.config.schema import RunConfig
+from rltrain.config.schema import RunConfig, lora_targets
 from rltrain.models.loader import (
     TORCH_DTYPES,
     blocked_token_ids,
@@ -30,7 +30,7 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
-from rltrain.models.lora import freeze_base, inject_lora
+from rltrain.models.lora import freeze_base, head_weight, inject_lora
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -169,7 +169,7 @@ class ShardedModel:
         """Wrap the targeted layers in adapters (fp32, seeded: the same on every rank) and
         keep the frozen base in the compute dtype: no fp32 master copy of it."""
         torch.manual_seed(self.cfg.seed)
-        inject_lora(model, self.cfg.train.lora)
+        inject_lora(model, self.cfg.train.lora, lora_targets(self.cfg))
         freeze_base(model, TORCH_DTYPES[self.cfg.precision.param_dtype])
 
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
@@ -335,8 +335,10 @@ class ShardedModel:
         return captured[0]
 
     def output_weight(self, model: torch.nn.Module) -> torch.Tensor:
-        """lm_head weight [V, H], unsharded; valid after :meth:`forward_hidden`."""
-        weight = cast("PreTrainedModel", model).get_output_embeddings().weight
+        """lm_head weight [V, H], unsharded; valid after :meth:`forward_hidden`. With an
+        adapter on the head (``lm_head`` in the LoRA targets), the merged ``W + scale x B A``,
+        differentiable in the adapter (:func:`rltrain.models.lora.head_weight`)."""
+        weight = head_weight(model)
         if isinstance(weight, DTensor):
             raise RuntimeError("lm_head weight is still sharded; call forward_hidden first")
         return weight
@@ -396,6 +398,7 @@ class ShardedModel:
                     named,
                     Path(path),
                     lo,
+                    lora_targets(self.cfg),
                     self.cfg.model.path,
                     self.tokenizer,
                     self.hf_config,
