@@ -34,8 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as e2e  # noqa: E402 - the model, the run's overrides and the loop runner
+import benchlib  # noqa: E402
 
-ROOT = e2e.ROOT
+ROOT = benchlib.ROOT
 
 
 def parse_args() -> argparse.Namespace:
@@ -222,7 +223,7 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=2) + "\n")
 
-    result["model"] = e2e.ensure_model(model_dir, args.smoke)
+    result["model"] = benchlib.ensure_qwen_model(model_dir, args.smoke)
     runs = {}
     for mode, extra in (("full", []), ("lora", [f"train.lora.rank={args.rank}"])):
         run_dir = work / mode
