@@ -26,7 +26,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,27 @@ def to_wire(obj: Any) -> bytes:
 def from_wire(data: bytes) -> Any:
     """What :func:`to_wire` sent (the replica and vLLM's worker run the same code)."""
     return pickle.loads(data)
+
+
+def lora_name_mapper(mapper: Any) -> Any:
+    """The renames of a model's ``hf_to_vllm_mapper`` for LoRA tensor names, without the
+    stacking of q/k/v into qkv_proj and gate/up into gate_up_proj that it also holds for
+    checkpoint weights (vLLM 0.26's Qwen2): the LoRA manager packs those adapters itself,
+    and names already stacked would merge three adapters into one."""
+    if mapper is None:
+        return None
+    if hasattr(mapper, "get_rename_mapper"):  # vLLM releases that split the two
+        mapper = mapper.get_rename_mapper()
+    import dataclasses
+
+    if not dataclasses.is_dataclass(mapper) or not getattr(mapper, "orig_to_new_stacked", None):
+        return mapper
+    kept = {
+        f.name: getattr(mapper, f.name)
+        for f in dataclasses.fields(mapper)
+        if f.init and "stacked" not in f.name
+    }
+    return cast(Any, type(mapper))(**kept)
 
 
 def lora_id(weight_version: int) -> int:
@@ -211,9 +232,7 @@ class RefitWorkerExtension:
         adapters = manager._adapter_manager
         helper = PEFTHelper.from_dict(dict(self._rltrain_lora or {}))
         helper.validate_legal(manager.lora_config)
-        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
-        if mapper is not None and hasattr(mapper, "get_rename_mapper"):
-            mapper = mapper.get_rename_mapper()
+        mapper = lora_name_mapper(getattr(adapters.model, "hf_to_vllm_mapper", None))
         kwargs: dict[str, Any] = {
             "lora_model_id": lora_id(version),
             "tensors": tensors,
