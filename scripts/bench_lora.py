@@ -6,9 +6,11 @@ Qwen2.5-1.5B-shape model, GSM8K prompts, bf16, vLLM colocated):
 1. ``rltrain grpo`` with full fine-tuning, ``--steps`` steps;
 2. the same command with ``train.lora.rank=--rank`` (adapters only in the refit);
 3. the logprob check in fp32, in a plain process (no Ray): the policy worker with LoRA
-   trains one step (non-zero adapters), the adapters travel over the gloo refit into the
-   vLLM engine (the torch engine where vLLM is missing), the engine samples, and the
-   trainer scores the sampled tokens; the largest |engine - trainer| logprob is reported.
+   trains one step (non-zero adapters), the adapters travel over the gloo refit into an
+   engine, the engine samples, and the trainer scores the sampled tokens; the largest
+   |engine - trainer| logprob is reported. The engine is vLLM on CPU and the torch engine
+   on GPUs, where vLLM's LoRA kernels take fp16/bf16 only: there vLLM's figure is
+   measured in bf16 beside it (``logprob_max_abs_diff_vllm_bf16``).
 
 Writes ``scripts/results/bench_lora-<device>.json`` (and under ``--out``) with ``device``
 and ``summary``: ``peak_mem_over_full`` (the policy trainer's peak allocated GPU memory,
@@ -155,16 +157,16 @@ def parity_worker(spec: dict) -> None:
     worker.shutdown()
 
 
-def run_parity(model_dir: Path, args: argparse.Namespace, cuda: bool) -> dict:
-    import importlib.util
+def run_parity(
+    model_dir: Path, args: argparse.Namespace, cuda: bool, engine: str, precision: str = "fp32"
+) -> dict:
     import subprocess
 
-    engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
     overrides = [
         "model=qwen2.5-1.5b-instruct",
         f"model.path={model_dir}",
         "model.name=random-qwen2.5-1.5b-shape",
-        "precision=fp32",
+        f"precision={precision}",
         f"train.lora.rank={args.rank}",
         f"rollout={engine}",
         f"cluster.device={'cuda' if cuda else 'cpu'}",
@@ -235,11 +237,24 @@ def main() -> None:
         runs[mode] = {"command": ["rltrain", "grpo", *overrides], **loop_figures(loop)}
         result["runs"] = runs
         save()
-    print("parity: fp32, LoRA adapters refitted into the engine", flush=True)
-    parity = run_parity(model_dir, args, cuda)
+    import importlib.util
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    # vLLM's LoRA kernels take fp16/bf16 only: on GPUs the fp32 check runs on the torch
+    # engine (the adapter in its forward) and vLLM's own is measured in bf16 beside it.
+    engine = "vllm" if has_vllm and not cuda else "torch"
+    print(f"parity: fp32, LoRA adapters refitted into the {engine} engine", flush=True)
+    parity = run_parity(model_dir, args, cuda, engine)
     if "error" in parity:
         result["errors"]["parity"] = parity["error"]
     result["parity"] = parity
+    vllm_bf16: dict = {}
+    if cuda and has_vllm:
+        print("parity: bf16, LoRA adapters refitted into vLLM", flush=True)
+        vllm_bf16 = run_parity(model_dir, args, cuda, "vllm", "bf16")
+        if "error" in vllm_bf16:
+            result["errors"]["parity_vllm_bf16"] = vllm_bf16["error"]
+        result["parity_vllm_bf16"] = vllm_bf16
     full, lora = runs["full"], runs["lora"]
     result["summary"] = {
         "peak_mem_over_full": ratio(
@@ -256,6 +271,8 @@ def main() -> None:
             k: lora[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes")
         },
         "parity_engine": parity.get("engine"),
+        # vLLM in bf16 (its LoRA kernels' precision): the same check, bf16 rounding included
+        "logprob_max_abs_diff_vllm_bf16": vllm_bf16.get("logprob_max_abs_diff_fp32"),
     }
     save()
     print(json.dumps(result["summary"], indent=2))

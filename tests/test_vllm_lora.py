@@ -103,3 +103,27 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
         engine.shutdown()
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+def test_lora_names_are_mapped_without_the_models_stacking():
+    """A model's ``hf_to_vllm_mapper`` may stack q/k/v into qkv_proj and gate/up into
+    gate_up_proj (vLLM 0.26's Qwen2): LoRA tensor names keep the other renames but not the
+    stacking, which would merge three adapters into one (vLLM's LoRA manager packs them)."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from rltrain.rollout.vllm_worker import lora_name_mapper
+
+    stacked = WeightsMapper(
+        orig_to_new_prefix={"lm.": "model."},
+        orig_to_new_stacked={".q_proj": (".qkv_proj", "q"), ".gate_proj": (".gate_up_proj", 0)},
+    )
+    mapper = lora_name_mapper(stacked)
+    assert not mapper.orig_to_new_stacked and mapper.orig_to_new_prefix == {"lm.": "model."}
+    for part in ("q_proj", "gate_proj"):
+        name = f"base_model.model.lm.layers.0.x.{part}.lora_A.weight"
+        module, is_a = parse_fine_tuned_lora_name(name, mapper)
+        assert module == f"model.layers.0.x.{part}" and is_a
+    assert lora_name_mapper(None) is None
+    plain = WeightsMapper(orig_to_new_prefix={"a.": "b."})
+    assert lora_name_mapper(plain).orig_to_new_prefix == {"a.": "b."}

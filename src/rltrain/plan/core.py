@@ -314,6 +314,17 @@ def _make_plan_resolved(
     if ro.engine == "vllm" and device == "cpu":
         _check_vllm_on_cpu(cfg)
     check_liger_device(cfg, device, resolved=True)
+    if (
+        device == "cuda"
+        and ro.engine == "vllm"
+        and cfg.train.lora.rank > 0
+        and p.rollout_dtype == "float32"
+    ):
+        raise ConfigError(
+            "train.lora.rank > 0 with rollout=vllm on GPUs needs precision.rollout_dtype "
+            "bfloat16 or float16 (vLLM's LoRA kernels take no float32); set "
+            "precision.rollout_dtype=bfloat16, or use rollout=torch for a float32 engine."
+        )
     # PPO's critic: the policy's config with the value.* fields substituted, derived once.
     vcfg = value_run_config(cfg) if cfg.algorithm.name == "ppo" else None
     vd = vcfg.dtensor if vcfg is not None else None
