@@ -326,7 +326,7 @@ def test_colocated_kv_cache_holds_one_generate_call(tmp_path):
     heads and head size); left to gpu_memory_utilization when that is too much."""
     from transformers import Qwen2Config
 
-    from rltrain.rollout.vllm_engine import colocated_kv_cache_bytes
+    from rltrain.rollout.vllm_settings import colocated_kv_cache_bytes
     from tests.conftest import tiny_config
 
     Qwen2Config(

@@ -338,7 +338,7 @@ def test_decode_graphs_cover_a_calls_rows_and_no_more():
     them; eager engines and vLLM's compile pipeline keep vLLM's own capture list."""
     from dataclasses import replace
 
-    from rltrain.rollout.vllm_engine import capture_sizes, compilation_config
+    from rltrain.rollout.vllm_settings import capture_sizes, compilation_config
 
     sizes = capture_sizes(256)
     assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == 256
@@ -368,7 +368,7 @@ def test_request_seeds_resolve_per_device_and_reach_the_sampling_params():
     from dataclasses import replace
 
     pytest.importorskip("vllm")
-    from rltrain.rollout.vllm_engine import seeds_per_request
+    from rltrain.rollout.vllm_settings import seeds_per_request
     from rltrain.rollout.vllm_turns import VLLMTurns
 
     cfg = RunConfig()

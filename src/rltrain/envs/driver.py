@@ -36,7 +36,7 @@ from rltrain.envs.trajectory import (
 )
 from rltrain.logging.metrics import StageTimer
 from rltrain.rollout.base import RolloutBatch, SamplingParams, TurnRequest, TurnsDone
-from rltrain.rollout.vllm_engine import request_seeds
+from rltrain.rollout.vllm_settings import request_seeds
 
 # Episodes per step whose ids are compared with their text encoded again
 # (env/template_drift_tokens).

@@ -34,13 +34,13 @@ def engine_class(name: str) -> EngineClass:
 def sizes_from_free_memory(cfg: RunConfig) -> bool:
     """Whether a colocated engine sizes its memory from the GPU memory it finds free while it
     starts (vLLM with neither ``rollout.vllm.kv_cache_gib`` nor a KV cache sized for one call,
-    see :func:`rltrain.rollout.vllm_engine.colocated_kv_cache_bytes`): such an engine must
+    see :func:`rltrain.rollout.vllm_settings.colocated_kv_cache_bytes`): such an engine must
     start after the trainers beside it hold their memory. Every other engine starts beside
     their build. Runs in a rollout actor (it reads the model's config and the GPU's size)."""
     if cfg.rollout.engine != "vllm" or cfg.rollout.vllm.kv_cache_gib is not None:
         return False
     if cfg.model.path is None:  # the embedded tiny model: a cache for one call, always
         return False
-    from rltrain.rollout.vllm_engine import colocated_kv_cache_bytes
+    from rltrain.rollout.vllm_settings import colocated_kv_cache_bytes
 
     return colocated_kv_cache_bytes(cfg, cfg.model.path) is None

@@ -61,116 +61,23 @@ from rltrain import env
 from rltrain.config.schema import RunConfig, engine_logprob_stride, lora_targets
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import peft_adapter_config
-from rltrain.models.shapes import ModelShape, shape_from_config_json
-from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
+from rltrain.rollout.vllm_settings import (
+    colocated_kv_cache_bytes,
+    compilation_config,
+    enforce_eager,
+    request_seeds,
+    seeds_per_request,
+    vllm_lora_rank,
+)
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
 from rltrain.rollout.vllm_worker import from_wire, lora_id, to_wire
 
 T = TypeVar("T")
 
 GIB = 2**30
-
-
-# vLLM reads these when its engine is built; they are set from code, never by the user.
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM's ``max_lora_rank`` accepts that holds ``rank``."""
-    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if rank <= allowed:
-            return allowed
-    raise ValueError(f"train.lora.rank={rank} is above vLLM's largest max_lora_rank (512)")
-
-
-def request_seeds(base: int, n: int) -> list[int]:
-    """One deterministic seed per request row (rows of one group must not share a seed)."""
-    return [(base * 1_000_003 + i) % (2**31 - 1) for i in range(n)]
-
-
-def colocated_kv_cache_bytes(
-    cfg: RunConfig, model_path: str, total_gpu_bytes: int | None = None
-) -> int | None:
-    """KV cache bytes for a colocated engine: every sequence of one generate call held at
-    once (a step's rows on this replica, or an evaluation call's when evaluation is on), at
-    the longest length (``rollout.vllm.max_model_len``, else the model's), in whole blocks,
-    plus a quarter. None when that would exceed half of the ``gpu_memory_utilization`` share
-    (then vLLM sizes the cache from that share, as without colocation). The plan's memory
-    estimate sizes the engine with the same function
-    (:func:`rltrain.plan.memory.colocated_kv_cache_bytes`).
-
-    Waking a colocated engine maps its whole KV cache back in, and sleeping unmaps it: the
-    cost grows with the cache (0.4-0.6 s per step for the embedded model under a cache
-    sized by gpu_memory_utilization=0.8 of an H200), while a cache larger than one call's
-    sequences is never used in a synchronous loop.
-    """
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(model_path)
-    shape = shape_from_config_json(hf.to_dict(), model_path)
-    if shape is None:  # sizes the KV cache does not need are missing: only these count
-        hf = getattr(hf, "text_config", None) or hf
-        heads = hf.num_attention_heads
-        shape = ModelShape(
-            hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            intermediate_size=0,
-            vocab_size=0,
-            tie_word_embeddings=False,
-            max_position_embeddings=hf.max_position_embeddings,
-        )
-    if total_gpu_bytes is None:
-        total_gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return plan_kv_cache_bytes(cfg, shape, total_gpu_bytes)
-
-
-def enforce_eager(cfg: RunConfig, device: str) -> bool:
-    """``rollout.vllm.enforce_eager`` resolved: null = CUDA graphs on GPUs (decoding 2.8x
-    faster at 1.5B shapes, start-up ~17 s longer), eager on CPU (vLLM's CPU backend)."""
-    v = cfg.rollout.vllm.enforce_eager
-    return device != "cuda" if v is None else v
-
-
-def seeds_per_request(cfg: RunConfig, device: str) -> bool:
-    """``rollout.vllm.request_seeds`` resolved: null = a seed per request on CPU, the
-    engine's seeded generator on GPUs (vLLM's sampler draws a seeded request's noise in a
-    Python loop of its own, one kernel per request and decode step)."""
-    v = cfg.rollout.vllm.request_seeds
-    return device != "cuda" if v is None else v
-
-
-def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:
-    """vLLM's ``compilation_config`` from ``rollout.vllm``: None = vLLM's own (eager, or its
-    compile pipeline with piecewise CUDA graphs); without ``torch_compile`` (the default)
-    full CUDA graphs of the decode steps over the eager model, prefill eager, so that
-    start-up does not wait for Inductor."""
-    if enforce_eager(cfg, device) or cfg.rollout.vllm.torch_compile:
-        return None
-    return {
-        "mode": 0,
-        "cudagraph_mode": "FULL_DECODE_ONLY",
-        "cudagraph_capture_sizes": capture_sizes(-(-cfg.rollout_batch() // cfg.rollout.replicas)),
-    }
-
-
-def capture_sizes(rows: int, most: int = 512) -> list[int]:
-    """The decode batch sizes to capture CUDA graphs for, when a generate call holds ``rows``
-    sequences: 1, 2, 4, 8, then every power of two and the point halfway to the next, up to
-    the first that holds ``rows`` (at most ``most``), none past it. A decode step pads its batch to the
-    next size; steps of more rows than the largest run without a graph.
-
-    vLLM's own list goes to 512 in steps of 8 and 16 (51 graphs); each takes part of the
-    engine's start-up, while a decode step of a small model reads its weights whatever the
-    batch, so the padding costs little.
-    """
-    # 1, 2, 4, 8, then every power of two and the point halfway to the next, to 512
-    ladder = [1, 2, 4, 8] + [n for p in range(3, 9) for n in (3 << (p - 1), 2 << p)]
-    ladder = [n for n in ladder if n <= most]
-    holds = next((n for n in ladder if n >= rows), ladder[-1])
-    return [n for n in ladder if n <= holds]
 
 
 class _EventLoop:
