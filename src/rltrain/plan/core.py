@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import (
@@ -18,6 +17,7 @@ from rltrain.config.schema import (
 )
 from rltrain.config.validate import check_liger_device
 from rltrain.plan.batch import BatchPlan, batch_plan
+from rltrain.plan.engine import check_engine, model_head_dim  # noqa: F401 - re-exported
 from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
 from rltrain.plan.memory import (
     MemoryPlan,
@@ -216,36 +216,6 @@ def estimate_num_params(cfg: RunConfig) -> int | None:
     return shape.num_params if shape is not None else None
 
 
-def model_head_dim(cfg: RunConfig) -> int | None:
-    """Attention head size of the policy: exact for the tiny model, from config.json for a local path."""
-    if cfg.model.path is None:
-        return cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
-    config_json = Path(cfg.model.path) / "config.json"
-    if not config_json.is_file():
-        return None
-    c = json.loads(config_json.read_text())
-    if c.get("head_dim"):
-        return int(c["head_dim"])
-    if c.get("hidden_size") and c.get("num_attention_heads"):
-        return int(c["hidden_size"]) // int(c["num_attention_heads"])
-    return None
-
-
-def _check_vllm_on_cpu(cfg: RunConfig) -> None:
-    """The vLLM engine on CPU: one process per replica, head_dim >= 32."""
-    ro = cfg.rollout
-    if ro.tp > 1:
-        raise ConfigError(
-            f"rollout.tp={ro.tp} needs GPUs (vLLM tensor parallelism); on CPU set rollout.tp=1."
-        )
-    head_dim = model_head_dim(cfg)
-    if head_dim is not None and head_dim < 32:
-        raise ConfigError(
-            f"the model's head_dim={head_dim} is below 32, which vLLM's CPU attention cannot serve; "
-            "use a model with head_dim >= 32 or rollout=torch."
-        )
-
-
 def make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None = None
 ) -> RunPlan:
@@ -311,20 +281,8 @@ def _make_plan_resolved(
             "rollout.colocated=true needs GPUs (the engines share the trainer's GPU and sleep "
             "between steps); on CPU set rollout.colocated=false or null."
         )
-    if ro.engine == "vllm" and device == "cpu":
-        _check_vllm_on_cpu(cfg)
+    check_engine(cfg, device)
     check_liger_device(cfg, device, resolved=True)
-    if (
-        device == "cuda"
-        and ro.engine == "vllm"
-        and cfg.train.lora.rank > 0
-        and p.rollout_dtype == "float32"
-    ):
-        raise ConfigError(
-            "train.lora.rank > 0 with rollout=vllm on GPUs needs precision.rollout_dtype "
-            "bfloat16 or float16 (vLLM's LoRA kernels take no float32); set "
-            "precision.rollout_dtype=bfloat16, or use rollout=torch for a float32 engine."
-        )
     # PPO's critic: the policy's config with the value.* fields substituted, derived once.
     vcfg = value_run_config(cfg) if cfg.algorithm.name == "ppo" else None
     vd = vcfg.dtensor if vcfg is not None else None
