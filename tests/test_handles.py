@@ -172,7 +172,9 @@ def test_local_actor_runs_calls_at_once_and_names_a_failing_worker():
     from rltrain.cluster.actors import LocalActor, WorkerError, ready, wait_all
 
     actor: LocalActor[_Recorder] = LocalActor("policy rank 0")
-    assert wait_all([actor.build(_Recorder, "p")], None, "building workers") == [True]
+    # the build returns its seconds and the parts the worker timed (none here)
+    (built,) = wait_all([actor.build(_Recorder, "p")], None, "building workers")
+    assert set(built) == {"build_s"} and built["build_s"] >= 0
     first = actor.call(_Recorder.work, 2, scale=3)
     second = actor.call_after([_Recorder.wake_up], _Recorder.work, 5)
     assert actor.host.worker.log == ["work 2", "wake_up", "work 5"]  # ran before any wait
