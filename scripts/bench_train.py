@@ -18,6 +18,8 @@ phase at a time (single-GPU phases on GPU 0):
 * ``policy_rl_mix`` - 64 rows, prompts 128-512, responses log-normal 32-4096: packed
   (2 x --max-tokens per micro batch) vs padded (micro batch 2, sdpa); packed with
   4 x --max-tokens per micro batch, and packed under flex attention, as variants
+* ``policy_lora`` (phase ``lora``, not run by default) - LoRA rank 16 (compiled and eager)
+  beside the default on the same rows, both profiled
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
   re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
@@ -85,6 +87,9 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "sync_micro_batch": {"dtensor.grad_sync": "micro_batch"},
     "liger": {"train.liger": True, "train.compile": False},
     "compile_liger": {"train.liger": True},
+    # LoRA rank 16 on the attention and MLP projections (phase lora: beside the default)
+    "lora": {"train.lora.rank": 16},
+    "lora_eager": {"train.lora.rank": 16, "train.compile": False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -161,7 +166,7 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
                         batch,
                         job["warmup"],
                         job["steps"],
-                        profile=job.get("profile") == variant["label"],
+                        profile=variant["label"] in job.get("profile", ()),
                     )
             except Exception as exc:  # record it; the job's other variants still run
                 results[variant["label"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
@@ -236,7 +241,9 @@ def main() -> None:
         "--max-tokens", type=int, default=8192, help="packed tokens per micro batch"
     )
     parser.add_argument(
-        "--phases", default="full,rl_mix,fp16,dp2,tp2", help="also: liger (liger-kernel variants)"
+        "--phases",
+        default="full,rl_mix,fp16,dp2,tp2",
+        help="also: liger (liger-kernel variants), lora (rank-16 LoRA beside full fine-tuning)",
     )
     parser.add_argument("--round-timeout", type=float, default=240.0, help="seconds per round")
     parser.add_argument(
@@ -342,7 +349,18 @@ def main() -> None:
                 "full",
                 full_rows,
                 full("default", "eager", "causal_rows", "reshard", "sync_micro_batch"),
-                profile="bf16" if "default" in variants else None,
+                profile=["bf16"] if "default" in variants else [],
+                timeout=args.compile_timeout,
+            )
+        ],
+        # LoRA against full fine-tuning on the same rows, both profiled (phase lora)
+        [
+            job(
+                "policy_lora",
+                "lora",
+                full_rows,
+                full("default", "lora", "lora_eager"),
+                profile=["bf16", "lora"],
                 timeout=args.compile_timeout,
             )
         ],
@@ -416,7 +434,7 @@ def main() -> None:
                 ],
                 world=2,
                 dp=2,
-                profile="bf16",
+                profile=["bf16"],
                 timeout=args.compile_timeout,
             )
         ],
@@ -480,6 +498,16 @@ def main() -> None:
                 2 * dp2_rank_tps if dp2_rank_tps else None, 2 * pol_tps if pol_tps else None
             ),
             "tp2_tokens_per_s": get("policy_tp2", "bf16", "tokens_per_s"),
+            # LoRA rank 16 over full fine-tuning, same rows, same process (phase lora)
+            "lora_train_s_over_full": ratio(
+                get("policy_lora", "lora", "step_s"), get("policy_lora", "bf16", "step_s")
+            ),
+            "lora_eager_train_s_over_full": ratio(
+                get("policy_lora", "lora_eager", "step_s"), get("policy_lora", "bf16", "step_s")
+            ),
+            "lora_peak_mem_over_full": ratio(
+                get("policy_lora", "lora", "peak_mem_gb"), get("policy_lora", "bf16", "peak_mem_gb")
+            ),
         }
         # Full-row MFU of every variant measured (``default`` is policy_full/bf16).
         by_variant = {}

@@ -57,9 +57,12 @@ def make_cfg(
     cfg.train.attention = attention
     cfg.dtensor.tp = tp
     cfg.optim.lr = 1e-6
-    for key, value in (knobs or {}).items():  # "node.field" -> value
-        node, field = key.split(".")
-        setattr(getattr(cfg, node), field, value)
+    for key, value in (knobs or {}).items():  # "node.field" or "node.sub.field" -> value
+        *nodes, field = key.split(".")
+        target = cfg
+        for node in nodes:
+            target = getattr(target, node)
+        setattr(target, field, value)
     return cfg
 
 

@@ -405,7 +405,7 @@ def test_a_killed_replica_ends_the_run_naming_it(tmp_path):
 
 
 def test_weights_auto_corrects_only_off_policy_samples():
-    from rltrain.config.schema import is_level
+    from rltrain.config.resolved import is_level
     from rltrain.plan import objective_summary
 
     cfg = tiny_config()

@@ -396,7 +396,7 @@ def test_engine_logprobs_sample_gives_every_nth_row_and_the_metric_skips_the_res
     from dataclasses import replace
 
     from rltrain.algorithms.logprobs import token_mult_prob_error
-    from rltrain.config.schema import ENGINE_LOGPROB_SAMPLE, engine_logprob_stride
+    from rltrain.config.resolved import ENGINE_LOGPROB_SAMPLE, engine_logprob_stride
 
     prompts = [[1, 2, 3]] * 6
     sampling = SamplingParams(temperature=1.0, max_new_tokens=5, seed=11)

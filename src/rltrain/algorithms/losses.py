@@ -21,6 +21,7 @@ from typing import cast
 
 import torch
 
+from rltrain.config.resolved import is_level
 from rltrain.config.schema import (
     ISLevel,
     KLEstimator,
@@ -28,7 +29,6 @@ from rltrain.config.schema import (
     OverCap,
     RatioLevel,
     RunConfig,
-    is_level,
 )
 
 

@@ -186,6 +186,10 @@ class PolicyGang(TrainerGang[PolicyWorker]):
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Token-aligned logprobs_BT of every row under the current (or reference) policy."""
+        return self.submit_logprobs(batch, reference).result()
+
+    def submit_logprobs(self, batch: TrainBatch, reference: bool = False) -> Later[torch.Tensor]:
+        """:meth:`logprobs`, submitted: the ranks start at once; ``result()`` waits."""
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
@@ -193,7 +197,7 @@ class PolicyGang(TrainerGang[PolicyWorker]):
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
         what = "reference logprobs" if reference else "logprobs"
-        return shards.gather(self.calls.wait(pending, what), batch.input_ids_BT)
+        return Later(lambda: shards.gather(self.calls.wait(pending, what), batch.input_ids_BT))
 
     def train(self, batch: PolicyBatch) -> TrainResult:
         """Train on the batch (its mini batches and epochs); rank 0's metrics (already reduced

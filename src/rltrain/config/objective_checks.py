@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rltrain.config.checks import check_choice, check_positive
 from rltrain.config.errors import ConfigError
+from rltrain.config.resolved import is_level
 from rltrain.config.schema import (
     ADV_ESTIMATORS,
     IS_WEIGHTS,
@@ -16,7 +17,6 @@ from rltrain.config.schema import (
     PRECISIONS,
     RATIO_LEVELS,
     RunConfig,
-    is_level,
 )
 
 # The estimators of `rltrain grpo` (outcome rewards, no critic); PPO's is gae.

@@ -8,7 +8,7 @@ Hydra, Ray or vLLM so GPU scripts and workers can use it anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, cast, get_args
+from typing import Literal, get_args
 
 from rltrain.config.algorithm_schema import (  # noqa: F401 - re-exported: the schema's names
     ADV_ESTIMATORS,
@@ -124,6 +124,10 @@ class TrainConfig:
     compile: bool | None = None
     # liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA; liger-kernel installed).
     liger: bool = False
+    # The step's old and reference logprob passes on the rows the engines have finished,
+    # while they still generate. null = on where the policy's GPUs hold no engine and the
+    # engine streams rows (vLLM, not colocated; sync loops, single turn).
+    logprobs_while_generating: bool | None = None
     # Low-rank adapters instead of full fine-tuning (rank 0 = off).
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -562,38 +566,3 @@ def value_run_config(cfg: RunConfig) -> RunConfig:
     # The critic trains in full: its scalar head is new, and LoRA is the policy's (train.lora).
     train = replace(cfg.train, lora=LoraConfig())
     return replace(cfg, model=model, precision=precision, dtensor=dtensor, optim=optim, train=train)
-
-
-ENGINE_LOGPROBS = ("all", "sample", "auto")
-# rollout.engine_logprobs=sample: rows 0, n, 2n, ... of a generate call carry logprobs.
-ENGINE_LOGPROB_SAMPLE = 8
-
-
-def engine_logprob_stride(cfg: RunConfig, device: str) -> int:
-    """Every how-many-th row of a generate call carries the engine's logprobs (1 = all;
-    ``rollout.engine_logprobs``, auto resolved): all wherever the run reads them for more
-    than the ``token_mult_prob_error`` diagnostic (rollout correction weights or mask, the
-    asynchronous loop) and on CPU. Multi-turn episodes sample by episode."""
-    choice = cfg.rollout.engine_logprobs
-    if choice == "auto":
-        a = cfg.algorithm
-        needed = (
-            is_level(cfg) is not None
-            or a.rollout_correction.mask_bound is not None
-            or a.async_rollout.enabled
-        )
-        choice = "all" if needed or device != "cuda" else "sample"
-    return ENGINE_LOGPROB_SAMPLE if choice == "sample" else 1
-
-
-def is_level(cfg: RunConfig) -> ISLevel | None:
-    """The importance-weight level ``algorithm.rollout_correction.weights`` resolves to:
-    ``auto`` is token (sequence with ``ratio_level=sequence``) when the asynchronous loop
-    trains samples a version or more behind (``max_staleness >= 1``), else off."""
-    a = cfg.algorithm
-    w = a.rollout_correction.weights
-    if w != "auto":
-        return cast("ISLevel | None", w)
-    if a.async_rollout.enabled and a.async_rollout.max_staleness >= 1:
-        return "sequence" if a.ratio_level == "sequence" else "token"
-    return None

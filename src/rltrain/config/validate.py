@@ -19,14 +19,18 @@ from rltrain.config.inputs import (
 )
 from rltrain.config.lora_checks import QWEN2_LINEAR_NAMES, check_lora_model, validate_lora
 from rltrain.config.objective_checks import validate_objective, validate_ppo
+from rltrain.config.resolved import (
+    ENGINE_LOGPROB_SAMPLE,
+    ENGINE_LOGPROBS,
+    engine_logprob_stride,
+    logprobs_while_generating,
+)
 from rltrain.config.schema import (
     ALGORITHMS,
     ATTENTIONS,
     CLUSTER_MODES,
     DEVICES,
     DTYPES,
-    ENGINE_LOGPROB_SAMPLE,
-    ENGINE_LOGPROBS,
     ENGINES,
     GRAD_SYNCS,
     LR_SCHEDULES,
@@ -35,7 +39,6 @@ from rltrain.config.schema import (
     TASKS,
     WANDB_MODES,
     RunConfig,
-    engine_logprob_stride,
 )
 
 
@@ -171,6 +174,13 @@ def validate(cfg: RunConfig) -> None:
             f"{ENGINE_LOGPROB_SAMPLE} the engine's logprobs, but this run reads every row's "
             "(algorithm.rollout_correction or the asynchronous loop); "
             "use rollout.engine_logprobs=auto or all."
+        )
+    if cfg.train.logprobs_while_generating and not logprobs_while_generating(cfg, False):
+        raise ConfigError(
+            "train.logprobs_while_generating=true needs rows streamed from a synchronous, "
+            "single-turn rollout: rollout=vllm, without algorithm.async_rollout (its trainer "
+            "trains while the engines generate), algorithm.dynamic_sampling or an env.target; "
+            "set train.logprobs_while_generating=null or false."
         )
     check_positive("rollout.replicas", ro.replicas)
     check_positive("rollout.tp", ro.tp)

@@ -22,6 +22,7 @@ from rltrain.rollout.base import RolloutBatch, SamplingParams
 if TYPE_CHECKING:
     from rltrain.config.schema import RunConfig
     from rltrain.loops.context import RunContext
+    from rltrain.loops.logprob_stream import LogprobStream
 
 
 @dataclass
@@ -75,12 +76,14 @@ def collect(
     weight_version: int,
     timer: StageTimer,
     round_: int = 0,
+    stream: LogprobStream | None = None,
 ) -> Collected:
     """Sample ``prompts_per_step`` prompts (each repeated ``samples_per_prompt`` times),
     generate with the engines' current weights (which must be ``weight_version``),
     and score each whole response (decoded without special tokens; 'finished' =
     stopped at EOS). Times the "generate" and "reward" stages on ``timer``.
-    ``round_`` > 0 (dynamic sampling's later rounds) samples with a seed of its own."""
+    ``round_`` > 0 (dynamic sampling's later rounds) samples with a seed of its own.
+    ``stream``: each row that streams out also goes to the step's logprob passes."""
     a = ctx.cfg.algorithm
     items = ctx.task.sample(a.prompts_per_step)
     prompt_ids = encode_groups(ctx.tokenizer, items, a.samples_per_prompt)
@@ -96,6 +99,8 @@ def collect(
         t0 = time.perf_counter()
         text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
         later[i] = ctx.task.submit_reward(items[i // g], text, finished)
+        if stream is not None:
+            stream.add(i, prompt_ids[i], ids)
         streamed_s += time.perf_counter() - t0
 
     with timer("generate"):

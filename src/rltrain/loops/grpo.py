@@ -16,11 +16,12 @@ from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty
 from rltrain.config.schema import AdvantageEstimator, AlgorithmConfig, KLRewardLevel
 from rltrain.logging.metrics import StageTimer
-from rltrain.loops.collect import Collected, collector, sampling_params
+from rltrain.loops.collect import Collected, collect, collector, sampling_params
 from rltrain.loops.context import RunContext
 from rltrain.loops.step import (
     end_step,
     fuses_old_logprobs,
+    logprob_stream,
     old_and_reference_logprobs,
     refit_rollout,
     train_policy,
@@ -109,7 +110,14 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
         # steps 1-3: prompts (each repeated samples_per_prompt times: one GRPO group),
         # generate with the engines' current weights, reward of each whole response
         # (dynamic sampling: more rounds until the step is full of groups with a signal)
-        got = gather(ctx, step, sampling, weight_version, timer)
+        need_old = not fuse_old_logprobs
+        # where the policy idles while the engines generate: its logprob passes on the
+        # rows that have finished (train.logprobs_while_generating)
+        stream = logprob_stream(ctx, need_old) if gather is collect else None
+        if stream is not None:
+            got = collect(ctx, step, sampling, weight_version, timer, stream=stream)
+        else:
+            got = gather(ctx, step, sampling, weight_version, timer)
         rollout, rewards = got.rollout, got.rewards
         # the rollout's tensors; truncated responses out of the loss (overlong filter)
         batch = build_train_batch(rollout, tok.pad_token_id, drop_truncated=a.overlong.filter)
@@ -120,7 +128,8 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
 
         # step 5: train-side logprobs before the update (and reference logprobs for KL).
         # On-policy with one optimizer step, the training forward computes them.
-        before = old_and_reference_logprobs(ctx, batch, loss_mask, not fuse_old_logprobs, timer)
+        streamed = stream.streamed_rows / batch.size if stream is not None else None
+        before = old_and_reference_logprobs(ctx, batch, loss_mask, need_old, timer, stream)
         kl_BT = before.kl_BT
 
         # step 6: advantages (group-normalised for GRPO; docs/objectives.md for the others)
@@ -171,6 +180,8 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
             **objective_metrics(a, got, penalty, loss_mask, kl_BT),
             **got.metrics,
         }
+        if streamed is not None:  # rows whose logprob passes ran while the engines generated
+            metrics["logprobs/streamed_frac"] = streamed
         # step 10: greedy evaluation on the validation split (val/accuracy) with the new
         # weights, then log, then a checkpoint every checkpoint.every_n_steps
         end_step(ctx, step, weight_version, metrics, on_step)

@@ -15,11 +15,12 @@ from rltrain.algorithms.gae import gae, token_rewards
 from rltrain.algorithms.logprobs import token_mult_prob_error
 from rltrain.algorithms.shaping import overlong_penalty
 from rltrain.logging.metrics import StageTimer
-from rltrain.loops.collect import collector, sampling_params
+from rltrain.loops.collect import collect, collector, sampling_params
 from rltrain.loops.context import RunContext
 from rltrain.loops.step import (
     end_step,
     fuses_old_logprobs,
+    logprob_stream,
     old_and_reference_logprobs,
     refit_rollout,
     train_policy,
@@ -60,7 +61,14 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
 
         # steps 1-3: prompts (each repeated samples_per_prompt times), generate with the
         # engines' current weights (version = weight_version), reward of each whole response
-        got = gather(ctx, step, sampling, weight_version, timer)
+        need_old = not (fuse_old_logprobs and trains_policy)
+        # where the policy idles while the engines generate: its logprob passes on the
+        # rows that have finished (train.logprobs_while_generating)
+        stream = logprob_stream(ctx, need_old) if gather is collect else None
+        if stream is not None:
+            got = collect(ctx, step, sampling, weight_version, timer, stream=stream)
+        else:
+            got = gather(ctx, step, sampling, weight_version, timer)
         rollout, scores, exact = got.rollout, got.rewards, got.exact
         # the rollout's tensors; truncated responses out of the actor's loss (overlong filter)
         batch = build_train_batch(rollout, tok.pad_token_id, drop_truncated=a.overlong.filter)
@@ -81,8 +89,8 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
                 old_values_BT = values_later.result()
 
         # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
-        need_old = not (fuse_old_logprobs and trains_policy)
-        before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer)
+        streamed = stream.streamed_rows / batch.size if stream is not None else None
+        before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer, stream)
         kl_BT = before.kl_BT
         if beside:
             with timer("values"):  # what is left of the critic's forward: its exposed time
@@ -158,6 +166,8 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             )
         if kl_BT is not None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
+        if streamed is not None:  # rows whose logprob passes ran while the engines generated
+            metrics["logprobs/streamed_frac"] = streamed
         # greedy evaluation on the validation split (val/accuracy) with the new weights,
         # then log, then a checkpoint every checkpoint.every_n_steps
         end_step(ctx, step, weight_version, metrics, on_step)

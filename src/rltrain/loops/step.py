@@ -10,10 +10,12 @@ from typing import NamedTuple, cast
 import torch
 
 from rltrain.algorithms.losses import kl_estimate
+from rltrain.config.resolved import logprobs_while_generating
 from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
+from rltrain.loops.logprob_stream import LogprobStream
 from rltrain.refit.base import RefitStats
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 
@@ -38,20 +40,46 @@ class Before(NamedTuple):
     kl_BT: torch.Tensor | None
 
 
+def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
+    """The step's :class:`LogprobStream` when its logprob passes run while the engines
+    generate (``train.logprobs_while_generating``) and it has any, else None."""
+    cfg = ctx.cfg
+    layout = ctx.plan.gpu_layout
+    colocated = None if layout is None else layout.rollout_colocated
+    need_ref = cfg.algorithm.kl_coef > 0
+    if not (need_old or need_ref) or not logprobs_while_generating(cfg, colocated):
+        return None
+    # A chunk per eighth of the step's rows (and at least one row per dp rank).
+    rows = cfg.algorithm.prompts_per_step * cfg.algorithm.samples_per_prompt
+    chunk = max(rows // 8, ctx.policy.dp, 1)
+    return LogprobStream(ctx.policy, ctx.tokenizer.pad_token_id, need_old, need_ref, chunk)
+
+
 def old_and_reference_logprobs(
-    ctx: RunContext, batch: TrainBatch, mask_BT: torch.Tensor, need_old: bool, timer: StageTimer
+    ctx: RunContext,
+    batch: TrainBatch,
+    mask_BT: torch.Tensor,
+    need_old: bool,
+    timer: StageTimer,
+    stream: LogprobStream | None = None,
 ) -> Before:
     """Train-side logprobs before the update (when ``need_old``), and with
     ``algorithm.kl_coef > 0`` the reference logprobs: for the loss's KL term, or, with
     ``kl_in_reward``, turned into the per-token KL penalty (times ``mask_BT``). Times
-    "logprobs"."""
+    "logprobs". ``stream``: the passes already went on the rows as they finished; this
+    waits for the rest."""
     a = ctx.cfg.algorithm
     old = ref = kl_BT = None
     with timer("logprobs"):
+        streamed_old, streamed_ref = stream.finish(batch) if stream else (None, None)
         if need_old:
-            old = ctx.policy.logprobs(batch)
+            old = streamed_old if streamed_old is not None else ctx.policy.logprobs(batch)
         if a.kl_coef > 0:
-            ref_logprobs = ctx.policy.logprobs(batch, reference=True)
+            ref_logprobs = (
+                streamed_ref
+                if streamed_ref is not None
+                else ctx.policy.logprobs(batch, reference=True)
+            )
             if a.kl_in_reward:  # per sampled token (k1 by default)
                 assert old is not None, "the KL penalty in the reward needs the old logprobs"
                 kl = kl_estimate(old, ref_logprobs, cast(KLEstimator, a.kl_estimator))

@@ -3,7 +3,8 @@ plan`` prints it; docs/objectives.md has the formulas)."""
 
 from __future__ import annotations
 
-from rltrain.config.schema import RunConfig, is_level
+from rltrain.config.resolved import is_level
+from rltrain.config.schema import RunConfig
 
 ADVANTAGE_FORMULAS = {
     "grpo": "(r - group mean) / (group std + eps)",

@@ -58,7 +58,8 @@ from typing import Any, TypeVar, cast
 import torch
 
 from rltrain import env
-from rltrain.config.schema import RunConfig, engine_logprob_stride, lora_targets
+from rltrain.config.resolved import engine_logprob_stride
+from rltrain.config.schema import RunConfig, lora_targets
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import peft_adapter_config
 from rltrain.refit import RefitReceiver, join_refit_group

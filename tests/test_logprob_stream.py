@@ -1,0 +1,178 @@
+"""The step's logprob passes on rows as they stream out of the engines
+(train.logprobs_while_generating): the same tensors as the passes after generation, with
+chunks submitted while the engines still generate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rltrain.cluster.handles import Later
+from rltrain.rollout.base import RolloutBatch
+
+
+class _StreamingRollouts:
+    """An engine stand-in that streams its rows in reverse order (as a real engine's rows
+    finish out of order) and records, per row, how many logprob chunks the policy had been
+    handed by then."""
+
+    streams_rows = True
+
+    def __init__(self, policy: _Policy) -> None:
+        self.policy = policy
+        self.chunks_seen: list[int] = []
+
+    def generate_streaming(self, prompt_ids, sampling, on_row) -> RolloutBatch:
+        responses = [[5 + (i % 7)] * (1 + i % 5) for i in range(len(prompt_ids))]
+        for i in reversed(range(len(prompt_ids))):
+            self.chunks_seen.append(len(self.policy.calls))
+            on_row(i, responses[i], [-0.5] * len(responses[i]), True)
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids],
+            response_ids=responses,
+            response_logprobs=[[-0.5] * len(r) for r in responses],
+            finished=[True] * len(prompt_ids),
+            weight_version=0,
+        )
+
+
+class _Policy:
+    """Logprob passes as a pure function of each row's tokens (position t's value depends on
+    tokens 0..t only, as a causal model's), recorded per call."""
+
+    dp = 2
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    @staticmethod
+    def _logprobs(batch, reference: bool) -> torch.Tensor:
+        ids = batch.input_ids_BT.double()
+        out = -(torch.cumsum(ids, -1) % 11) / (13.0 if reference else 17.0)
+        return (out * batch.attention_mask_BT).float()
+
+    def submit_logprobs(self, batch, reference: bool = False) -> Later[torch.Tensor]:
+        self.calls.append((batch.size, reference))
+        value = self._logprobs(batch, reference)
+        return Later(lambda: value)
+
+    def logprobs(self, batch, reference: bool = False) -> torch.Tensor:
+        return self._logprobs(batch, reference)
+
+
+@pytest.mark.parametrize("need_old", [True, False])
+def test_streamed_logprob_passes_equal_the_passes_after_generation(need_old):
+    from rltrain.data import build_task
+    from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.collect import collect, sampling_params
+    from rltrain.loops.logprob_stream import LogprobStream
+    from rltrain.loops.step import old_and_reference_logprobs
+    from rltrain.models.tiny import build_tokenizer
+    from rltrain.train.batch import build_train_batch
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(**{"algorithm.prompts_per_step": 4, "algorithm.kl_coef": 0.01})
+    tok = build_tokenizer(cfg.data.alphabet)
+    policy = _Policy()
+    engine = _StreamingRollouts(policy)
+    task = build_task(cfg.data, cfg.seed)
+    ctx = SimpleNamespace(cfg=cfg, task=task, tokenizer=tok, rollout=engine, policy=policy)
+    stream = LogprobStream(policy, tok.pad_token_id, need_old, True, chunk_rows=5)  # type: ignore[arg-type]
+    got = collect(ctx, 1, sampling_params(cfg), 0, StageTimer(), stream=stream)  # type: ignore[arg-type]
+    rows = len(got.rollout.response_ids)
+    assert rows == 32
+    # chunks of 5 went to the policy while rows were still streaming
+    passes = 2 if need_old else 1
+    assert engine.chunks_seen[-1] == passes * (rows // 5)
+    assert stream.streamed_rows == 5 * (rows // 5)
+    batch = build_train_batch(got.rollout, tok.pad_token_id)
+    mask = batch.response_mask_BT
+    streamed = old_and_reference_logprobs(ctx, batch, mask, need_old, StageTimer(), stream)  # type: ignore[arg-type]
+    direct = old_and_reference_logprobs(ctx, batch, mask, need_old, StageTimer())  # type: ignore[arg-type]
+    # the rest went in one more chunk; every row once per pass
+    assert [n for n, ref in policy.calls if ref] == [5] * (rows // 5) + [rows % 5]
+    assert len(policy.calls) == passes * (rows // 5 + 1)
+    assert streamed.ref_logprobs_BT is not None
+    assert torch.equal(streamed.ref_logprobs_BT, direct.ref_logprobs_BT)
+    if need_old:
+        assert torch.equal(streamed.old_logprobs_BT, direct.old_logprobs_BT)
+    else:
+        assert streamed.old_logprobs_BT is None and direct.old_logprobs_BT is None
+
+
+def test_a_row_missing_from_the_stream_is_named():
+    from rltrain.loops.logprob_stream import LogprobStream
+    from rltrain.train.batch import build_train_batch
+
+    rollout = RolloutBatch([[1, 2], [3]], [[4], [5, 6]], [[0.0], [0.0, 0.0]], [True, True], 0)
+    batch = build_train_batch(rollout, 0)
+    stream = LogprobStream(_Policy(), 0, True, False, chunk_rows=4)  # type: ignore[arg-type]
+    stream.add(1, [3], [5, 6])
+    with pytest.raises(RuntimeError, match="not the step's 2 rows"):
+        stream.finish(batch)
+    stream = LogprobStream(_Policy(), 0, True, False, chunk_rows=4)  # type: ignore[arg-type]
+    stream.add(0, [1, 2], [4])
+    stream.add(1, [3], [5])  # one token short of the batch's row
+    with pytest.raises(RuntimeError, match="row 1 streamed 2 tokens but the step's batch holds 3"):
+        stream.finish(batch)
+
+
+def test_real_policy_logprobs_of_chunks_match_the_whole_batch():
+    """A row's logprobs do not depend on the rows beside it: the tiny policy's passes over
+    chunks of a batch equal the pass over the whole batch (fp32, CPU)."""
+    from rltrain.cluster.actors import LocalActor, wait_all
+    from rltrain.cluster.handles import Calls, PolicyGang
+    from rltrain.loops.logprob_stream import LogprobStream
+    from rltrain.train.batch import build_train_batch
+    from rltrain.train.distributed import DistEnv, free_port
+    from rltrain.train.policy_worker import PolicyWorker
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(**{"algorithm.kl_coef": 0.01, "precision": "fp32"})
+    actor: LocalActor[PolicyWorker] = LocalActor("policy rank 0")
+    env = DistEnv(0, 1, "127.0.0.1", free_port(), "gloo", 60.0)
+    wait_all([actor.build(PolicyWorker, cfg, env, 1)], None, "building workers")
+    try:
+        gang = PolicyGang([actor], 1, 64, Calls(None))
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in (4, 6, 5, 7)]
+        responses = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in (3, 9, 1, 6)]
+        rollout = RolloutBatch(
+            prompts, responses, [[0.0] * len(r) for r in responses], [True] * 4, 0
+        )
+        batch = build_train_batch(rollout, 0)
+        stream = LogprobStream(gang, 0, True, True, chunk_rows=3)
+        for i in (2, 0, 3, 1):
+            stream.add(i, prompts[i], responses[i])
+        old, ref = stream.finish(batch)
+        mask = batch.attention_mask_BT.bool()
+        assert old is not None and ref is not None
+        for got, whole in ((old, gang.logprobs(batch)), (ref, gang.logprobs(batch, True))):
+            assert torch.allclose(got[mask], whole[mask], atol=1e-5, rtol=0)
+    finally:
+        wait_all([actor.call(PolicyWorker.shutdown)], None, "shutdown")
+
+
+def test_logprobs_while_generating_resolves_and_refuses_what_cannot_stream():
+    from rltrain.config.errors import ConfigError
+    from rltrain.config.resolved import logprobs_while_generating
+    from rltrain.config.validate import validate
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(rollout="vllm")
+    assert logprobs_while_generating(cfg, False)  # split layout: the trainers idle
+    assert not logprobs_while_generating(cfg, True)  # colocated: the engine has the GPU
+    assert not logprobs_while_generating(cfg, None)  # CPU: only when asked
+    on = replace(cfg, train=replace(cfg.train, logprobs_while_generating=True))
+    assert logprobs_while_generating(on, None) and logprobs_while_generating(on, True)
+    torch_engine = replace(tiny_config(), train=on.train)
+    assert not logprobs_while_generating(torch_engine, False)
+    with pytest.raises(ConfigError, match=r"train.logprobs_while_generating=true needs rows"):
+        validate(torch_engine)
+    validate(on)
+    asynchronous = tiny_config(rollout="vllm", **{"algorithm.async_rollout.enabled": "true"})
+    with pytest.raises(ConfigError, match=r"algorithm.async_rollout"):
+        validate(replace(asynchronous, train=on.train))
