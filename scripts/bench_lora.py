@@ -86,6 +86,8 @@ PER_STEP = (
     "time/step",
     "time/generate",
     "time/train",
+    "time/train_worker",
+    "time/engine_sleep_wait",
     "time/refit",
     "compile/compiles",
     "compile/recompiles",
