@@ -180,8 +180,9 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
             **objective_metrics(a, got, penalty, loss_mask, kl_BT),
             **got.metrics,
         }
-        if streamed is not None:  # rows whose logprob passes ran while the engines generated
+        if stream is not None and streamed is not None:  # passes run while the engines generated
             metrics["logprobs/streamed_frac"] = streamed
+            metrics["time/logprobs_submit"] = stream.submit_s
         # step 10: greedy evaluation on the validation split (val/accuracy) with the new
         # weights, then log, then a checkpoint every checkpoint.every_n_steps
         end_step(ctx, step, weight_version, metrics, on_step)

@@ -16,6 +16,7 @@ sequences attend only to themselves), up to the kernels' rounding.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,8 @@ class LogprobStream:
     chunk_rows: int
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
+    # Controller seconds spent building and submitting the chunks (inside the generate stage).
+    submit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:
@@ -72,6 +75,7 @@ class LogprobStream:
             self._submit()
 
     def _submit(self) -> None:
+        t0 = time.perf_counter()
         rows, self.pending = self.pending, []
         rollout = RolloutBatch(
             prompt_ids=[p for _, p, _ in rows],
@@ -89,6 +93,7 @@ class LogprobStream:
                 self.policy.submit_logprobs(batch, reference=True) if self.need_ref else None,
             )
         )
+        self.submit_s += time.perf_counter() - t0
 
     def finish(self, batch: TrainBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(old logprobs_BT, reference logprobs_BT) of ``batch``'s rows (None where not

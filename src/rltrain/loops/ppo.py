@@ -166,8 +166,9 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
             )
         if kl_BT is not None:
             metrics["kl_penalty"] = float(kl_BT.sum() / n_tokens)
-        if streamed is not None:  # rows whose logprob passes ran while the engines generated
+        if stream is not None and streamed is not None:  # passes run while the engines generated
             metrics["logprobs/streamed_frac"] = streamed
+            metrics["time/logprobs_submit"] = stream.submit_s
         # greedy evaluation on the validation split (val/accuracy) with the new weights,
         # then log, then a checkpoint every checkpoint.every_n_steps
         end_step(ctx, step, weight_version, metrics, on_step)
