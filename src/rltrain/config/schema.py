@@ -126,7 +126,8 @@ class TrainConfig:
     liger: bool = False
     # The step's old and reference logprob passes on the rows the engines have finished,
     # while they still generate. null = on where the policy's GPUs hold no engine and the
-    # engine streams rows (vLLM, not colocated; sync loops, single turn).
+    # engine streams rows (vLLM, not colocated; sync loops, single turn); true beside a
+    # colocated engine exits 2 (a pass needs the memory the engine's sleep frees).
     logprobs_while_generating: bool | None = None
     # Low-rank adapters instead of full fine-tuning (rank 0 = off).
     lora: LoraConfig = field(default_factory=LoraConfig)

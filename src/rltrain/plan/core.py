@@ -299,6 +299,15 @@ def _make_plan_resolved(
             "while the trainer trains; give the rollout GPUs of its own (more GPUs, or fewer "
             "trainer ranks with dtensor.dp) or set algorithm.async_rollout.enabled=false."
         )
+    if colocated and cfg.train.logprobs_while_generating:
+        raise ConfigError(
+            f"train.logprobs_while_generating=true but the engines land on the trainers' GPUs "
+            f"({resources.num_gpus} GPU(s): rollout.colocated resolves to true): a logprob pass "
+            "needs the memory the engines free when they sleep after generating, so nothing "
+            "could run beside them; set train.logprobs_while_generating=null (on where the "
+            "rollout has GPUs of its own) or give the rollout GPUs of its own "
+            "(rollout.colocated=false)."
+        )
     batch = batch_plan(cfg, dp)
     value_dp = 0
     value_batch = None
