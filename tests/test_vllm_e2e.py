@@ -82,3 +82,31 @@ def test_cli_async_multi_turn_with_partial_rollouts_on_vllm(tmp_path):
     assert rows[0]["token_mult_prob_error"] <= 1.01  # on-policy at step 1 (fp32)
     for r in rows:
         assert 1.0 <= r["env/turns_mean"] <= 2.0 and r["env/observation_tokens_mean"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_cli_logprob_passes_run_on_rows_streamed_from_vllm(tmp_path):
+    """`train.logprobs_while_generating=true` with two optimizer steps per rollout (old
+    logprobs needed) and a KL penalty (reference logprobs): every row's passes went to the
+    policy while vLLM still streamed rows, and the old logprobs assembled from the chunks
+    agree with the engine's (fp32: token_mult_prob_error 1 within rounding)."""
+    out = tmp_path / "stream"
+    steps = 4
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "grpo", "rollout=vllm",
+         "train.logprobs_while_generating=true", "train.mini_batch_size=128",
+         "algorithm.kl_coef=0.01", f"max_steps={steps}", f"output_dir={out}",
+         "logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false",
+         "cluster.startup_timeout_s=600"],
+        capture_output=True, text=True, timeout=850, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        # chunks of 16 of the 128 rows: all of them submitted while rows streamed
+        assert r["logprobs/streamed_frac"] == 1.0
+        assert r["time/logprobs_submit"] > 0
+        assert abs(r["token_mult_prob_error"] - 1.0) <= 0.01, r["token_mult_prob_error"]
+        assert r["weight_version"] == float(r["step"])
