@@ -306,7 +306,10 @@ class SandboxPool:
         start = time.monotonic()
         job = json.dumps({"timeout_s": timeout_s, "memory_mb": int(memory_mb)}).encode()
         job += b"\n" + code.encode("utf-8", "replace")
-        for _ in range(3):  # a worker killed before it took its job is skipped
+        # A worker killed before it took its job is skipped; every idle one may be dead
+        # (killed from outside, not yet reaped by the server), so try one more than it holds.
+        tries = self.size + 1
+        for _ in range(tries):
             worker = self._take(start + START_TIMEOUT_S)
             if worker is None:
                 text = f"no sandbox worker was ready within {START_TIMEOUT_S:g} s"
@@ -319,7 +322,7 @@ class SandboxPool:
             result = self._collect(worker, start, deadline, timeout_s, int(max_output_bytes))
             if result is not None:
                 return result
-        text = "three sandbox workers in a row were killed before taking the job"
+        text = f"{tries} sandbox workers in a row were killed before taking the job"
         return SandboxResult("", "", -1, False, False, time.monotonic() - start, text)
 
     def _collect(
