@@ -476,6 +476,12 @@ def test_the_pool_refills_after_killed_workers(pool):
     assert workers
     for w in workers:  # idle workers killed from outside
         os.kill(w, signal.SIGKILL)
+    # wait for the event, not a time: the server has reaped every killed worker
+    parents = _children(server) or [server]
+    deadline = time.monotonic() + 60
+    while any(w in _children(p) for p in parents for w in workers):
+        assert time.monotonic() < deadline, "the sandbox server did not reap its killed workers"
+        time.sleep(0.01)
     assert [pool.run(f"print({i})").stdout for i in range(6)] == [f"{i}\n" for i in range(6)]
 
 
