@@ -16,6 +16,19 @@ pytestmark = pytest.mark.e2e
 STEPS = 40
 
 
+def _grpo_rows(out, *overrides: str, timeout: float = 850) -> list[dict]:
+    """`rltrain grpo rollout=vllm <overrides>` into ``out`` (exit 0 asserted): its metric rows."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "grpo", "rollout=vllm", *overrides,
+         f"output_dir={out}", "logger.progress=false", "logger.tensorboard=false",
+         "checkpoint.save_final=false", "cluster.startup_timeout_s=600"],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.timeout(1500)
 def test_cli_grpo_with_vllm_learns_on_policy(tmp_path):
     out = tmp_path / "vllm"
@@ -63,19 +76,14 @@ def test_cli_async_multi_turn_with_partial_rollouts_on_vllm(tmp_path):
     rollouts: each call's episodes run as a turn session on the replica while the trainer
     trains and refits land beside the sessions; every sample within the bound, the first
     (on-policy) step's engine and trainer logprobs alike. About 45-55 s on this CPU."""
-    out = tmp_path / "vllm-turns"
     steps = 6
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", "grpo", "env=tool_copy", "rollout=vllm",
-         "algorithm.async_rollout.enabled=true", "algorithm.async_rollout.partial_rollouts=true",
-         f"max_steps={steps}", f"output_dir={out}", "logger.progress=false",
-         "logger.tensorboard=false", "checkpoint.save_final=false",
-         "cluster.startup_timeout_s=600"],
-        capture_output=True, text=True, timeout=850, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _grpo_rows(
+        tmp_path / "vllm-turns",
+        "env=tool_copy",
+        "algorithm.async_rollout.enabled=true",
+        "algorithm.async_rollout.partial_rollouts=true",
+        f"max_steps={steps}",
+    )
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert max(r["async/staleness_max"] for r in rows) <= 1.0
     assert sum(r["async/staleness_mean"] for r in rows) > 0  # really asynchronous
@@ -90,19 +98,14 @@ def test_cli_logprob_passes_run_on_rows_streamed_from_vllm(tmp_path):
     logprobs needed) and a KL penalty (reference logprobs): every row's passes went to the
     policy while vLLM still streamed rows, and the old logprobs assembled from the chunks
     agree with the engine's (fp32: token_mult_prob_error 1 within rounding)."""
-    out = tmp_path / "stream"
     steps = 4
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", "grpo", "rollout=vllm",
-         "train.logprobs_while_generating=true", "train.mini_batch_size=128",
-         "algorithm.kl_coef=0.01", f"max_steps={steps}", f"output_dir={out}",
-         "logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false",
-         "cluster.startup_timeout_s=600"],
-        capture_output=True, text=True, timeout=850, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _grpo_rows(
+        tmp_path / "stream",
+        "train.logprobs_while_generating=true",
+        "train.mini_batch_size=128",
+        "algorithm.kl_coef=0.01",
+        f"max_steps={steps}",
+    )
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         # chunks of 16 of the 128 rows: all of them submitted while rows streamed
