@@ -15,7 +15,8 @@ turn machinery costs (env=bench_turns against one turn of the same sampled token
 
 The machine may be shared with other work: ``load`` records ``os.getloadavg()`` before
 and after, and the timings are only as quiet as it was. Writes
-``scripts/results/bench_multiturn-<device>.json``.
+``scripts/results/bench_multiturn-<device>.json``, or the same file name in the ``--out``
+folder (created when missing).
 
 ``--gpu``: one GPU at Qwen2.5-1.5B shapes (the random-weight model of
 scripts/bench_e2e.py, built offline into ``--model-dir`` or reused), vLLM colocated, bf16,
@@ -96,6 +97,13 @@ def sandbox_calls_per_s() -> float | None:
     except ImportError:
         return None
     return float(measure_calls_per_s(200))
+
+
+def result_path(out: Path | None, device: str) -> Path:
+    """The result file: ``bench_multiturn-<device>.json`` in the ``--out`` folder, else in
+    ``scripts/results/``. The folder need not exist: :func:`benchlib.write_json` creates it
+    (``--out $OUT`` names a folder, as for the other benchmarks)."""
+    return (out or RESULTS) / f"bench_multiturn-{device}.json"
 
 
 def add_sandbox(out: Path) -> None:
@@ -214,9 +222,7 @@ def gpu_bench(args: argparse.Namespace) -> None:
         },
         "runs": runs,
     }
-    out = args.out or RESULTS / f"bench_multiturn-{device}.json"
-    if out.is_dir():
-        out = out / f"bench_multiturn-{device}.json"
+    out = result_path(args.out, device)
     write_json(result, out)
     print(json.dumps(result["summary"], indent=2))
     failed = [k for k, r in runs.items() if r["returncode"] != 0]
@@ -231,7 +237,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_multiturn"))
     ap.add_argument("--turn-steps", type=int, default=12)
     ap.add_argument("--timeout-s", type=float, default=1200.0)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the result file (default: scripts/results)",
+    )
     ap.add_argument(
         "--sandbox-only", action="store_true", help="add the sandbox figure to the result file"
     )
@@ -251,7 +262,7 @@ def main() -> None:
     if args.gpu:
         gpu_bench(args)
         return
-    out = args.out or RESULTS / f"bench_multiturn-{args.device}.json"
+    out = result_path(args.out, args.device)
     if args.sandbox_only:
         add_sandbox(out)
         return

@@ -217,24 +217,32 @@ def test_bench_ppo_split_is_refused_at_80gib():
         _bench_plan("ppo", "split")
 
 
+def _one_gpu_args(
+    bench, max_new_tokens: int, micro_tokens: int | None, eager: bool
+) -> SimpleNamespace:
+    """bench_e2e's command-line arguments for its one-GPU run (what ``run_overrides`` reads),
+    the same in every test but for the knobs a test varies."""
+    return SimpleNamespace(
+        data=str(bench.DATA),
+        prompts=32,
+        samples=8,
+        max_new_tokens=max_new_tokens,
+        micro_tokens=micro_tokens,
+        steps=5,
+        smoke=False,
+        gpu_memory_utilization=0.3,
+        eager=eager,
+        overrides=[],
+    )
+
+
 def test_bench_one_gpu_default_and_four_gpu_recipe_fit_80gib():
     """bench_e2e's one-GPU run (colocated vLLM) and the recipe on 4 GPUs with two engines of
     their own; the recipe's own 4 colocated engines on one GPU do not fit."""
     from rltrain.config.errors import ConfigError
 
     bench = _script("bench_e2e")
-    args = SimpleNamespace(
-        data=str(bench.DATA),
-        prompts=32,
-        samples=8,
-        max_new_tokens=512,
-        micro_tokens=4096,
-        steps=5,
-        smoke=False,
-        gpu_memory_utilization=0.3,
-        eager=True,
-        overrides=[],
-    )
+    args = _one_gpu_args(bench, max_new_tokens=512, micro_tokens=4096, eager=True)
     folder = Path(_script("memory_estimate").model_folder())
     overrides = bench.run_overrides(args, folder, Path("/tmp/unused"))
     cfg, choices = compose([*overrides, "cluster.gpu_memory_gib=80"], algorithm="grpo")
@@ -376,17 +384,8 @@ def test_micro_batch_tokens_auto_takes_the_largest_that_fits(gib, tokens):
     plan fits the GPU (bench_e2e's one-GPU run: 8192 on 80 GiB, 4096 on 64), the CPU size where
     nothing larger fits or the GPU's memory is unknown; a value the user set stays as set."""
     bench = _script("bench_e2e")
-    args = SimpleNamespace(
-        data=str(bench.DATA),
-        prompts=32,
-        samples=8,
-        max_new_tokens=256,
-        micro_tokens=4096 if gib == "set" else None,
-        steps=5,
-        smoke=False,
-        gpu_memory_utilization=0.3,
-        eager=False,
-        overrides=[],
+    args = _one_gpu_args(
+        bench, max_new_tokens=256, micro_tokens=4096 if gib == "set" else None, eager=False
     )
     folder = Path(_script("memory_estimate").model_folder())
     overrides = bench.run_overrides(args, folder, Path("/tmp/unused"))

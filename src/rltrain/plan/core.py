@@ -211,7 +211,7 @@ class RunPlan:
 
 def estimate_num_params(cfg: RunConfig) -> int | None:
     """Parameter count of the policy (exact for Qwen2-style models) from its architecture
-    (:func:`rltrain.plan.memory.model_shape`); None when the size is unknown."""
+    (:func:`rltrain.plan.sizes.model_shape`); None when the size is unknown."""
     shape = model_shape(cfg)
     return shape.num_params if shape is not None else None
 
