@@ -75,6 +75,13 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", default=os.environ.get("OUT"), help="also write the result here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="earlier result files whose runs join this call's (modes run in separate calls); "
+        "without --modes, only merge them",
+    )
     # cuda: the shapes of scripts/bench_e2e.py
     p.add_argument("--model-dir", default="/tmp/rltrain-bench-qwen1.5b")
     p.add_argument("--data", default=str(DATA))
@@ -87,7 +94,10 @@ def parse_args() -> argparse.Namespace:
     args.steps = args.steps or (12 if cuda else 150)
     args.seeds = args.seeds or ([0] if cuda else [0, 1, 2])
     # One process holds one GPU's worth of roles at most: no in_process mode on CUDA.
-    args.modes = args.modes or (["sync", "async"] if cuda else ["sync", "async", "in_process"])
+    if args.merge and args.modes is None:
+        args.modes = []
+    elif args.modes is None:
+        args.modes = ["sync", "async"] if cuda else ["sync", "async", "in_process"]
     return args
 
 
@@ -127,6 +137,17 @@ def first_reaching(rows: list[dict], launched: float, bound: float = 0.8) -> flo
     return None if i is None else rows[i]["wall_time"] - launched
 
 
+def stage_medians(rows: list[dict]) -> dict[str, float]:
+    """Median of each ``time/*`` and ``async/*`` metric over ``rows`` (where logged)."""
+    keys = sorted({k for r in rows for k in r if k.startswith(("time/", "async/"))})
+    out = {}
+    for k in keys:
+        values = [r[k] for r in rows if isinstance(r.get(k), int | float)]
+        if values:
+            out[k] = statistics.median(values)
+    return out
+
+
 def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], work: Path) -> dict:
     out = work / f"{mode}-seed{seed}"
     overrides = [*base, f"seed={seed}", f"max_steps={args.steps}", f"output_dir={out}", *QUIET]
@@ -162,6 +183,9 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
         "step_ms_median": 1000 * statistics.median(r["time/step"] for r in rows),
         "seconds_to_0_8": first_reaching(rows, launched),
         "exact_match_last10": sum(r["reward/exact_match"] for r in rows[-10:]) / 10,
+        # every stage's median over the steps after the first (compilation), to read what
+        # separates a step from max(generate, train)
+        "stage_medians": stage_medians(rows[1:] or rows),
     }
     if mode in ("async", "async_partial"):
         result.update(
@@ -179,13 +203,26 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, base: list[str], wor
 
 def main() -> None:
     args = parse_args()
-    device = device_name(args.device)
+    merged = [json.loads(Path(f).read_text()) for f in args.merge or []]
+    # a merge alone runs nothing: it may run where the runs' device is not
+    device = merged[0]["device"] if merged and not args.modes else device_name(args.device)
     work = Path(os.environ.get("BENCH_ASYNC_WORK", f"/tmp/bench_async-{int(time.time())}"))
     work.mkdir(parents=True, exist_ok=True)
-    base = cuda_overrides(args) if args.device == "cuda" else []
+    base = cuda_overrides(args) if args.device == "cuda" and args.modes else []
     load_before = os.getloadavg()
-    runs = [run_one(m, s, args, base, work) for s in args.seeds for m in args.modes]
-    by = {m: [r for r in runs if r["mode"] == m] for m in args.modes}
+    name = f"bench_async-{device}.json"
+    runs = [r for doc in merged for r in doc["runs"]]
+    for s in args.seeds:
+        for m in args.modes:
+            runs.append(run_one(m, s, args, base, work))
+            # written after every run: a call that ends early keeps the runs it finished
+            write_json(
+                {"device": device, "command": " ".join(sys.argv), "runs": runs},
+                result_paths(name, args.out, committed=False) or [work / name],
+                newline=False,
+            )
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    by = {m: [r for r in runs if r["mode"] == m] for m in modes}
     summary: dict[str, float | None] = {}
     if "sync" in by and "async" in by:
         spm = {m: statistics.median(r["steps_per_min"] for r in by[m]) for m in by}
@@ -215,6 +252,7 @@ def main() -> None:
         "seeds": args.seeds,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
+        "merged_from": [doc.get("command") for doc in merged] or None,
         "definitions": {
             "steps_per_min": "steps / (last step logged - first step started), start-up excluded",
             "seconds_to_0_8": "process launch to the first step whose last-10 mean exact match "
@@ -225,7 +263,6 @@ def main() -> None:
         "runs": runs,
     }
     print(json.dumps(summary, indent=2))
-    name = f"bench_async-{device}.json"
     write_json(result, result_paths(name, args.out), newline=False)
     print(f"wrote {RESULTS / name}")
 

@@ -479,11 +479,11 @@ LAYOUTS_4: dict[str, dict] = {
         "colocated": True,
     },
     "recipe": {
-        "about": "the recipe's own layout: dp=4 trainers, its 4 vLLM replicas colocated on "
-        "policy rank 0's GPU (IPC refit)",
+        "about": "the recipe's own layout: its 4 vLLM replicas colocated on policy rank 0's GPU "
+        "(IPC refit); grpo: dp=4 trainers; ppo: policy dp=2 and critic dp=2 on GPUs of their own",
         "overrides": [],
         "expect": {"rollout_colocated": True, "refit": "ipc"},
-        "expect_ppo": {"value_colocated": True},
+        "expect_ppo": {"value_colocated": False},
         "may_refuse": ("grpo", "ppo"),
         "colocated": True,
     },
