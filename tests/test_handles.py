@@ -73,7 +73,7 @@ def test_every_method_the_handles_call_exists_with_its_annotated_signature():
         ("PolicyWorker", "train_microbatch"),
         ("PolicyWorker", "finish_train_step"),
         ("PolicyWorker", "abort_train_step"),
-        ("PolicyWorker", "compute_logprobs"),
+        ("PolicyWorker", "compute_logprob_passes"),
         ("PolicyWorker", "train"),
         ("ValueWorker", "train"),
         ("ValueWorker", "values"),

@@ -25,11 +25,12 @@ class _StreamingRollouts:
         self.policy = policy
         self.chunks_seen: list[int] = []
 
-    def generate_streaming(self, prompt_ids, sampling, on_row) -> RolloutBatch:
+    def generate_streaming(self, prompt_ids, sampling, on_row, on_caught_up) -> RolloutBatch:
         responses = [[5 + (i % 7)] * (1 + i % 5) for i in range(len(prompt_ids))]
         for i in reversed(range(len(prompt_ids))):
             self.chunks_seen.append(len(self.policy.calls))
             on_row(i, responses[i], [-0.5] * len(responses[i]), True)
+            on_caught_up()  # a row at a time: the controller keeps up
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids],
             response_ids=responses,
@@ -46,7 +47,8 @@ class _Policy:
     dp = 2
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, bool]] = []
+        self.calls: list[tuple[int, bool]] = []  # (rows, reference) per pass
+        self.submits = 0  # calls, each with a chunk's passes
 
     @staticmethod
     def _logprobs(batch, reference: bool) -> torch.Tensor:
@@ -54,13 +56,11 @@ class _Policy:
         out = -(torch.cumsum(ids, -1) % 11) / (13.0 if reference else 17.0)
         return (out * batch.attention_mask_BT).float()
 
-    def submit_logprobs(self, batch, reference: bool = False) -> Later[torch.Tensor]:
-        self.calls.append((batch.size, reference))
-        value = self._logprobs(batch, reference)
-        return Later(lambda: value)
-
-    def logprobs(self, batch, reference: bool = False) -> torch.Tensor:
-        return self._logprobs(batch, reference)
+    def submit_logprob_passes(self, batch, passes) -> Later[list[torch.Tensor]]:
+        self.calls += [(batch.size, reference) for reference in passes]
+        self.submits += 1
+        values = [self._logprobs(batch, reference) for reference in passes]
+        return Later(lambda: values)
 
 
 @pytest.mark.parametrize("need_old", [True, False])
@@ -91,16 +91,46 @@ def test_streamed_logprob_passes_equal_the_passes_after_generation(need_old):
     batch = build_train_batch(got.rollout, tok.pad_token_id)
     mask = batch.response_mask_BT
     streamed = old_and_reference_logprobs(ctx, batch, mask, need_old, StageTimer(), stream)  # type: ignore[arg-type]
-    direct = old_and_reference_logprobs(ctx, batch, mask, need_old, StageTimer())  # type: ignore[arg-type]
-    # the rest went in one more chunk; every row once per pass
+    # the rest went in one more chunk; every row once per pass, a chunk's passes together
     assert [n for n, ref in policy.calls if ref] == [5] * (rows // 5) + [rows % 5]
     assert len(policy.calls) == passes * (rows // 5 + 1)
+    assert policy.submits == rows // 5 + 1
+    direct = old_and_reference_logprobs(ctx, batch, mask, need_old, StageTimer())  # type: ignore[arg-type]
+    assert policy.submits == rows // 5 + 2  # the passes after generation: one call
     assert streamed.ref_logprobs_BT is not None
     assert torch.equal(streamed.ref_logprobs_BT, direct.ref_logprobs_BT)
     if need_old:
         assert torch.equal(streamed.old_logprobs_BT, direct.old_logprobs_BT)
     else:
         assert streamed.old_logprobs_BT is None and direct.old_logprobs_BT is None
+
+
+def test_rows_that_come_together_go_out_in_one_chunk():
+    """A burst of finished rows (every row ending at the same step) is one chunk and one call
+    for both passes, not one per chunk_rows rows and pass; rows that trickle in go out
+    every chunk_rows."""
+    from rltrain.loops.logprob_stream import LogprobStream
+
+    policy = _Policy()
+    stream = LogprobStream(policy, 0, True, True, chunk_rows=4)  # type: ignore[arg-type]
+    for i in range(3):
+        stream.add(i, [1], [2, 3])
+        stream.caught_up()
+    assert policy.submits == 0  # 3 rows wait: fewer than a chunk
+    for i in range(3, 14):  # a burst: 11 rows before the controller caught up
+        stream.add(i, [1], [2, 3])
+    stream.caught_up()
+    assert policy.submits == 1 and policy.calls == [(14, False), (14, True)]
+    stream.add(14, [1], [2])
+    stream.caught_up()
+    assert policy.submits == 1 and [len(c.rows) for c in stream.chunks] == [14]
+    # Knowing the step's rows, the last ones go out as soon as they are in.
+    policy = _Policy()
+    stream = LogprobStream(policy, 0, True, False, chunk_rows=4, expected_rows=6)  # type: ignore[arg-type]
+    for i in range(6):
+        stream.add(i, [1], [2])
+        stream.caught_up()
+    assert [len(c.rows) for c in stream.chunks] == [4, 2] and stream.streamed_rows == 6
 
 
 def test_a_row_missing_from_the_stream_is_named():
@@ -147,7 +177,10 @@ def test_real_policy_logprobs_of_chunks_match_the_whole_batch():
         stream = LogprobStream(gang, 0, True, True, chunk_rows=3)
         for i in (2, 0, 3, 1):
             stream.add(i, prompts[i], responses[i])
+            stream.caught_up()
+        assert [len(c.rows) for c in stream.chunks] == [3]
         old, ref = stream.finish(batch)
+        assert [len(c.rows) for c in stream.chunks] == [3, 1]
         mask = batch.attention_mask_BT.bool()
         assert old is not None and ref is not None
         for got, whole in ((old, gang.logprobs(batch)), (ref, gang.logprobs(batch, True))):

@@ -67,10 +67,17 @@ def test_rows_reach_the_controller_while_the_replicas_generate(ray_session, tmp_
             heard.append((i, ids))
             (tmp_path / f"heard-{ids[1]}").touch()
 
+        caught_up: list[int] = []  # rows heard at each call
         prompts = [[7, 8]] * 6
-        out = pool.generate_streaming(prompts, SamplingParams(), on_row)
+        out = pool.generate_streaming(
+            prompts, SamplingParams(), on_row, lambda: caught_up.append(len(heard))
+        )
         # Each replica waited for the controller to hear its first row: heard mid-call.
         assert out.finished == [True] * 6
+        # The controller caught up with the rows at least once while a replica waited for
+        # it, and again once every row was in; never with nothing new heard.
+        assert 2 <= len(caught_up) <= 6 and caught_up[0] < 6 and caught_up[-1] == 6
+        assert caught_up == sorted(set(caught_up))
         assert sorted(i for i, _ in heard) == list(range(6))
         assert dict(heard) == {i: out.response_ids[i] for i in range(6)}
         # Rows 0-2 on replica 0, 3-5 on replica 1 (request order kept in the batch), each
@@ -93,10 +100,15 @@ def test_in_process_replicas_give_the_same_rows(tmp_path):
     for i in range(2):
         (tmp_path / f"heard-{i}").touch()  # nothing to wait for in one process
     heard: list[int] = []
+    caught_up: list[int] = []
     out = _pool(actors).generate_streaming(
-        [[1]] * 4, SamplingParams(), lambda i, *rest: heard.append(i)
+        [[1]] * 4,
+        SamplingParams(),
+        lambda i, *rest: heard.append(i),
+        lambda: caught_up.append(len(heard)),
     )
     assert heard == [1, 0, 3, 2]
+    assert caught_up[-1] == 4  # every row in, acted on once more
     assert out.response_ids == [[0, 0], [1, 0], [0, 1], [1, 1]]
     with pytest.raises(WorkerError, match=r"generate: rollout rank 1 failed: ValueError"):
         _pool(actors).generate_streaming([[1]] * 10, SamplingParams(), lambda *row: None)

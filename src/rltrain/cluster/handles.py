@@ -186,18 +186,29 @@ class PolicyGang(TrainerGang[PolicyWorker]):
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Token-aligned logprobs_BT of every row under the current (or reference) policy."""
-        return self.submit_logprobs(batch, reference).result()
+        return self.submit_logprob_passes(batch, (reference,)).result()[0]
 
-    def submit_logprobs(self, batch: TrainBatch, reference: bool = False) -> Later[torch.Tensor]:
-        """:meth:`logprobs`, submitted: the ranks start at once; ``result()`` waits."""
+    def submit_logprob_passes(
+        self, batch: TrainBatch, passes: tuple[bool, ...]
+    ) -> Later[list[torch.Tensor]]:
+        """:meth:`logprobs` of each pass in ``passes`` (True: the reference's), submitted as
+        one call per rank: the ranks start at once; ``result()`` waits."""
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
-            a.call(PolicyWorker.compute_logprobs, s, reference)
+            a.call(PolicyWorker.compute_logprob_passes, s, passes)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
-        what = "reference logprobs" if reference else "logprobs"
-        return Later(lambda: shards.gather(self.calls.wait(pending, what), batch.input_ids_BT))
+        what = " and ".join("reference logprobs" if ref else "logprobs" for ref in passes)
+
+        def gather() -> list[torch.Tensor]:
+            per_rank = self.calls.wait(pending, what)
+            return [
+                shards.gather([r[k] for r in per_rank], batch.input_ids_BT)
+                for k in range(len(passes))
+            ]
+
+        return Later(gather)
 
     def train(self, batch: PolicyBatch) -> TrainResult:
         """Train on the batch (its mini batches and epochs); rank 0's metrics (already reduced
@@ -430,11 +441,17 @@ class RolloutPool:
         return merge_parts(parts)
 
     def generate_streaming(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, on_row: OnRow
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        on_row: OnRow,
+        on_caught_up: Callable[[], None] | None = None,
     ) -> RolloutBatch:
         """:meth:`generate`, with ``on_row`` called in this thread for each row (its index in
         ``prompt_ids``) as soon as its replica reports it finished, while the others still
-        generate: the caller scores rows as they come. The batch is the same."""
+        generate: the caller scores rows as they come. ``on_caught_up`` is called whenever
+        the rows reported so far have all been handed to ``on_row`` (no report waits), to
+        act once on rows that came together. The batch is the same."""
         n = len(self.actors)
         chunks = [
             prompt_ids[i * len(prompt_ids) // n : (i + 1) * len(prompt_ids) // n] for i in range(n)
@@ -467,15 +484,23 @@ class RolloutPool:
             threading.Thread(target=pump, args=(i,), name=f"rollout-{i}", daemon=True).start()
         parts: dict[int, RolloutBatch] = {}
         while len(parts) < len(busy):
-            i, kind, value = events.get()
-            if kind == "rows":
-                for j, ids, logprobs, finished in value:
-                    on_row(offsets[i] + j, ids, logprobs, finished)
-            elif kind == "done":
-                parts[i] = value
-            else:
-                self.calls.failed = True
-                raise value
+            # every report that has come, handled together; then on_caught_up once
+            got = [events.get()]
+            while not events.empty():
+                got.append(events.get_nowait())
+            rows = False
+            for i, kind, value in got:
+                if kind == "rows":
+                    rows = True
+                    for j, ids, logprobs, finished in value:
+                        on_row(offsets[i] + j, ids, logprobs, finished)
+                elif kind == "done":
+                    parts[i] = value
+                else:
+                    self.calls.failed = True
+                    raise value
+            if rows and on_caught_up is not None:
+                on_caught_up()
         return merge_parts([parts[i] for i in busy])
 
     def open_turns(

@@ -105,7 +105,8 @@ def collect(
 
     with timer("generate"):
         if ctx.rollout.streams_rows:
-            rollout = ctx.rollout.generate_streaming(prompt_ids, seeded, score_row)
+            caught_up = stream.caught_up if stream is not None else None
+            rollout = ctx.rollout.generate_streaming(prompt_ids, seeded, score_row, caught_up)
         else:
             rollout = ctx.rollout.generate(prompt_ids, seeded)
     assert rollout.weight_version == weight_version, "rollout used stale weights"

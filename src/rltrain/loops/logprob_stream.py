@@ -8,6 +8,13 @@ generate; :class:`LogprobStream` hands them the rows that have finished, a chunk
 time, while the rest still generate. What is left once the last row is in (the rows
 of the last chunk) is the stage's exposed time.
 
+A chunk goes out when the controller has caught up with the rows streamed so far
+(:meth:`LogprobStream.caught_up`, called by the pool when no event waits) and holds at
+least ``chunk_rows`` of them: rows that arrive together (a burst of rows ending at the
+same step) go out in one chunk, each chunk's passes in one call per rank. Every call
+costs the controller a submission, and that cost grows when other threads of the
+controller hold the interpreter.
+
 The passes are the same as :func:`rltrain.loops.step.old_and_reference_logprobs`'s,
 on fewer rows at a time: a row's logprobs do not depend on the rows beside it (packed
 sequences attend only to themselves), up to the kernels' rounding.
@@ -33,21 +40,26 @@ if TYPE_CHECKING:
 class _Chunk:
     rows: list[int]
     lengths: list[int]
-    old: Later[torch.Tensor] | None
-    ref: Later[torch.Tensor] | None
+    # the passes' logprobs (old first, then the reference's, where needed)
+    passes: Later[list[torch.Tensor]]
 
 
 @dataclass
 class LogprobStream:
     """Collects a step's finished rows (:meth:`add`, called as each row streams out) and
-    submits the policy's logprob passes on every ``chunk_rows`` of them; :meth:`finish`
-    submits the rest and assembles [B, T] tensors in rollout row order."""
+    submits the policy's logprob passes on the rows waiting whenever the controller has
+    caught up and at least ``chunk_rows`` wait (:meth:`caught_up`); :meth:`finish` submits
+    the rest and assembles [B, T] tensors in rollout row order."""
 
     policy: PolicyGang
     pad_id: int
     need_old: bool
     need_ref: bool
     chunk_rows: int
+    # the step's rows: once that many were added, the last ones go out without waiting for
+    # a chunk's worth (0: not known; :meth:`finish` submits them)
+    expected_rows: int = 0
+    added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
     # Controller seconds spent building and submitting the chunks (inside the generate stage).
@@ -66,12 +78,23 @@ class LogprobStream:
         """Rows whose passes were submitted before :meth:`finish`."""
         return sum(len(c.rows) for c in self.chunks)
 
+    @property
+    def passes(self) -> tuple[bool, ...]:
+        """The passes of a chunk: the policy's (False), then the reference's (True)."""
+        return ((False,) if self.need_old else ()) + ((True,) if self.need_ref else ())
+
     def add(self, row: int, prompt_ids: list[int], response_ids: list[int]) -> None:
         """Row ``row`` of the step (its index in the rollout) has finished."""
-        if not self.active:
-            return
-        self.pending.append((row, list(prompt_ids), list(response_ids)))
-        if len(self.pending) >= self.chunk_rows:
+        if self.active:
+            self.pending.append((row, list(prompt_ids), list(response_ids)))
+            self.added += 1
+
+    def caught_up(self) -> None:
+        """No streamed row waits to be handled: the rows added since the last chunk go out
+        as one when there are at least ``chunk_rows`` of them, or when they are the step's
+        last."""
+        last = self.expected_rows > 0 and self.added >= self.expected_rows
+        if self.active and self.pending and (len(self.pending) >= self.chunk_rows or last):
             self._submit()
 
     def _submit(self) -> None:
@@ -89,8 +112,7 @@ class LogprobStream:
             _Chunk(
                 [i for i, _, _ in rows],
                 [len(p) + len(r) for _, p, r in rows],
-                self.policy.submit_logprobs(batch) if self.need_old else None,
-                self.policy.submit_logprobs(batch, reference=True) if self.need_ref else None,
+                self.policy.submit_logprob_passes(batch, self.passes),
             )
         )
         self.submit_s += time.perf_counter() - t0
@@ -113,16 +135,18 @@ class LogprobStream:
                     raise RuntimeError(
                         f"row {i} streamed {n} tokens but the step's batch holds {lengths[i]}"
                     )
-        return self._assemble(batch, "old"), self._assemble(batch, "ref")
+        results = [chunk.passes.result() for chunk in self.chunks]
+        return self._assemble(batch, results, "old"), self._assemble(batch, results, "ref")
 
-    def _assemble(self, batch: TrainBatch, which: str) -> torch.Tensor | None:
+    def _assemble(
+        self, batch: TrainBatch, results: list[list[torch.Tensor]], which: str
+    ) -> torch.Tensor | None:
         if not (self.need_old if which == "old" else self.need_ref):
             return None
+        k = 0 if which == "old" else len(self.passes) - 1
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-        for chunk in self.chunks:
-            later = chunk.old if which == "old" else chunk.ref
-            assert later is not None
-            part = later.result()
+        for chunk, parts in zip(self.chunks, results, strict=True):
+            part = parts[k]
             for j, (i, n) in enumerate(zip(chunk.rows, chunk.lengths, strict=True)):
                 out[i, :n] = part[j, :n]
         return out

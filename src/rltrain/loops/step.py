@@ -52,7 +52,9 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     # A chunk per eighth of the step's rows (and at least one row per dp rank).
     rows = cfg.algorithm.prompts_per_step * cfg.algorithm.samples_per_prompt
     chunk = max(rows // 8, ctx.policy.dp, 1)
-    return LogprobStream(ctx.policy, ctx.tokenizer.pad_token_id, need_old, need_ref, chunk)
+    return LogprobStream(
+        ctx.policy, ctx.tokenizer.pad_token_id, need_old, need_ref, chunk, expected_rows=rows
+    )
 
 
 def old_and_reference_logprobs(
@@ -71,15 +73,15 @@ def old_and_reference_logprobs(
     a = ctx.cfg.algorithm
     old = ref = kl_BT = None
     with timer("logprobs"):
-        streamed_old, streamed_ref = stream.finish(batch) if stream else (None, None)
-        if need_old:
-            old = streamed_old if streamed_old is not None else ctx.policy.logprobs(batch)
+        if stream is not None:
+            old, ref_logprobs = stream.finish(batch)
+        else:  # both passes in one call per rank
+            passes = ((False,) if need_old else ()) + ((True,) if a.kl_coef > 0 else ())
+            got = ctx.policy.submit_logprob_passes(batch, passes).result() if passes else []
+            old = got[0] if need_old else None
+            ref_logprobs = got[-1] if a.kl_coef > 0 else None
         if a.kl_coef > 0:
-            ref_logprobs = (
-                streamed_ref
-                if streamed_ref is not None
-                else ctx.policy.logprobs(batch, reference=True)
-            )
+            assert ref_logprobs is not None, "the reference logprobs were not computed"
             if a.kl_in_reward:  # per sampled token (k1 by default)
                 assert old is not None, "the KL penalty in the reward needs the old logprobs"
                 kl = kl_estimate(old, ref_logprobs, cast(KLEstimator, a.kl_estimator))

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields, replace
+from itertools import chain
 from typing import Any, NamedTuple, Self
 
+import numpy as np
 import torch
 
 from rltrain.algorithms.shaping import truncated_keep_mask
@@ -154,32 +156,35 @@ def build_train_batch(
     A multi-turn rollout (``rollout.response_mask`` set) keeps its observation tokens in
     the rows as context: they are out of ``response_mask_BT`` and ``loss_mask_BT`` (no
     target, no loss, no logprob comparison), and their engine logprobs are 0."""
-    n_p = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
-    n_r = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.long)
+    # Flat arrays filled through a mask (row-major: token j of row i lands at [i, j]), read
+    # straight from the lists: no per-row tensors, no intermediate Python lists.
+    B = len(rollout.prompt_ids)
+    n_p = np.fromiter(map(len, rollout.prompt_ids), dtype=np.int64, count=B)
+    n_r = np.fromiter(map(len, rollout.response_ids), dtype=np.int64, count=B)
     lengths = n_p + n_r
-    B, T = len(lengths), int(lengths.max())
-    # One scatter over every token (not a tensor per row): token j of row i sits at [i, j].
-    flat = [
-        t for p, r in zip(rollout.prompt_ids, rollout.response_ids, strict=True) for t in (*p, *r)
-    ]
-    row = torch.repeat_interleave(torch.arange(B), lengths)
-    col = torch.arange(len(flat)) - torch.repeat_interleave(
-        torch.cumsum(lengths, 0) - lengths, lengths
+    T = int(lengths.max())
+    pos = np.arange(T)[None, :]
+    in_row = pos < lengths[:, None]
+    ids_np = np.full((B, T), pad_id, dtype=np.int64)
+    rows = chain.from_iterable(zip(rollout.prompt_ids, rollout.response_ids, strict=True))
+    ids_np[in_row] = np.fromiter(
+        chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum())
     )
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    ids[row, col] = torch.tensor(flat, dtype=torch.long)
-    attn = (torch.arange(T)[None, :] < lengths[:, None]).long()
-    in_resp = (torch.arange(T)[None, :] >= n_p[:, None]) & attn.bool()
-    elp = torch.zeros((B, T), dtype=torch.float32)
-    elp[in_resp] = torch.tensor(
-        [x for lp in rollout.response_logprobs for x in lp], dtype=torch.float32
+    in_resp_np = (pos >= n_p[:, None]) & in_row
+    elp_np = np.zeros((B, T), dtype=np.float32)
+    elp_np[in_resp_np] = np.fromiter(
+        chain.from_iterable(rollout.response_logprobs), dtype=np.float32, count=int(n_r.sum())
     )
+    attn = torch.from_numpy(in_row.astype(np.int64))
+    in_resp = torch.from_numpy(in_resp_np)
+    elp = torch.from_numpy(elp_np)
+    ids = torch.from_numpy(ids_np)
     if rollout.response_mask is not None:
         sampled = torch.zeros((B, T), dtype=torch.bool)
         sampled[in_resp] = torch.tensor(
             [x for m in rollout.response_mask for x in m], dtype=torch.bool
         )
-        elp = elp * sampled
+        elp = elp.masked_fill(~sampled, 0.0)  # observation tokens: 0, also in NaN rows
         in_resp = sampled
     resp = in_resp.float()
     loss_mask = (

@@ -95,6 +95,13 @@ class PolicyWorker(FSDPTrainer):
             unpack(lp, micro, out)
         return out
 
+    def compute_logprob_passes(
+        self, batch: TrainBatch, passes: tuple[bool, ...]
+    ) -> list[torch.Tensor]:
+        """:meth:`compute_logprobs` of each pass in ``passes`` (True: the reference's), in one
+        call: the controller submits a step's passes on a batch once per rank."""
+        return [self.compute_logprobs(batch, reference) for reference in passes]
+
     # -- training -----------------------------------------------------------------------
     def microbatch_loss(self, micro: MicroBatch) -> MicroLoss:
         """The policy objective of one micro batch, summed (see FSDPTrainer.microbatch_loss
