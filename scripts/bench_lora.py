@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as e2e  # noqa: E402 - the model, the run's overrides and the loop runner
+import bench_e2e_layouts as layouts  # noqa: E402 - a run's figures
 import benchlib  # noqa: E402
 
 ROOT = benchlib.ROOT
@@ -97,7 +98,7 @@ PER_STEP = (
 def loop_figures(loop: dict) -> dict:
     """Medians of the steps after the first, and the policy trainer's peak memory."""
     gpu_memory = (loop.get("run_summary") or {}).get("gpu_memory")
-    fig = e2e.summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else {}
+    fig = layouts.summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else {}
     peak = ((gpu_memory or {}).get("policy") or {}).get("peak") or {}
     return {
         "returncode": loop["returncode"],

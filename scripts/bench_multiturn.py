@@ -157,7 +157,7 @@ def gpu_overrides(
 
 def gpu_bench(args: argparse.Namespace) -> None:
     """``--gpu``: bench_turns (4 x 64) against one turn (256) at 1.5B shapes on vLLM."""
-    from bench_e2e import after_first, run_loop
+    from benchlib import after_first, run_loop
 
     if args.smoke:
         args.steps, args.prompts, args.samples = min(args.steps, 2), 4, 2

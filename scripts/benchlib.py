@@ -9,6 +9,7 @@ first too. Result files are ``scripts/results/<script>-<device>.json`` with ``de
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -185,6 +186,11 @@ def first_window_reaching(values: Sequence[float], window: int, bound: float) ->
     return None
 
 
+def after_first(rows: list) -> list:
+    """The steps after the first (compilation, warm-up); all of them if there is only one."""
+    return rows[1:] if len(rows) > 1 else rows
+
+
 # -- runs of the CLI ---------------------------------------------------------------------
 def child_env(**extra: str) -> dict[str, str]:
     """This environment plus ``extra`` for a child: this checkout's ``src/`` first on
@@ -290,6 +296,43 @@ def read_summary(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+STEP_KEYS = ("time/", "overhead/", "compile/", "throughput/")
+STEP_FIELDS = (
+    "response/length_mean",
+    "response/finished_frac",
+    "num_tokens",
+    "num_sequences",
+    "reward/mean",
+    "token_mult_prob_error",
+    "refit/bytes",
+)
+
+
+def run_loop(
+    overrides: list[str],
+    run_dir: Path,
+    timeout_s: float,
+    explain_recompiles: bool = False,
+    algo: str = "grpo",
+) -> dict:
+    """`rltrain <algo> <overrides>` in a subprocess; its output goes to run_dir/run.log.
+
+    Past ``timeout_s`` the run gets SIGINT (it shuts its workers down and keeps the
+    metrics rows it logged), then SIGKILL after INTERRUPT_GRACE_S (run_cli);
+    ``returncode`` is None and ``timed_out`` true.
+    """
+    env = child_env(**({"TORCH_LOGS": "recompiles"} if explain_recompiles else {}))
+    run = run_cli([algo, *overrides], timeout_s, log=run_dir / "run.log", env=env)
+    out: dict = {"returncode": run.returncode, "wall_s": round(run.wall_s, 1)}
+    if run.timed_out:
+        out["timed_out"] = True
+    out["rows"] = read_metrics(run_dir)
+    out["run_summary"] = read_summary(run_dir)
+    if run.returncode != 0:
+        out["log_tail"] = (run_dir / "run.log").read_text()[-6000:]
+    return out
+
+
 # -- the random-weight Qwen2.5-shaped model ----------------------------------------------
 PROMPT_TOKENS = 512  # data.max_prompt_tokens of the GSM8K benchmarks
 
@@ -313,6 +356,14 @@ def gsm8k_shape_overrides(
         f"algorithm.samples_per_prompt={samples}",
         f"rollout.max_new_tokens={max_new_tokens}",
     ]
+
+
+def micro_tokens(args: argparse.Namespace) -> list[str]:
+    """``train.max_tokens_per_micro_batch`` when ``--micro-tokens`` is given, else nothing (the
+    project's default: auto, the largest size whose plan fits the GPU)."""
+    if args.micro_tokens is None:
+        return []
+    return [f"train.max_tokens_per_micro_batch={args.micro_tokens}"]
 
 
 def ensure_qwen_model(model_dir: Path, smoke: bool = False) -> dict:

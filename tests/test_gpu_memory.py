@@ -1,6 +1,7 @@
 """GPU memory per role: the per-process figures (a no-op off CUDA), their peak over a
 role's ranks, the best-effort gather over a run's workers, and how scripts/bench_e2e.py
---gpus 2 turns a run's metrics and memory into its summary and places its layouts."""
+--gpus 2 (scripts/bench_e2e_layouts.py) turns a run's metrics and memory into its summary
+and places its layouts."""
 
 from __future__ import annotations
 
@@ -20,13 +21,18 @@ from rltrain.logging.gpu_memory import GIB, process_gpu_memory, role_peaks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "scripts" / "bench_e2e.py")
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _bench():
+    """bench_e2e.py's 2- and 4-GPU layouts (scripts/bench_e2e_layouts.py)."""
+    return _script("bench_e2e_layouts")
 
 
 def test_process_gpu_memory_is_empty_without_cuda(monkeypatch):
@@ -211,7 +217,7 @@ def test_bench_two_gpu_layouts_plan_as_intended(tmp_path, algo, layout):
         max_new_tokens=512,
         steps=50,
         recipe="qwen1.5b-gsm8k",
-        data=str(bench.DATA),
+        data=str(_script("benchlib").DATA),
         eager=True,
         gpu_memory_utilization=0.3,
         split_gpu_memory_utilization=0.8,

@@ -180,7 +180,7 @@ def test_cli_unknown_gpu_size_skips_the_check_and_says_so():
 
 # -- the benchmarks' layouts stay accepted at 80 GiB -----------------------------------------
 def _bench_plan(algo: str, layout: str, gib: float = 80.0):
-    bench = _script("bench_e2e")
+    layouts = _script("bench_e2e_layouts")
     args = SimpleNamespace(
         prompts=32,
         samples=8,
@@ -189,7 +189,7 @@ def _bench_plan(algo: str, layout: str, gib: float = 80.0):
         max_new_tokens=256,
         steps=6,
         recipe="qwen1.5b-gsm8k",
-        data=str(bench.DATA),
+        data=str(_script("benchlib").DATA),
         eager=True,
         gpu_memory_utilization=0.3,
         split_gpu_memory_utilization=0.8,
@@ -197,7 +197,7 @@ def _bench_plan(algo: str, layout: str, gib: float = 80.0):
         dry_run=False,
     )
     folder = Path(_script("memory_estimate").model_folder())
-    plan_ov, _ = bench.two_gpu_overrides(args, algo, layout, folder, Path("/tmp/unused"))
+    plan_ov, _ = layouts.two_gpu_overrides(args, algo, layout, folder, Path("/tmp/unused"))
     cfg, choices = compose([*plan_ov, f"cluster.gpu_memory_gib={gib}"], algorithm=algo)
     return make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices)
 
@@ -297,11 +297,11 @@ def test_gpu_memory_is_read_from_nvml_without_a_cuda_context(monkeypatch):
 def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
     """bench_e2e keeps, per process, plan.json's estimate and the run's measured peak (here
     the grpo dp2 run's memory as the 2 x H100 result holds it)."""
-    bench = _script("bench_e2e")
+    layouts = _script("bench_e2e_layouts")
     result = json.loads((ROOT / "scripts/results/bench_e2e-nvidia-h100-2gpu.json").read_text())
     gpu_memory = result["runs"]["grpo_dp2"]["gpu_memory"]
     (tmp_path / "plan.json").write_text(_bench_plan("grpo", "dp2", 79.18).to_json())
-    got = bench.plan_estimate_vs_peak(tmp_path, gpu_memory)
+    got = layouts.plan_estimate_vs_peak(tmp_path, gpu_memory)
     assert set(got) == {"policy rank 0", "policy rank 1", "rollout rank 0"}
     assert [got[k]["gpu"] for k in sorted(got)] == [0, 1, 0]
     assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(24.936, abs=1e-3)
@@ -309,7 +309,7 @@ def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
     assert got["rollout rank 0"]["memory_estimate_gib"] == pytest.approx(13.63, abs=0.01)
     # the replica's process and its engine core's (vLLM's weights and KV cache live there)
     assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.756, abs=0.01)
-    assert bench.plan_estimate_vs_peak(tmp_path / "none", gpu_memory) is None
+    assert layouts.plan_estimate_vs_peak(tmp_path / "none", gpu_memory) is None
 
 
 def test_trainer_parts_in_bytes():
