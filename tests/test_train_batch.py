@@ -1,6 +1,7 @@
 """build_train_batch against a row-by-row construction: the same tensors, exactly, for
 single-turn rows, multi-turn rows (observation tokens out of the response mask) and
-engine logprobs that are NaN (rows the engine did not return logprobs for)."""
+engine logprobs that are NaN (rows the engine did not return logprobs for); and the
+narrowed form a logprob pass's rows travel in."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import random
 import torch
 
 from rltrain.rollout.base import RolloutBatch
-from rltrain.train.batch import build_train_batch
+from rltrain.train.batch import TrainBatch, build_train_batch
+
+TRAIN_FIELDS = (
+    "input_ids_BT",
+    "attention_mask_BT",
+    "response_mask_BT",
+    "engine_logprobs_BT",
+    "loss_mask_BT",
+)
 
 
 def _row_by_row(rollout: RolloutBatch, pad_id: int, drop_truncated: bool) -> dict:
@@ -64,3 +73,28 @@ def test_the_batch_equals_the_row_by_row_construction():
                 got.input_ids_BT.dtype == torch.long
                 and got.engine_logprobs_BT.dtype == torch.float32
             )
+
+
+def test_a_pass_batch_crosses_in_few_bytes_and_comes_back_the_same():
+    """for_pass narrows what a logprob pass reads (int32 ids, bool masks, no engine
+    logprobs) and widened restores it: the same values, in the trainers' dtypes; pickled,
+    a 16 x 768 chunk fits under Ray's 100 KiB limit for arguments inside the call."""
+    import pickle
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 150_000) for _ in range(256)] for _ in range(16)]
+    responses = [[rng.randrange(3, 150_000) for _ in range(512)] for _ in range(16)]
+    logprobs = [[-rng.random() for _ in r] for r in responses]
+    rollout = RolloutBatch(prompts, responses, logprobs, [True] * 16, 0)
+    batch = build_train_batch(rollout, 0)
+    narrow = batch.for_pass()
+    assert len(pickle.dumps(narrow)) < 100 * 1024 < len(pickle.dumps(batch))
+    back = narrow.widened()
+    for name in ("input_ids_BT", "attention_mask_BT", "response_mask_BT", "loss_mask_BT"):
+        assert torch.equal(getattr(back, name), getattr(batch, name)), name
+        assert getattr(back, name).dtype == getattr(batch, name).dtype, name
+    assert back.engine_logprobs_BT.shape == batch.engine_logprobs_BT.shape
+    assert not back.engine_logprobs_BT.any()
+    # a mask that is not 0/1 keeps its values
+    weighted = TrainBatch(*[getattr(batch, f) for f in TRAIN_FIELDS[:4]], batch.loss_mask_BT * 0.5)
+    assert torch.equal(weighted.for_pass().widened().loss_mask_BT, weighted.loss_mask_BT)

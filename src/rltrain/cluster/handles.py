@@ -196,7 +196,7 @@ class PolicyGang(TrainerGang[PolicyWorker]):
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
-            a.call(PolicyWorker.compute_logprob_passes, s, passes)
+            a.call(PolicyWorker.compute_logprob_passes, s.for_pass(), passes)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
         what = " and ".join("reference logprobs" if ref else "logprobs" for ref in passes)

@@ -85,6 +85,36 @@ class TrainBatch:
             self.loss_mask_BT,
         )
 
+    def for_pass(self) -> TrainBatch:
+        """The fields a logprob pass reads, in the narrowest dtypes that hold them exactly,
+        for the trip to a worker: token ids int32, the 0/1 masks bool, the engine's
+        logprobs (which a pass does not read) a zero that takes no bytes. A chunk of 16
+        rows of 768 tokens then fits under Ray's 100 KiB limit for arguments sent inside
+        the call (84 KiB against 336 KiB), with no trip through the object store.
+        :meth:`widened` restores the dtypes on the worker."""
+
+        def mask(t: torch.Tensor) -> torch.Tensor:
+            return t.bool() if bool(((t == 0) | (t == 1)).all()) else t
+
+        return TrainBatch(
+            self.input_ids_BT.to(torch.int32),
+            self.attention_mask_BT.bool(),
+            mask(self.response_mask_BT),
+            torch.zeros((), dtype=torch.float32).expand(self.input_ids_BT.shape),
+            mask(self.loss_mask_BT),
+        )
+
+    def widened(self) -> TrainBatch:
+        """A :meth:`for_pass` batch back in the dtypes the trainers compute with (a batch
+        already in them comes back as it is)."""
+        return TrainBatch(
+            self.input_ids_BT.long(),
+            self.attention_mask_BT.long(),
+            self.response_mask_BT.float(),
+            self.engine_logprobs_BT.float(),
+            self.loss_mask_BT.float(),
+        )
+
 
 @dataclass
 class PolicyBatch(TrainBatch):

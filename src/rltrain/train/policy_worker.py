@@ -99,7 +99,9 @@ class PolicyWorker(FSDPTrainer):
         self, batch: TrainBatch, passes: tuple[bool, ...]
     ) -> list[torch.Tensor]:
         """:meth:`compute_logprobs` of each pass in ``passes`` (True: the reference's), in one
-        call: the controller submits a step's passes on a batch once per rank."""
+        call: the controller submits a step's passes on a batch once per rank, its fields
+        narrowed for the trip (:meth:`TrainBatch.for_pass`)."""
+        batch = batch.widened()
         return [self.compute_logprobs(batch, reference) for reference in passes]
 
     # -- training -----------------------------------------------------------------------
