@@ -70,64 +70,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchlib import QWEN_1_5B_TINY, RESULTS, gpu_slug, merge_result, write_json
+from bench_refit_vllm import merge_vllm, run_vllm
+from benchlib import gpu_slug, write_json
+from refit_common import HOST, MiB, Timer, model_config, step_trainer_weights
 
-from rltrain.config.schema import RefitConfig, RunConfig
-
-MiB = 2**20
-HOST = "127.0.0.1"
-
-
-def model_config(smoke: bool) -> RunConfig:
-    """Qwen2.5-1.5B shapes (or tiny ones for --smoke), bf16 refit and rollout."""
-    cfg = RunConfig()
-    t = cfg.model.tiny
-    if smoke:
-        t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads = 128, 4, 4, 2
-        t.intermediate_size, t.vocab_size = 512, 4096
-    else:
-        for key, value in QWEN_1_5B_TINY.items():
-            setattr(t, key, value)
-    t.tie_word_embeddings = True
-    t.max_position_embeddings = 4096
-    p = cfg.precision
-    p.name, p.param_dtype, p.rollout_dtype, p.refit_dtype = (
-        "bf16",
-        "bfloat16",
-        "bfloat16",
-        "bfloat16",
-    )
-    cfg.refit.timeout_s = 20.0 if smoke else 30.0
-    return cfg
-
-
-class Timer:
-    """Barrier -> work -> synchronize -> acknowledge over the refit group (both ranks call it)."""
-
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
-        self.group, self.device = group, device
-        self.token = torch.zeros(1, device=device)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.group.allreduce([self.token]).wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def time(self, fn) -> float:
-        self._sync()
-        t0 = time.perf_counter()
-        fn()
-        self._sync()
-        return time.perf_counter() - t0
-
-
-def _step_weights(params: dict[str, torch.Tensor], k: int) -> None:
-    """New trainer weights before every refit, so every refit moves fresh bytes."""
-    with torch.no_grad():
-        for p in params.values():
-            (p._local_tensor if hasattr(p, "_local_tensor") else p).add_(1e-3 * (k + 1))
+from rltrain.config.schema import RefitConfig
 
 
 def _reference_flat(worker, manifest) -> torch.Tensor:
@@ -200,7 +147,7 @@ def kernel_timeline(prof) -> dict:
 def run(rank: int, args, ports: list[int], out_dir: str) -> None:
     try:
         if args.engine == "vllm":
-            _run_vllm(rank, args, ports, out_dir)
+            run_vllm(rank, args, ports, out_dir)
         else:
             _run(rank, args, ports, out_dir)
     except BaseException:
@@ -209,171 +156,157 @@ def run(rank: int, args, ports: list[int], out_dir: str) -> None:
 
 
 def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
-    from rltrain.refit.base import plan_buckets, plan_refit
-    from rltrain.refit.gather import BucketGatherer
-    from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender, broadcast, make_group
-    from rltrain.train.sharded_model import hf_name
-
-    smoke = args.smoke
-    cuda = not smoke
-    tiny = smoke or args.tiny
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # two processes on a small CPU machine
-    cfg = model_config(tiny)
-    timeout = cfg.refit.timeout_s
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-
-    t0 = time.perf_counter()
-    if rank == 0:
-        from rltrain.train.distributed import DistEnv
-        from rltrain.train.policy_worker import PolicyWorker
-
-        env = DistEnv(0, 1, HOST, ports[0], "nccl" if cuda else "gloo", timeout)
-        with device:  # random init straight on the GPU
-            worker = PolicyWorker(cfg, env)
-        params = {hf_name(n): p for n, p in worker.model.named_parameters()}
-        shapes = worker.param_shapes()
-    else:
-        from rltrain.rollout.torch_engine import TorchEngine
-
-        with device:
-            engine = TorchEngine(cfg, str(device), 0)
-        shapes = [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()]
-    num_params = sum(torch.Size(s).numel() for _, s in shapes)
-    log(f"built in {time.perf_counter() - t0:.1f}s: {num_params / 1e9:.3f}B params")
-
-    if cuda:
-        from rltrain.refit.nccl import (
-            NcclRefitReceiver,
-            NcclRefitSender,
-            auto_pack_sms,
-            make_nccl_groups,
-        )
-
-        (group,) = make_nccl_groups(HOST, ports[1], rank, 2, timeout, device)
-    else:
-        group = make_group(HOST, ports[1], rank, 2, timeout)
-    timer = Timer(group, device)
-    dtype = torch.bfloat16
-    total_bytes = num_params * 2
-
-    def step_weights(k: int) -> None:
-        if rank == 0:
-            _step_weights(params, k)
-
+    """The torch engine's parts in order, each saved as soon as it is done."""
+    b = _TorchBench(rank, args, ports, out_dir)
     # 1. raw broadcast of one buffer of the model's size.
-    def raw_broadcast() -> float:
-        buf = torch.ones(num_params, dtype=dtype, device=device)
-        runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
-        if cuda and args.trace:
-            from torch.profiler import ProfilerActivity, profile
+    b.raw_s = _raw_broadcast(b)
+    b.log(f"raw broadcast {b.raw_s * 1e3:.2f} ms ({b.total_bytes / b.raw_s / 1e9:.0f} GB/s)")
+    b.result = _result_head(b)
+    # 2. end-to-end refit at the defaults, then the grid and the variants.
+    b.part("default", _part_default)
+    b.part("chunked", _part_chunked)
+    b.part("grid", _part_grid)
+    b.part("variants", _part_variants)
+    b.part("pack_only", _part_pack_only)
+    if b.cuda:
+        b.part("ipc", _part_ipc)
+    b.save()
+    b.close()
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                timer.time(lambda: broadcast(group, buf).wait())
-            Path(out_dir, f"trace-raw-rank{rank}.json").write_text(
-                json.dumps(kernel_timeline(prof))
-            )
-        return statistics.median(runs[2:])
 
-    raw_s = raw_broadcast()
-    log(f"raw broadcast {raw_s * 1e3:.2f} ms ({total_bytes / raw_s / 1e9:.0f} GB/s)")
+class _TorchBench:
+    """One rank of the torch-engine run: the trainer (``PolicyWorker``, rank 0) or the
+    ``TorchEngine`` (rank 1), their timing group, and the result rank 0 saves after every
+    part."""
 
-    def check_equal(manifest) -> None:
+    def __init__(self, rank: int, args, ports: list[int], out_dir: str):
+        from rltrain.refit.gloo import make_group
+        from rltrain.train.sharded_model import hf_name
+
+        self.rank, self.args, self.ports, self.out_dir = rank, args, ports, out_dir
+        self.smoke = smoke = args.smoke
+        self.cuda = cuda = not smoke
+        self.tiny = smoke or args.tiny
+        self.device = device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(1)  # two processes on a small CPU machine
+        self.cfg = cfg = model_config(self.tiny)
+        self.timeout = timeout = cfg.refit.timeout_s
+        self.log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+        self.worker = self.engine = self.params = None
+
+        t0 = time.perf_counter()
+        if rank == 0:
+            from rltrain.train.distributed import DistEnv
+            from rltrain.train.policy_worker import PolicyWorker
+
+            env = DistEnv(0, 1, HOST, ports[0], "nccl" if cuda else "gloo", timeout)
+            with device:  # random init straight on the GPU
+                self.worker = PolicyWorker(cfg, env)
+            self.params = {hf_name(n): p for n, p in self.worker.model.named_parameters()}
+            self.shapes = self.worker.param_shapes()
+        else:
+            from rltrain.rollout.torch_engine import TorchEngine
+
+            with device:
+                self.engine = TorchEngine(cfg, str(device), 0)
+            self.shapes = [(n, tuple(p.shape)) for n, p in self.engine.model.named_parameters()]
+        self.num_params = sum(torch.Size(s).numel() for _, s in self.shapes)
+        self.log(f"built in {time.perf_counter() - t0:.1f}s: {self.num_params / 1e9:.3f}B params")
+
+        if cuda:
+            from rltrain.refit.nccl import make_nccl_groups
+
+            (self.group,) = make_nccl_groups(HOST, ports[1], rank, 2, timeout, device)
+        else:
+            self.group = make_group(HOST, ports[1], rank, 2, timeout)
+        self.timer = Timer(self.group, device)
+        self.dtype = torch.bfloat16
+        self.total_bytes = self.num_params * 2
+        self.raw_s = float("nan")  # set by the raw broadcast
+        self.result: dict = {}
+        self.default = RefitConfig()
+        self.groups: dict[tuple[int | None, int], list[dist.ProcessGroup]] = {
+            (None, 1): [self.group]
+        }
+        self.next_port = iter(ports[2:-1])
+
+    def step_weights(self, k: int) -> None:
+        if self.rank == 0:
+            step_trainer_weights(self.params, k)
+
+    def check_equal(self, manifest) -> None:
         """Trainer weights (cast) and engine weights are equal bit for bit.
 
         Both ranks learn the count of differing elements (one all-reduce) and
         raise together, so a failed part leaves them in step for the next.
         """
-        bad = torch.zeros(1, device=device)
-        if rank == 0:
-            ref = _reference_flat(worker, manifest)
-            broadcast(group, ref).wait()
+        from rltrain.refit.gloo import broadcast
+
+        bad = torch.zeros(1, device=self.device)
+        if self.rank == 0:
+            ref = _reference_flat(self.worker, manifest)
+            broadcast(self.group, ref).wait()
         else:
-            ref = torch.empty(manifest.total_numel, dtype=dtype, device=device)
-            broadcast(group, ref).wait()
-            got = _engine_flat(engine, manifest).to(device)
+            ref = torch.empty(manifest.total_numel, dtype=self.dtype, device=self.device)
+            broadcast(self.group, ref).wait()
+            got = _engine_flat(self.engine, manifest).to(self.device)
             bad += (got.view(torch.int16) != ref.view(torch.int16)).sum()
-        group.allreduce([bad]).wait()
+        self.group.allreduce([bad]).wait()
         if int(bad.item()):
             raise AssertionError(
                 f"engine weights differ from the trainer's in {int(bad.item())} elements"
             )
 
-    result: dict = {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "torch": torch.__version__,
-        "smoke": smoke,
-        "tiny": tiny,
-        "model": {
-            "shapes": "tiny" if tiny else "Qwen2.5-1.5B (random init)",
-            "num_params": num_params,
-            "refit_dtype": "bfloat16",
-            "refit_bytes": total_bytes,
-        },
-        "raw_broadcast": {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9},
-        "errors": {},
-        "definitions": {
-            "ratio": "raw broadcast time of one buffer of the model's bf16 size / end-to-end refit time",
-            "ipc_ratio": "one device-to-device copy of the model's bf16 size / IPC refit time (same GPU)",
-            "timing": f"median of {args.repeats} refits after one warm-up; barrier before, receiver sync + ack after",
-            "copy_numel": "tensors of at least this many elements are cast with their own copy_, "
-            "smaller ones with one _foreach_copy_ per bucket (null: all of them in that one "
-            "_foreach_copy_; single trainer rank)",
-            "sender_cpu_ms": "the sending CPU: when the first broadcast / every broadcast was "
-            "enqueued and when the refit completed, from the start of send() (median)",
-            "ctas": "CTAs (channels) of the refit NCCL communicator (null: NCCL's choice)",
-            "first_bucket_bytes": "size of the small first bucket (null: none)",
-        },
-    }
-    default = RefitConfig()
-
-    def save() -> None:
+    def save(self) -> None:
         """Rank 0 writes what it has after every part, so a later failure keeps the rest."""
-        if rank == 0:
-            Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
+        if self.rank == 0:
+            Path(self.out_dir, "result.json").write_text(json.dumps(self.result, indent=2))
 
-    groups: dict[tuple[int | None, int], list[dist.ProcessGroup]] = {(None, 1): [group]}
-    next_port = iter(ports[2:-1])
-
-    def groups_for(ctas: int | None, lanes: int) -> list[dist.ProcessGroup]:
-        if (ctas, lanes) not in groups:
-            port = next(next_port)
-            groups[ctas, lanes] = make_nccl_groups(
-                HOST, port, rank, 2, timeout, device, lanes, ctas=ctas
+    def part(self, name: str, fn) -> None:
+        """Run one part (``fn(self)``); an error is recorded (both ranks keep going where
+        they can)."""
+        if self.args.parts and name not in self.args.parts.split(","):
+            return
+        try:
+            fn(self)
+        except Exception:
+            self.result["errors"][name] = traceback.format_exc()[-3000:]
+            print(
+                f"rank {self.rank}: part {name} failed:\n{self.result['errors'][name]}", flush=True
             )
-        return groups[ctas, lanes]
+        self.save()
 
-    def measure(
-        bucket_bytes: int,
-        num_buffers: int,
-        copy_numel: int | None = None,
-        ctas: int | None = None,
-        first_bucket_bytes: int | None | str = "default",
-        pack: bool = True,
-        ramp: bool = True,
-        pack_sms: int | None = None,
-        lanes: int = 1,
-        trace: str | None = None,
-        growth: float | None = None,
-    ) -> dict:
-        if first_bucket_bytes == "default":  # plan_refit's choice
-            first_bucket_bytes = bucket_bytes // 8
-        manifest = plan_buckets(
-            shapes,
-            "bfloat16",
-            bucket_bytes,
-            num_buffers,
-            first_bucket_bytes,
-            ramp,
-            **({} if growth is None else {"growth": growth}),  # None: plan_buckets' default
-        )
-        if cuda:
-            gs = groups_for(ctas, lanes)
+    def groups_for(self, ctas: int | None, lanes: int) -> list[dist.ProcessGroup]:
+        from rltrain.refit.nccl import make_nccl_groups
+
+        if (ctas, lanes) not in self.groups:
+            port = next(self.next_port)
+            self.groups[ctas, lanes] = make_nccl_groups(
+                HOST, port, self.rank, 2, self.timeout, self.device, lanes, ctas=ctas
+            )
+        return self.groups[ctas, lanes]
+
+    def close(self) -> None:
+        for gs in self.groups.values():
+            for g in gs:
+                if hasattr(g, "shutdown"):
+                    g.shutdown()
+        if self.rank == 0:
+            self.worker.shutdown()
+
+    def refit_ends(self, manifest, ctas: int | None, lanes: int, pack_sms: int | None):
+        """The sender (rank 0) or the receiver (rank 1) of one manifest, NCCL on the GPUs,
+        gloo on the CPU; the engine's weights become views into the receiver's buckets."""
+        rank, timeout, device = self.rank, self.timeout, self.device
+        sender = receiver = None
+        if self.cuda:
+            from rltrain.refit.nccl import NcclRefitReceiver, NcclRefitSender
+
+            gs = self.groups_for(ctas, lanes)
             ok = torch.ones(1, device=device)
-            sender = receiver = None
             try:
                 if rank == 0:
                     sender = NcclRefitSender(
@@ -386,50 +319,69 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             except Exception:
                 ok.zero_()
                 print(f"rank {rank}: building the refit ends failed:\n{traceback.format_exc()}")
-            group.allreduce([ok]).wait()  # both ranks give up together
+            self.group.allreduce([ok]).wait()  # both ranks give up together
             if int(ok.item()) != 2:
                 raise RuntimeError("a rank could not build its refit end (see its log)")
         else:
-            sender = receiver = None
-            port = next(next_port)
+            from rltrain.refit.gloo import GlooRefitReceiver, GlooRefitSender
+
+            port = next(self.next_port)
             if rank == 0:
                 sender = GlooRefitSender(manifest, HOST, port, 2, timeout)
             else:
                 receiver = GlooRefitReceiver(manifest, HOST, port, 1, 2, timeout)
         if rank == 1:  # the engine's weights become views into this receiver's buckets
+            engine = self.engine
             engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
             assert engine.refit_in_place
-        fill = None
-        if rank == 0:
-            gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
-            fill = gatherer.pack if pack else (lambda bucket, out: None)
-        times, cpu = [], []
-        for k in range(args.repeats + 1):  # the first refit warms up
-            step_weights(k)
-            if rank == 0:
-                seconds = timer.time(lambda k=k: cpu.append(sender.send(fill, 100 + k).extra))
-            else:
-                seconds = timer.time(engine.refit_receive)
-                assert engine.weight_version() == 100 + k
-            if pack:
-                check_equal(manifest)
-            if k:
-                times.append(seconds)
-        if (
-            trace and args.trace and cuda
-        ):  # one more refit under the profiler: the kernels' timeline per rank
-            from torch.profiler import ProfilerActivity, profile
+        return sender
 
-            step_weights(args.repeats + 1)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                if rank == 0:
-                    timer.time(lambda: sender.send(fill, 99))
-                else:
-                    timer.time(engine.refit_receive)
-            Path(out_dir, f"trace-{trace}-rank{rank}.json").write_text(
-                json.dumps(kernel_timeline(prof))
-            )
+    def measure(
+        self,
+        bucket_bytes: int,
+        num_buffers: int,
+        copy_numel: int | None = None,
+        ctas: int | None = None,
+        first_bucket_bytes: int | None | str = "default",
+        pack: bool = True,
+        ramp: bool = True,
+        pack_sms: int | None = None,
+        lanes: int = 1,
+        trace: str | None = None,
+        growth: float | None = None,
+    ) -> dict:
+        """Warm-up + ``--repeats`` end-to-end refits of one plan, each checked (with the
+        pack); the row of their median."""
+        from rltrain.refit.base import plan_buckets
+        from rltrain.refit.gather import BucketGatherer
+
+        if first_bucket_bytes == "default":  # plan_refit's choice
+            first_bucket_bytes = bucket_bytes // 8
+        manifest = plan_buckets(
+            self.shapes,
+            "bfloat16",
+            bucket_bytes,
+            num_buffers,
+            first_bucket_bytes,
+            ramp,
+            **({} if growth is None else {"growth": growth}),  # None: plan_buckets' default
+        )
+        sender = self.refit_ends(manifest, ctas, lanes, pack_sms)
+        fill = None
+        if self.rank == 0:
+            gatherer = BucketGatherer(self.params, manifest, copy_numel=copy_numel)
+            fill = gatherer.pack if pack else (lambda bucket, out: None)
+        times, cpu = self.timed_refits(manifest, sender, fill, pack)
+        if trace and self.args.trace and self.cuda:
+            self.trace_refit(sender, fill, trace)
         s = statistics.median(times)
+        raw_s, cuda = self.raw_s, self.cuda
+        if pack_sms is None and cuda:
+            from rltrain.refit.nccl import auto_pack_sms
+
+            row_sms = auto_pack_sms(self.device)
+        else:
+            row_sms = pack_sms
         row = {
             "bucket_bytes": bucket_bytes,
             "num_buffers": num_buffers,
@@ -441,11 +393,11 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             "ramp": ramp,
             "growth": growth,
             "lanes": lanes,
-            "pack_sms": pack_sms if pack_sms is not None or not cuda else auto_pack_sms(device),
+            "pack_sms": row_sms,
             "bucket_mib": [round(b.numel * 2 / MiB) for b in manifest.buckets],
             "seconds": s,
             "ratio": raw_s / s,
-            "GBps": total_bytes / s / 1e9,
+            "GBps": self.total_bytes / s / 1e9,
             "runs": times,
         }
         if cpu and cpu[-1]:  # the sender's CPU: when the first / every broadcast was enqueued
@@ -454,7 +406,7 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
             }
         if not pack:
             row["note"] = "broadcast of the buckets only (no gather/cast/pack; weights not checked)"
-        log(
+        self.log(
             f"refit {bucket_bytes // MiB:5d} MiB x {num_buffers} copy>={copy_numel} ctas={ctas} "
             f"first={first_bucket_bytes} pack={pack} ramp={ramp}x{growth} sms={pack_sms} lanes={lanes}: "
             f"{s * 1e3:7.2f} ms "
@@ -462,448 +414,282 @@ def _run(rank: int, args, ports: list[int], out_dir: str) -> None:
         )
         return row
 
-    def part(name: str, fn) -> None:
-        """Run one part; an error is recorded (both ranks keep going where they can)."""
-        if args.parts and name not in args.parts.split(","):
-            return
-        try:
-            fn()
-        except Exception:
-            result["errors"][name] = traceback.format_exc()[-3000:]
-            print(f"rank {rank}: part {name} failed:\n{result['errors'][name]}", flush=True)
-        save()
-
-    # 2. end-to-end refit at the defaults, then the grid and the variants.
-    def run_default() -> None:
-        row = measure(default.bucket_bytes, default.num_buffers, trace="default")
-        result["default"] = {**row}
-        result["summary"] = {
-            "ratio_default": raw_s / row["seconds"],
-            "seconds_per_billion_params_default": row["seconds"] / (num_params / 1e9),
-            "ipc_ratio": None,
-        }
-
-    part("default", run_default)
-
-    # 2a. the raw buffer cut into k equal broadcasts, on one NCCL lane or alternating over two:
-    # the cost of cutting a refit into buckets, without any pack.
-    def run_chunked() -> None:
-        if not cuda:
-            return
-        buf = torch.ones(num_params, dtype=dtype, device=device)
-        rows = []
-        for lanes in (1, 2):
-            gs = groups_for(None, lanes)
-            for k in (1, 2, 4, 8, 16):
-                chunks = buf.chunk(k)
-
-                def go(chunks=chunks, gs=gs) -> None:
-                    works = [broadcast(gs[i % len(gs)], c) for i, c in enumerate(chunks)]
-                    for w in works:
-                        w.wait()
-
-                runs = [timer.time(go) for _ in range(args.repeats + 1)]
-                sec = statistics.median(runs[1:])
-                rows.append({"lanes": lanes, "chunks": k, "seconds": sec, "ratio": raw_s / sec})
-                log(
-                    f"chunked broadcast {k:2d} x lanes={lanes}: {sec * 1e3:.2f} ms {raw_s / sec:.3f}"
-                )
-        result["chunked_broadcast"] = rows
-        del buf
-
-    part("chunked", run_chunked)
-    sizes = [1 * MiB, 4 * MiB] if tiny else [64 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB]
-
-    def run_grid() -> None:
-        result["grid"] = []
-        for n in (1, 2, 4):
-            for b in sizes:
-                result["grid"].append(measure(b, n))
-                save()
-
-    part("grid", run_grid)
-
-    def run_variants() -> None:
-        b = default.bucket_bytes
-        nb = default.num_buffers
-        result["variants"] = []
-        todo = [
-            {"pack": False},
-            {"pack": False, "ramp": False},
-            {"ramp": False},
-            {"growth": 2.0},
-            {"copy_numel": 1 << 20},
-            {"num_buffers": 3},
-            {"num_buffers": 4},
-            {"first_bucket_bytes": 8 * MiB},
-            {"first_bucket_bytes": 32 * MiB},
-        ]
-        if cuda:
-            todo += [
-                {"lanes": 2},
-                {"lanes": 2, "pack": False},
-                {"lanes": 2, "num_buffers": 3},
-                {"pack_sms": 0},
-                {"pack_sms": 32},
-                {"pack_sms": 40},
-                {"pack_sms": 56},
-                {"pack_sms": 64},
-                {"bucket_bytes": 256 * MiB, "num_buffers": 4},
-                {"bucket_bytes": 1024 * MiB},
-                {"ctas": 16},
-                {"ctas": 24},
-            ]
-        for v in todo:
-            kw = {"bucket_bytes": b, "num_buffers": nb, **v}
-            result["variants"].append(measure(**kw))
-            save()
-
-    part("variants", run_variants)
-
-    # 2b. gather + cast + pack alone at the defaults (no broadcast), for the breakdown.
-    def run_pack_only() -> None:
-        if rank != 0:
-            return
-        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
-        out = torch.empty(max(b.numel for b in manifest.buckets), dtype=dtype, device=device)
-        rows = {}
-        for copy_numel in (None, 1 << 20):
-            gatherer = BucketGatherer(params, manifest, copy_numel=copy_numel)
-            runs, gpu = [], []
-            for _ in range(args.repeats + 1):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    start, end = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                    start.record()
-                tp = time.perf_counter()
-                for bk in manifest.buckets:
-                    gatherer.pack(bk, out)
-                if cuda:
-                    end.record()
-                    torch.cuda.synchronize(device)
-                    gpu.append(start.elapsed_time(end) / 1e3)
-                runs.append(time.perf_counter() - tp)
-            rows[str(copy_numel)] = {
-                "seconds": statistics.median(runs[1:]),
-                "gpu_seconds": statistics.median(gpu[1:]) if gpu else None,
-            }
-            log(f"gather + cast + pack alone (copy>={copy_numel}): {rows[str(copy_numel)]}")
-        result["pack_only_default"] = rows
-        del out
-
-    part("pack_only", run_pack_only)
-
-    # 3. IPC: the engine on the trainer's GPU (GPU 0), one device copy as the raw figure.
-    def run_ipc() -> None:
-        from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
-        from rltrain.rollout.torch_engine import TorchEngine
-
-        dev0 = torch.device("cuda", 0)
-        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
-        ipc_timeout = 60.0
-        copy_s = None
-        if rank == 0:
-            src = torch.ones(num_params, dtype=dtype, device=dev0)
-            dst = torch.empty_like(src)
-            copies = []
-            for _ in range(args.repeats + 2):
-                torch.cuda.synchronize(dev0)
-                tc = time.perf_counter()
-                dst.copy_(src)
-                torch.cuda.synchronize(dev0)
-                copies.append(time.perf_counter() - tc)
-            copy_s = statistics.median(copies[2:])
-            del src, dst
-            sender = IpcRefitSender(manifest, HOST, ports[-1], 2, ipc_timeout, dev0)
-            gatherer = BucketGatherer(params, manifest)
-        else:
-            nonlocal engine
-            del engine
-            torch.cuda.empty_cache()
-            with dev0:
-                engine = TorchEngine(cfg, str(dev0), 0)  # replaces the GPU-1 engine
-            receiver = IpcRefitReceiver(manifest, HOST, ports[-1], 1, 2, ipc_timeout, dev0)
-            engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
-            assert engine.refit_in_place
-        times, stats = [], []
-        for k in range(args.repeats + 1):
-            step_weights(50 + k)
+    def timed_refits(self, manifest, sender, fill, pack: bool) -> tuple[list, list]:
+        """Warm-up + ``--repeats`` refits of fresh weights (versions 100 + k), each checked
+        when packed: the times after the warm-up and the sender's stats of every refit."""
+        rank, engine, timer = self.rank, self.engine, self.timer
+        times, cpu = [], []
+        for k in range(self.args.repeats + 1):  # the first refit warms up
+            self.step_weights(k)
             if rank == 0:
-                seconds = timer.time(lambda v=200 + k: stats.append(sender.send(gatherer.pack, v)))
+                seconds = timer.time(lambda k=k: cpu.append(sender.send(fill, 100 + k).extra))
             else:
                 seconds = timer.time(engine.refit_receive)
-                assert engine.weight_version() == 200 + k
-            check_equal(manifest)
+                assert engine.weight_version() == 100 + k
+            if pack:
+                self.check_equal(manifest)
             if k:
                 times.append(seconds)
-        ipc_s = statistics.median(times)
-        if rank == 0:
-            result["ipc"] = {
-                "seconds": ipc_s,
-                "device_copy_seconds": copy_s,
-                "ratio": copy_s / ipc_s,
-                "runs": times,
-                "sender_breakdown_last": stats[-1].extra,
-                "design": "packed straight into the engine's flat weights (one IPC handle, "
-                "shared once); one store round trip each way per refit",
-            }
-            if "summary" in result:
-                result["summary"]["ipc_ratio"] = copy_s / ipc_s
-            log(f"ipc refit {ipc_s * 1e3:.2f} ms, device copy {copy_s * 1e3:.2f} ms")
+        return times, cpu
 
-    if cuda:
-        part("ipc", run_ipc)
-    save()
-    for gs in groups.values():
-        for g in gs:
-            if hasattr(g, "shutdown"):
-                g.shutdown()
-    if rank == 0:
-        worker.shutdown()
+    def trace_refit(self, sender, fill, trace: str) -> None:
+        """One more refit under the profiler: the kernels' timeline per rank."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self.step_weights(self.args.repeats + 1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if self.rank == 0:
+                self.timer.time(lambda: sender.send(fill, 99))
+            else:
+                self.timer.time(self.engine.refit_receive)
+        Path(self.out_dir, f"trace-{trace}-rank{self.rank}.json").write_text(
+            json.dumps(kernel_timeline(prof))
+        )
 
 
-def _bucket_sums(tensors: dict[str, torch.Tensor], manifest, dtype: torch.dtype) -> torch.Tensor:
-    """Per bucket of ``manifest``, :func:`bucket_checksum` of its tensors (cast to ``dtype``)
-    in the bucket's order: [buckets, 2] int64 on the CPU, what the vLLM worker's
-    ``rltrain_weights_checksum`` returns for the weights the buckets landed in."""
-    from rltrain.refit.base import bucket_checksum
+def _raw_broadcast(b: _TorchBench) -> float:
+    """One buffer of the model's refit size broadcast GPU0 -> GPU1 (median after 2 warm-ups);
+    with --trace, the kernels of one more."""
+    from rltrain.refit.gloo import broadcast
 
-    return torch.stack(
-        [
-            bucket_checksum(torch.cat([tensors[s.name].to(dtype).reshape(-1) for s in b.slots]))
-            for b in manifest.buckets
-        ]
-    ).cpu()
+    args, group, timer = b.args, b.group, b.timer
+    buf = torch.ones(b.num_params, dtype=b.dtype, device=b.device)
+    runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
+    if b.cuda and args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timer.time(lambda: broadcast(group, buf).wait())
+        Path(b.out_dir, f"trace-raw-rank{b.rank}.json").write_text(
+            json.dumps(kernel_timeline(prof))
+        )
+    return statistics.median(runs[2:])
 
 
-def _run_vllm(rank: int, args, ports: list[int], out_dir: str) -> None:
-    """The vLLM receiver, through the engines' public refit API: a :class:`RefitGroup` per
-    manifest, ``PolicyWorker.init_refit`` / ``refit_send`` on rank 0 (the trainer) and
-    ``VLLMEngine.init_refit`` / ``refit_receive`` on rank 1, whose vLLM worker process joins
-    the group and lands the buckets (``rollout/vllm_worker.py``). NCCL into vLLM on GPU 1;
-    with --one-gpu IPC into the torch engine and then into vLLM, all on GPU 0; with --smoke
-    gloo into vLLM on the CPU (tiny shapes: the same code path, not a measurement)."""
-    from rltrain.refit.base import RefitGroup, plan_refit
-    from rltrain.refit.gloo import broadcast, make_group
-    from rltrain.train.distributed import DistEnv
-    from rltrain.train.policy_worker import PolicyWorker
-    from rltrain.train.sharded_model import hf_name
-
-    one_gpu, cuda = args.one_gpu, not args.smoke
-    if cuda and rank == 1 and not one_gpu:
-        # vLLM's worker takes the first visible GPU: show it GPU 1 only (before CUDA starts).
-        os.environ["CUDA_VISIBLE_DEVICES"] = "1"
-    if cuda:
-        device = torch.device("cuda", 0 if (one_gpu or rank == 1) else rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)  # two processes (and vLLM's) on a small CPU machine
-    tiny = args.smoke or args.tiny
-    cfg = model_config(tiny)
-    cfg.rollout.engine = "vllm"
-    cfg.rollout.vllm.gpu_memory_utilization = 0.3 if one_gpu else 0.5
-    timeout = cfg.refit.timeout_s = 120.0
-    transport = "ipc" if one_gpu else "nccl" if cuda else "gloo"
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    t0 = time.perf_counter()
-    if one_gpu or not cuda:  # barriers and checks over gloo (CPU)
-        group = make_group(HOST, ports[1], rank, 2, timeout)
-        timer = Timer(group, torch.device("cpu"))
-    else:
-        from rltrain.refit.nccl import make_nccl_groups
-
-        (group,) = make_nccl_groups(HOST, ports[1], rank, 2, timeout, device)
-        timer = Timer(group, device)
-    worker = engine = None
-    if rank == 0:
-        env = DistEnv(0, 1, HOST, ports[0], "nccl" if cuda else "gloo", timeout)
-        with device:
-            worker = PolicyWorker(cfg, env)
-        params = {hf_name(n): p for n, p in worker.model.named_parameters()}
-        shapes = _share_shapes(group, worker.param_shapes(), timer.token.device)
-    else:
-        shapes = _share_shapes(group, None, timer.token.device)
-    num_params = sum(torch.Size(s).numel() for _, s in shapes)
-    total_bytes = num_params * 2
-    dtype = torch.bfloat16
-    default = RefitConfig()
-    result: dict = {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+def _result_head(b: _TorchBench) -> dict:
+    """The result before the parts: the device, the model, the raw broadcast, definitions."""
+    raw_s, total_bytes, tiny = b.raw_s, b.total_bytes, b.tiny
+    return {
+        "device": torch.cuda.get_device_name(0) if b.cuda else "cpu",
         "torch": torch.__version__,
+        "smoke": b.smoke,
+        "tiny": tiny,
         "model": {
             "shapes": "tiny" if tiny else "Qwen2.5-1.5B (random init)",
-            "num_params": num_params,
+            "num_params": b.num_params,
+            "refit_dtype": "bfloat16",
             "refit_bytes": total_bytes,
         },
-        "refit_path": "public API: RefitGroup -> PolicyWorker.init_refit/refit_send, "
-        "VLLMEngine.init_refit/refit_receive (AsyncLLM; received in vLLM's worker process)",
+        "raw_broadcast": {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9},
+        "errors": {},
         "definitions": {
-            "vllm_ratio": f"raw {transport} broadcast of the model's bf16 size / {transport} "
-            "refit into vLLM, from the send until vLLM can generate with the new weights",
-            "vllm_ipc_over_torch_ipc": "IPC refit into vLLM / IPC refit into the torch engine, "
-            "same GPU, same run",
-            "timing": f"median of {args.repeats} refits after one warm-up; barrier before, "
-            "receiver sync + ack after",
-            "checked": "after every refit, per-bucket position-weighted checksums of the "
-            "trainer's weights (cast to bf16) and of the engine's equal bit for bit",
+            "ratio": "raw broadcast time of one buffer of the model's bf16 size / end-to-end refit time",
+            "ipc_ratio": "one device-to-device copy of the model's bf16 size / IPC refit time (same GPU)",
+            "timing": f"median of {b.args.repeats} refits after one warm-up; barrier before, receiver sync + ack after",
+            "copy_numel": "tensors of at least this many elements are cast with their own copy_, "
+            "smaller ones with one _foreach_copy_ per bucket (null: all of them in that one "
+            "_foreach_copy_; single trainer rank)",
+            "sender_cpu_ms": "the sending CPU: when the first broadcast / every broadcast was "
+            "enqueued and when the refit completed, from the start of send() (median)",
+            "ctas": "CTAs (channels) of the refit NCCL communicator (null: NCCL's choice)",
+            "first_bucket_bytes": "size of the small first bucket (null: none)",
         },
     }
 
-    def step_weights(k: int) -> None:
-        if rank == 0:
-            _step_weights(params, k)
 
-    def check_equal(manifest, engine_sums) -> bool:
-        """Rank 0's per-bucket checksums to rank 1, which compares them with the engine's
-        (``engine_sums()``; None: unreadable). Raises on both ranks when they differ;
-        False (nothing checked) where the engine's weights cannot be read in manifest order."""
-        where = timer.token.device
-        ref = torch.zeros(len(manifest.buckets), 2, dtype=torch.int64, device=where)
-        if rank == 0:
-            ref = _bucket_sums(worker.full_tensors(), manifest, dtype).to(where)
-        broadcast(group, ref).wait()
-        verdict = torch.zeros(1, device=where)  # 0 equal, 1 different, 2 not readable
-        if rank == 1:
-            got = engine_sums()
-            verdict += 2 if got is None else float(not torch.equal(got.to(where), ref))
-        group.allreduce([verdict]).wait()
-        if int(verdict.item()) == 1:
-            raise AssertionError("engine weights differ from the trainer's (cast to bf16)")
-        return int(verdict.item()) == 0
-
-    checked: list[bool] = []
-
-    def timed_refits(group_of_refit: RefitGroup, base: int, engine_sums) -> tuple[list, list]:
-        """Both ends join ``group_of_refit``, then warm-up + ``--repeats`` timed refits of
-        fresh weights (version ``base + k``), each checked. Returns times and sender stats."""
-        if rank == 0:
-            worker.init_refit(group_of_refit, 0)
-        else:
-            engine.init_refit(group_of_refit, 1)
-        times, stats = [], []
-        for k in range(args.repeats + 1):  # the first refit warms up
-            step_weights(base + k)
-            if rank == 0:
-                seconds = timer.time(lambda v=base + k: stats.append(worker.refit_send(v)))
-            else:
-                seconds = timer.time(engine.refit_receive)
-                assert engine.weight_version() == base + k, "the refit landed another version"
-            checked.append(check_equal(group_of_refit.manifest, engine_sums))
-            if k:
-                times.append(seconds)
-        return times, stats
-
-    def build_vllm():
-        from rltrain.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(cfg, "cuda" if cuda else "cpu", 0)
-
-    if not one_gpu:
-        buf = torch.ones(num_params, dtype=dtype, device=timer.token.device)
-        runs = [timer.time(lambda: broadcast(group, buf).wait()) for _ in range(args.repeats + 2)]
-        raw_s = statistics.median(runs[2:])
-        del buf
-        result["raw_broadcast"] = {"seconds": raw_s, "GBps": total_bytes / raw_s / 1e9}
-        log(f"raw {transport} broadcast {raw_s * 1e3:.2f} ms")
-        if rank == 1:
-            engine = build_vllm()
-        timer.time(lambda: None)  # both ends built
-        log(f"built in {time.perf_counter() - t0:.1f}s: {num_params / 1e9:.3f}B params")
-        rows = []
-        sizes = [1 * MiB, 4 * MiB] if args.smoke else [128 * MiB, 256 * MiB, 1024 * MiB]
-        sizes = [default.bucket_bytes] + [b for b in sizes if b != default.bucket_bytes]
-        for i, bucket_bytes in enumerate(sizes):
-            manifest = plan_refit(shapes, "bfloat16", bucket_bytes, default.num_buffers)
-            refit_group = RefitGroup(manifest, HOST, ports[2 + i], 2, transport)
-            times, _ = timed_refits(refit_group, 10 * (i + 1), lambda: engine.weights_checksum())
-            sec = statistics.median(times)
-            rows.append(
-                {
-                    "bucket_bytes": bucket_bytes,
-                    "num_buffers": default.num_buffers,
-                    "buckets": len(manifest.buckets),
-                    "seconds": sec,
-                    "ratio": raw_s / sec,
-                    "runs": times,
-                }
-            )
-            log(
-                f"{transport} into vLLM, {bucket_bytes // MiB} MiB buckets: {sec * 1e3:.2f} ms, "
-                f"ratio {raw_s / sec:.3f}"
-            )
-        result["vllm_" + transport] = rows
-        result["summary"] = {
-            "vllm_ratio_default": rows[0]["ratio"],
-            "vllm_ratio_best": max(r["ratio"] for r in rows),
-        }
-    else:
-        manifest = plan_refit(shapes, "bfloat16", default.bucket_bytes, default.num_buffers)
-        ipc_rows: dict[str, dict] = {}
-        for n, kind in enumerate(("torch", "vllm")):
-            if rank == 1:
-                if kind == "torch":
-                    from rltrain.rollout.torch_engine import TorchEngine
-
-                    with device:
-                        engine = TorchEngine(cfg, str(device), 0)
-                    sums = lambda e=engine: _bucket_sums(  # noqa: E731
-                        dict(e.model.named_parameters()), manifest, dtype
-                    )
-                else:
-                    del engine
-                    torch.cuda.empty_cache()
-                    engine = build_vllm()
-                    sums = lambda e=engine: e.weights_checksum()  # noqa: E731
-            else:
-                sums = None
-            refit_group = RefitGroup(manifest, HOST, ports[10 + n], 2, "ipc")
-            times, stats = timed_refits(refit_group, 100 * (n + 1), sums)
-            sec = statistics.median(times)
-            ipc_rows[kind] = {"seconds": sec, "runs": times}
-            if rank == 0:
-                ipc_rows[kind]["sender_last"] = stats[-1].extra
-            log(f"ipc into {kind}: {sec * 1e3:.2f} ms")
-        result["ipc_engines"] = ipc_rows
-        result["summary"] = {
-            "vllm_ipc_over_torch_ipc": ipc_rows["vllm"]["seconds"] / ipc_rows["torch"]["seconds"],
-            "vllm_ipc_seconds": ipc_rows["vllm"]["seconds"],
-            "torch_ipc_seconds": ipc_rows["torch"]["seconds"],
-        }
-    if not all(checked):
-        result["definitions"]["checked"] = (
-            "weight version only: the engine's weights could not be read in manifest order"
-        )
-    if rank == 1 and engine is not None and hasattr(engine, "llm"):
-        from rltrain.rollout.base import SamplingParams
-
-        out = engine.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_new_tokens=8, seed=1))
-        assert len(out.response_ids) == 4  # generates with the refitted weights
-        engine.shutdown()
-    timer.time(lambda: None)
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(result, indent=2))
-        worker.shutdown()
+def _part_default(b: _TorchBench) -> None:
+    """The end-to-end refit at the config defaults (traced with --trace), and the summary."""
+    row = b.measure(b.default.bucket_bytes, b.default.num_buffers, trace="default")
+    b.result["default"] = {**row}
+    b.result["summary"] = {
+        "ratio_default": b.raw_s / row["seconds"],
+        "seconds_per_billion_params_default": row["seconds"] / (b.num_params / 1e9),
+        "ipc_ratio": None,
+    }
 
 
-def _share_shapes(group, shapes, device: torch.device) -> list[tuple[str, tuple[int, ...]]]:
-    """Rank 0's parameter shapes to every rank, once, over the timing group (pickled bytes)."""
-    import pickle
-
+def _part_chunked(b: _TorchBench) -> None:
+    """The raw buffer cut into k equal broadcasts, on one NCCL lane or alternating over two:
+    the cost of cutting a refit into buckets, without any pack (GPUs only)."""
     from rltrain.refit.gloo import broadcast
 
-    data = pickle.dumps(shapes) if shapes is not None else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    broadcast(group, size).wait()
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if shapes is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(device)
-    broadcast(group, buf).wait()
-    return shapes if shapes is not None else pickle.loads(buf.cpu().numpy().tobytes())
+    if not b.cuda:
+        return
+    raw_s, timer = b.raw_s, b.timer
+    buf = torch.ones(b.num_params, dtype=b.dtype, device=b.device)
+    rows = []
+    for lanes in (1, 2):
+        gs = b.groups_for(None, lanes)
+        for k in (1, 2, 4, 8, 16):
+            chunks = buf.chunk(k)
+
+            def go(chunks=chunks, gs=gs) -> None:
+                works = [broadcast(gs[i % len(gs)], c) for i, c in enumerate(chunks)]
+                for w in works:
+                    w.wait()
+
+            runs = [timer.time(go) for _ in range(b.args.repeats + 1)]
+            sec = statistics.median(runs[1:])
+            rows.append({"lanes": lanes, "chunks": k, "seconds": sec, "ratio": raw_s / sec})
+            b.log(f"chunked broadcast {k:2d} x lanes={lanes}: {sec * 1e3:.2f} ms {raw_s / sec:.3f}")
+    b.result["chunked_broadcast"] = rows
+    del buf
+
+
+def _part_grid(b: _TorchBench) -> None:
+    """The end-to-end refit for every num_buffers x bucket_bytes, saved row by row."""
+    sizes = [1 * MiB, 4 * MiB] if b.tiny else [64 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB]
+    b.result["grid"] = []
+    for n in (1, 2, 4):
+        for size in sizes:
+            b.result["grid"].append(b.measure(size, n))
+            b.save()
+
+
+def _part_variants(b: _TorchBench) -> None:
+    """One knob at a time at the default bucket size, saved row by row."""
+    size = b.default.bucket_bytes
+    nb = b.default.num_buffers
+    b.result["variants"] = []
+    todo = [
+        {"pack": False},
+        {"pack": False, "ramp": False},
+        {"ramp": False},
+        {"growth": 2.0},
+        {"copy_numel": 1 << 20},
+        {"num_buffers": 3},
+        {"num_buffers": 4},
+        {"first_bucket_bytes": 8 * MiB},
+        {"first_bucket_bytes": 32 * MiB},
+    ]
+    if b.cuda:
+        todo += [
+            {"lanes": 2},
+            {"lanes": 2, "pack": False},
+            {"lanes": 2, "num_buffers": 3},
+            {"pack_sms": 0},
+            {"pack_sms": 32},
+            {"pack_sms": 40},
+            {"pack_sms": 56},
+            {"pack_sms": 64},
+            {"bucket_bytes": 256 * MiB, "num_buffers": 4},
+            {"bucket_bytes": 1024 * MiB},
+            {"ctas": 16},
+            {"ctas": 24},
+        ]
+    for v in todo:
+        kw = {"bucket_bytes": size, "num_buffers": nb, **v}
+        b.result["variants"].append(b.measure(**kw))
+        b.save()
+
+
+def _part_pack_only(b: _TorchBench) -> None:
+    """Gather + cast + pack alone at the defaults (no broadcast), for the breakdown: wall
+    and GPU time, rank 0 only."""
+    from rltrain.refit.base import plan_refit
+    from rltrain.refit.gather import BucketGatherer
+
+    if b.rank != 0:
+        return
+    cuda, device = b.cuda, b.device
+    manifest = plan_refit(b.shapes, "bfloat16", b.default.bucket_bytes, b.default.num_buffers)
+    out = torch.empty(max(bk.numel for bk in manifest.buckets), dtype=b.dtype, device=device)
+    rows = {}
+    for copy_numel in (None, 1 << 20):
+        gatherer = BucketGatherer(b.params, manifest, copy_numel=copy_numel)
+        runs, gpu = [], []
+        for _ in range(b.args.repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(device)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+            tp = time.perf_counter()
+            for bk in manifest.buckets:
+                gatherer.pack(bk, out)
+            if cuda:
+                end.record()
+                torch.cuda.synchronize(device)
+                gpu.append(start.elapsed_time(end) / 1e3)
+            runs.append(time.perf_counter() - tp)
+        rows[str(copy_numel)] = {
+            "seconds": statistics.median(runs[1:]),
+            "gpu_seconds": statistics.median(gpu[1:]) if gpu else None,
+        }
+        b.log(f"gather + cast + pack alone (copy>={copy_numel}): {rows[str(copy_numel)]}")
+    b.result["pack_only_default"] = rows
+    del out
+
+
+def _device_copy_seconds(b: _TorchBench, dev0: torch.device) -> float:
+    """One device-to-device copy of the model's refit size on ``dev0`` (median after 2
+    warm-ups): the raw figure of the IPC refit."""
+    src = torch.ones(b.num_params, dtype=b.dtype, device=dev0)
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(b.args.repeats + 2):
+        torch.cuda.synchronize(dev0)
+        tc = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(dev0)
+        copies.append(time.perf_counter() - tc)
+    copy_s = statistics.median(copies[2:])
+    del src, dst
+    return copy_s
+
+
+def _part_ipc(b: _TorchBench) -> None:
+    """IPC: the engine on the trainer's GPU (GPU 0), one device copy as the raw figure."""
+    from rltrain.refit.base import plan_refit
+    from rltrain.refit.gather import BucketGatherer
+    from rltrain.refit.ipc import IpcRefitReceiver, IpcRefitSender
+    from rltrain.rollout.torch_engine import TorchEngine
+
+    rank, ports, timer = b.rank, b.ports, b.timer
+    dev0 = torch.device("cuda", 0)
+    manifest = plan_refit(b.shapes, "bfloat16", b.default.bucket_bytes, b.default.num_buffers)
+    ipc_timeout = 60.0
+    copy_s = None
+    if rank == 0:
+        copy_s = _device_copy_seconds(b, dev0)
+        sender = IpcRefitSender(manifest, HOST, ports[-1], 2, ipc_timeout, dev0)
+        gatherer = BucketGatherer(b.params, manifest)
+    else:
+        b.engine = None
+        torch.cuda.empty_cache()
+        with dev0:
+            b.engine = TorchEngine(b.cfg, str(dev0), 0)  # replaces the GPU-1 engine
+        engine = b.engine
+        receiver = IpcRefitReceiver(manifest, HOST, ports[-1], 1, 2, ipc_timeout, dev0)
+        engine.refit_receiver, engine.refit_in_place = receiver, receiver.bind(engine._params)
+        assert engine.refit_in_place
+    times, stats = [], []
+    for k in range(b.args.repeats + 1):
+        b.step_weights(50 + k)
+        if rank == 0:
+            seconds = timer.time(lambda v=200 + k: stats.append(sender.send(gatherer.pack, v)))
+        else:
+            seconds = timer.time(engine.refit_receive)
+            assert engine.weight_version() == 200 + k
+        b.check_equal(manifest)
+        if k:
+            times.append(seconds)
+    ipc_s = statistics.median(times)
+    if rank == 0:
+        b.result["ipc"] = {
+            "seconds": ipc_s,
+            "device_copy_seconds": copy_s,
+            "ratio": copy_s / ipc_s,
+            "runs": times,
+            "sender_breakdown_last": stats[-1].extra,
+            "design": "packed straight into the engine's flat weights (one IPC handle, "
+            "shared once); one store round trip each way per refit",
+        }
+        if "summary" in b.result:
+            b.result["summary"]["ipc_ratio"] = copy_s / ipc_s
+        b.log(f"ipc refit {ipc_s * 1e3:.2f} ms, device copy {copy_s * 1e3:.2f} ms")
 
 
 def main() -> None:
@@ -961,7 +747,7 @@ def main() -> None:
     if failed:
         result.setdefault("errors", {})["process"] = failed[-3000:]
     if args.engine == "vllm":
-        _merge_vllm(args, result, tmp)
+        merge_vllm(args, result, tmp)
         return
     for p in sorted(tmp.glob("trace-*.json")):  # kernel timelines, one per rank and traced part
         result.setdefault("traces", {})[p.stem.removeprefix("trace-")] = json.loads(p.read_text())
@@ -976,22 +762,6 @@ def main() -> None:
     print(f"wrote {out}")
     if failed or result["errors"]:
         sys.exit(f"error: some parts failed: {sorted(result['errors'])}")
-
-
-def _merge_vllm(args, rows: dict, tmp: Path) -> None:
-    """Put a vLLM run's rows and summary entries into the device's result file (``vllm`` key
-    and summary entries), so the torch-engine figures of an earlier run stay."""
-    name = "cpu-smoke" if args.smoke else gpu_slug(rows["device"])
-    name += "-tiny" if args.tiny and not args.smoke else ""
-    out = Path(args.out) / f"bench_refit-{name}.json"
-    result = merge_result(out, RESULTS / out.name, rows, "vllm", {"device": rows["device"]})
-    result["vllm"].pop("device", None)
-    write_json(result, out)
-    for p in tmp.iterdir():
-        p.unlink()
-    tmp.rmdir()
-    print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
