@@ -307,7 +307,8 @@ class ValueGang(TrainerGang[ValueWorker]):
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
-            a.call(ValueWorker.values, s) for a, s in zip(self.actors, shards.batches, strict=True)
+            a.call(ValueWorker.values, s.for_pass())
+            for a, s in zip(self.actors, shards.batches, strict=True)
         ]
         return Later(lambda: shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT))
 

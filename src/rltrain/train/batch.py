@@ -86,8 +86,8 @@ class TrainBatch:
         )
 
     def for_pass(self) -> TrainBatch:
-        """The fields a logprob pass reads, in the narrowest dtypes that hold them exactly,
-        for the trip to a worker: token ids int32, the 0/1 masks bool, the engine's
+        """The fields a logprob or value pass reads, in the narrowest dtypes that hold them
+        exactly, for the trip to a worker: token ids int32, the 0/1 masks bool, the engine's
         logprobs (which a pass does not read) a zero that takes no bytes. A chunk of 16
         rows of 768 tokens then fits under Ray's 100 KiB limit for arguments sent inside
         the call (84 KiB against 336 KiB), with no trip through the object store.

@@ -124,7 +124,9 @@ class ValueWorker(FSDPTrainer):
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
-        """values_BT (CPU, fp32) of this rank's rows, 0 outside the response mask."""
+        """values_BT (CPU, fp32) of this rank's rows, 0 outside the response mask. The rows
+        may come narrowed for the trip (:meth:`TrainBatch.for_pass`)."""
+        batch = batch.widened()
         self.model.eval()
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
         for rows in self.plan_micro_batches(batch):
