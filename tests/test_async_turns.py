@@ -16,7 +16,8 @@ import torch
 from rltrain.algorithms.logprobs import scale_logits, token_logprobs
 from rltrain.algorithms.losses import rollout_correction
 from rltrain.cluster.actors import LocalActor
-from rltrain.cluster.handles import Calls, RolloutPool
+from rltrain.cluster.handles import Calls
+from rltrain.cluster.pool import RolloutPool
 from rltrain.data.task import PromptItem
 from rltrain.envs.base import Episode, StepResult, Turn
 from rltrain.envs.bench_turns import BenchTurnsEnv

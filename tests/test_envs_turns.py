@@ -42,7 +42,8 @@ def engine():
 @pytest.fixture(scope="module")
 def pool(engine):
     from rltrain.cluster.actors import LocalActor
-    from rltrain.cluster.handles import Calls, RolloutPool
+    from rltrain.cluster.handles import Calls
+    from rltrain.cluster.pool import RolloutPool
 
     actor = LocalActor("rollout rank 0")
     actor.host.worker = engine

@@ -24,6 +24,7 @@ from rltrain.train.value_worker import ValueWorker
 SRC = Path(__file__).resolve().parents[1] / "src" / "rltrain"
 CALLERS = [
     SRC / "cluster" / "handles.py",
+    SRC / "cluster" / "pool.py",
     SRC / "cluster" / "workers.py",
     SRC / "cluster" / "inprocess.py",
 ]

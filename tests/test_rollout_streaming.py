@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rltrain.cluster.actors import Actor, LocalActor, WorkerError, wait_all
-from rltrain.cluster.handles import Calls, RolloutPool
+from rltrain.cluster.handles import Calls
+from rltrain.cluster.pool import RolloutPool
 from rltrain.rollout.base import RolloutBatch, SamplingParams
 
 WAIT_S = 120.0

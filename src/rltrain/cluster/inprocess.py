@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from rltrain.cluster.actors import Actor, LocalActor, wait_all
-from rltrain.cluster.handles import PolicyGang, RolloutPool, ValueGang
+from rltrain.cluster.handles import PolicyGang, ValueGang
+from rltrain.cluster.pool import RolloutPool
 from rltrain.cluster.workers import Workers
 from rltrain.rollout import engine_class
 from rltrain.rollout.base import Engine

@@ -3,8 +3,8 @@
 The worker classes (PolicyWorker, ValueWorker, the engines) know nothing of
 Ray. Each runs inside a generic actor (:mod:`rltrain.cluster.actors`); the
 controller drives them through the typed role handles of
-:mod:`rltrain.cluster.handles` that :class:`Workers` builds: ``policy``,
-``value`` (PPO) and ``rollout``, plus :meth:`Workers.refit`.
+:mod:`rltrain.cluster.handles` and :mod:`rltrain.cluster.pool` that :class:`Workers`
+builds: ``policy``, ``value`` (PPO) and ``rollout``, plus :meth:`Workers.refit`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from rltrain.cluster.actors import (
     wait,
     wait_all,
 )
-from rltrain.cluster.handles import Calls, PolicyGang, RolloutPool, TrainerGang, ValueGang
+from rltrain.cluster.handles import Calls, PolicyGang, TrainerGang, ValueGang
 from rltrain.cluster.placement import RoleBundles, role_bundles, shared_gpu_mismatch
+from rltrain.cluster.pool import RolloutPool
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitGroup, RefitStats

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
-from rltrain.cluster.handles import RolloutPool, turns_done_summary
+from rltrain.cluster.pool import RolloutPool, turns_done_summary
 from rltrain.config.env_schema import EnvConfig
 from rltrain.config.errors import ConfigError
 from rltrain.data.task import PromptItem

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rltrain.cluster.handles import PolicyGang, RolloutPool, ValueGang
+    from rltrain.cluster.handles import PolicyGang, ValueGang
+    from rltrain.cluster.pool import RolloutPool
     from rltrain.cluster.workers import RefitInFlight
     from rltrain.config.schema import RunConfig
     from rltrain.data import Task
