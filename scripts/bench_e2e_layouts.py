@@ -140,6 +140,10 @@ def two_gpu_overrides(
         "checkpoint.every_n_steps=0",
         "checkpoint.save_final=false",
         "cluster.startup_timeout_s=900",
+        # Named in the command (null: the plan decides where the reference model lives) so
+        # that scripts/memory_estimate.py re-plans this run as it ran; runs recorded without
+        # it held the reference on the policy's ranks.
+        *(["value.hosts_reference=null"] if algo == "ppo" else []),
     ]
     spec = layouts_for(args)[layout]
     gpu = [

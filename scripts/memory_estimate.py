@@ -99,6 +99,9 @@ def plan_memory(algo: str, command: list[str], capacity_gib: float) -> dict:
     from rltrain.plan import Resources, make_plan
 
     overrides = [o for o in command[2:] if not o.startswith("model.path=")]
+    if algo == "ppo" and not any(o.startswith("value.hosts_reference=") for o in overrides):
+        # recorded before the critic's ranks could host the reference model: the policy's did
+        overrides.append("value.hosts_reference=false")
     overrides += [f"model.path={model_folder()}", f"cluster.gpu_memory_gib={capacity_gib}"]
     cfg, choices = compose(overrides, algorithm=algo)
     gpus = cfg.cluster.num_gpus or 1

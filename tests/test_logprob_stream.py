@@ -1,6 +1,6 @@
-"""The step's logprob passes on rows as they stream out of the engines
-(train.logprobs_while_generating): the same tensors as the passes after generation, with
-chunks submitted while the engines still generate."""
+"""The step's passes on rows as they stream out of the engines (the policy's logprobs,
+the reference's, the critic's values; train.logprobs_while_generating): the same tensors
+as the passes after generation, with chunks submitted while the engines still generate."""
 
 from __future__ import annotations
 
@@ -45,22 +45,30 @@ class _Policy:
     tokens 0..t only, as a causal model's), recorded per call."""
 
     dp = 2
+    DIVISOR = {"logprobs": 17.0, "reference": 13.0, "values": 19.0}
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, bool]] = []  # (rows, reference) per pass
         self.submits = 0  # calls, each with a chunk's passes
 
-    @staticmethod
-    def _logprobs(batch, reference: bool) -> torch.Tensor:
+    @classmethod
+    def _pass(cls, batch, name: str) -> torch.Tensor:
         ids = batch.input_ids_BT.double()
-        out = -(torch.cumsum(ids, -1) % 11) / (13.0 if reference else 17.0)
+        out = -(torch.cumsum(ids, -1) % 11) / cls.DIVISOR[name]
         return (out * batch.attention_mask_BT).float()
 
-    def submit_logprob_passes(self, batch, passes) -> Later[list[torch.Tensor]]:
-        self.calls += [(batch.size, reference) for reference in passes]
+    def submit_passes(self, batch, names) -> Later[list[torch.Tensor]]:
+        self.calls += [(batch.size, name == "reference") for name in names]
         self.submits += 1
-        values = [self._logprobs(batch, reference) for reference in passes]
+        values = [self._pass(batch, name) for name in names]
         return Later(lambda: values)
+
+
+def _stream(gang, need_old: bool, need_ref: bool, chunk_rows: int, expected_rows: int = 0):
+    from rltrain.loops.logprob_stream import LogprobStream, PassTarget
+
+    names = (("logprobs",) if need_old else ()) + (("reference",) if need_ref else ())
+    return LogprobStream((PassTarget(gang, names),), 0, chunk_rows, expected_rows)
 
 
 @pytest.mark.parametrize("need_old", [True, False])
@@ -68,7 +76,6 @@ def test_streamed_logprob_passes_equal_the_passes_after_generation(need_old):
     from rltrain.data import build_task
     from rltrain.logging.metrics import StageTimer
     from rltrain.loops.collect import collect, sampling_params
-    from rltrain.loops.logprob_stream import LogprobStream
     from rltrain.loops.step import old_and_reference_logprobs
     from rltrain.models.tiny import build_tokenizer
     from rltrain.train.batch import build_train_batch
@@ -79,8 +86,16 @@ def test_streamed_logprob_passes_equal_the_passes_after_generation(need_old):
     policy = _Policy()
     engine = _StreamingRollouts(policy)
     task = build_task(cfg.data, cfg.seed)
-    ctx = SimpleNamespace(cfg=cfg, task=task, tokenizer=tok, rollout=engine, policy=policy)
-    stream = LogprobStream(policy, tok.pad_token_id, need_old, True, chunk_rows=5)  # type: ignore[arg-type]
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        task=task,
+        tokenizer=tok,
+        rollout=engine,
+        policy=policy,
+        value=None,
+        plan=SimpleNamespace(gpu_layout=None),
+    )
+    stream = _stream(policy, need_old, True, chunk_rows=5)
     got = collect(ctx, 1, sampling_params(cfg), 0, StageTimer(), stream=stream)  # type: ignore[arg-type]
     rows = len(got.rollout.response_ids)
     assert rows == 32
@@ -105,14 +120,108 @@ def test_streamed_logprob_passes_equal_the_passes_after_generation(need_old):
         assert streamed.old_logprobs_BT is None and direct.old_logprobs_BT is None
 
 
+def test_the_critic_runs_values_and_reference_while_generating_and_the_policy_the_last_rows():
+    """PPO with a critic on GPUs of its own and a KL penalty: the critic holds a copy of the
+    reference model (value.hosts_reference null), and each chunk that streams out while the
+    engines generate goes to it for values and reference logprobs in one call. The step's
+    last chunk gets only the values there; its reference logprobs come from the policy's
+    own copy, submitted once generation ended and before anything waits. The assembled
+    tensors equal the passes after generation."""
+    from rltrain.config.resolved import critic_passes_while_generating, reference_on_critic
+    from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.step import logprob_stream, old_and_reference_logprobs
+    from rltrain.train.batch import build_train_batch
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        rollout="vllm",
+        **{
+            "algorithm.name": "ppo",
+            "algorithm.adv_estimator": "gae",
+            "algorithm.kl_coef": 0.01,
+            "algorithm.prompts_per_step": 7,
+            "algorithm.samples_per_prompt": 1,
+        },
+    )
+    # A critic with GPUs of its own runs its passes while generating and hosts a copy; one
+    # on the policy's GPUs (or on CPU, unless asked) does neither.
+    assert reference_on_critic(cfg, False) and critic_passes_while_generating(cfg, False)
+    assert not reference_on_critic(cfg, True) and not critic_passes_while_generating(cfg, True)
+    assert not reference_on_critic(cfg, None)
+    grpo = tiny_config(rollout="vllm", **{"algorithm.kl_coef": 0.01})
+    assert not reference_on_critic(grpo, False) and not critic_passes_while_generating(grpo, False)
+    no_kl = replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.0))
+    assert not reference_on_critic(no_kl, False)
+    off = replace(cfg, value=replace(cfg.value, hosts_reference=False))
+    assert critic_passes_while_generating(off, False) and not reference_on_critic(off, False)
+
+    policy, critic = _Policy(), _Policy()
+    policy.dp = 1
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        value=critic,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        # the engine on the policy's GPU (the policy does not stream), the critic apart
+        plan=SimpleNamespace(
+            gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
+        ),
+    )
+    stream = logprob_stream(ctx, need_old=False)  # type: ignore[arg-type]
+    assert stream is not None and stream.chunk_rows == 1 and stream.expected_rows == 7
+    assert stream.names == ("values", "reference")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 9, (int(n),), generator=g).tolist() for n in (2, 4, 3, 5, 1, 2, 6)]
+    responses = [
+        torch.randint(3, 9, (int(n),), generator=g).tolist() for n in (5, 1, 3, 2, 6, 4, 2)
+    ]
+    for i in (3, 0, 6):  # rows while the engines generate, a chunk each
+        stream.add(i, prompts[i], responses[i])
+        stream.caught_up()
+    for i in (1, 5, 2, 4):  # the last rows, together at the end
+        stream.add(i, prompts[i], responses[i])
+    stream.caught_up()
+    assert [len(c.rows) for c in stream.chunks] == [1, 1, 1, 4]
+    assert critic.calls == [(1, False), (1, True)] * 3 + [(4, False)]
+    assert policy.calls == []  # the last rows' reference waits for the end of generation
+    rollout = RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], [True] * 7, 0)
+    batch = build_train_batch(rollout, 0)
+    mask = batch.response_mask_BT
+    streamed = old_and_reference_logprobs(ctx, batch, mask, False, StageTimer(), stream)  # type: ignore[arg-type]
+    assert policy.calls == [(4, True)] and critic.submits == 4  # nothing else was asked
+    values = stream.finish(batch, ("values",))["values"]
+    assert torch.equal(values, _Policy._pass(batch, "values"))
+    assert torch.equal(streamed.ref_logprobs_BT, _Policy._pass(batch, "reference"))
+    # without the stream every row's reference pass is the policy's
+    direct = old_and_reference_logprobs(ctx, batch, mask, False, StageTimer())  # type: ignore[arg-type]
+    assert policy.calls[-1] == (7, True) and critic.submits == 4
+    assert torch.equal(direct.ref_logprobs_BT, streamed.ref_logprobs_BT)
+
+
+def test_a_pass_runs_on_one_gang_and_the_last_chunk_gets_every_pass():
+    from rltrain.loops.logprob_stream import LogprobStream, PassTarget
+
+    policy, critic = _Policy(), _Policy()
+    with pytest.raises(ValueError, match="a pass runs on one gang only"):
+        LogprobStream(
+            (PassTarget(policy, ("reference",)), PassTarget(critic, ("reference",))), 0, 3
+        )
+    with pytest.raises(ValueError, match="the last chunk must get the same passes"):
+        LogprobStream(
+            (PassTarget(critic, ("values", "reference")),),
+            0,
+            3,
+            last_targets=(PassTarget(critic, ("values",)),),
+        )
+
+
 def test_rows_that_come_together_go_out_in_one_chunk():
     """A burst of finished rows (every row ending at the same step) is one chunk and one call
     for both passes, not one per chunk_rows rows and pass; rows that trickle in go out
     every chunk_rows."""
-    from rltrain.loops.logprob_stream import LogprobStream
 
     policy = _Policy()
-    stream = LogprobStream(policy, 0, True, True, chunk_rows=4)  # type: ignore[arg-type]
+    stream = _stream(policy, True, True, chunk_rows=4)
     for i in range(3):
         stream.add(i, [1], [2, 3])
         stream.caught_up()
@@ -126,7 +235,7 @@ def test_rows_that_come_together_go_out_in_one_chunk():
     assert policy.submits == 1 and [len(c.rows) for c in stream.chunks] == [14]
     # Knowing the step's rows, the last ones go out as soon as they are in.
     policy = _Policy()
-    stream = LogprobStream(policy, 0, True, False, chunk_rows=4, expected_rows=6)  # type: ignore[arg-type]
+    stream = _stream(policy, True, False, chunk_rows=4, expected_rows=6)
     for i in range(6):
         stream.add(i, [1], [2])
         stream.caught_up()
@@ -134,16 +243,15 @@ def test_rows_that_come_together_go_out_in_one_chunk():
 
 
 def test_a_row_missing_from_the_stream_is_named():
-    from rltrain.loops.logprob_stream import LogprobStream
     from rltrain.train.batch import build_train_batch
 
     rollout = RolloutBatch([[1, 2], [3]], [[4], [5, 6]], [[0.0], [0.0, 0.0]], [True, True], 0)
     batch = build_train_batch(rollout, 0)
-    stream = LogprobStream(_Policy(), 0, True, False, chunk_rows=4)  # type: ignore[arg-type]
+    stream = _stream(_Policy(), True, False, chunk_rows=4)
     stream.add(1, [3], [5, 6])
     with pytest.raises(RuntimeError, match="not the step's 2 rows"):
         stream.finish(batch)
-    stream = LogprobStream(_Policy(), 0, True, False, chunk_rows=4)  # type: ignore[arg-type]
+    stream = _stream(_Policy(), True, False, chunk_rows=4)
     stream.add(0, [1, 2], [4])
     stream.add(1, [3], [5])  # one token short of the batch's row
     with pytest.raises(RuntimeError, match="row 1 streamed 2 tokens but the step's batch holds 3"):
@@ -155,7 +263,6 @@ def test_real_policy_logprobs_of_chunks_match_the_whole_batch():
     chunks of a batch equal the pass over the whole batch (fp32, CPU)."""
     from rltrain.cluster.actors import LocalActor, wait_all
     from rltrain.cluster.handles import Calls, PolicyGang
-    from rltrain.loops.logprob_stream import LogprobStream
     from rltrain.train.batch import build_train_batch
     from rltrain.train.distributed import DistEnv, free_port
     from rltrain.train.policy_worker import PolicyWorker
@@ -174,12 +281,13 @@ def test_real_policy_logprobs_of_chunks_match_the_whole_batch():
             prompts, responses, [[0.0] * len(r) for r in responses], [True] * 4, 0
         )
         batch = build_train_batch(rollout, 0)
-        stream = LogprobStream(gang, 0, True, True, chunk_rows=3)
+        stream = _stream(gang, True, True, chunk_rows=3)
         for i in (2, 0, 3, 1):
             stream.add(i, prompts[i], responses[i])
             stream.caught_up()
         assert [len(c.rows) for c in stream.chunks] == [3]
-        old, ref = stream.finish(batch)
+        got = stream.finish(batch)
+        old, ref = got["logprobs"], got["reference"]
         assert [len(c.rows) for c in stream.chunks] == [3, 1]
         mask = batch.attention_mask_BT.bool()
         assert old is not None and ref is not None

@@ -18,7 +18,7 @@ from rltrain.cli import app
 from rltrain.config.compose import compose
 from rltrain.models.shapes import known_shape, shape_from_config_json
 from rltrain.plan import Resources, make_plan
-from rltrain.plan.memory import CONTEXT_BYTES, GIB, TRAINER_FRAGMENTATION
+from rltrain.plan.memory import CONTEXT_BYTES, GIB, TRAINER_FRAGMENTATION, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -179,7 +179,7 @@ def test_cli_unknown_gpu_size_skips_the_check_and_says_so():
 
 
 # -- the benchmarks' layouts stay accepted at 80 GiB -----------------------------------------
-def _bench_plan(algo: str, layout: str, gib: float = 80.0):
+def _bench_overrides(algo: str, layout: str, gib: float = 80.0) -> list[str]:
     layouts = _script("bench_e2e_layouts")
     args = SimpleNamespace(
         prompts=32,
@@ -198,7 +198,11 @@ def _bench_plan(algo: str, layout: str, gib: float = 80.0):
     )
     folder = Path(_script("memory_estimate").model_folder())
     plan_ov, _ = layouts.two_gpu_overrides(args, algo, layout, folder, Path("/tmp/unused"))
-    cfg, choices = compose([*plan_ov, f"cluster.gpu_memory_gib={gib}"], algorithm=algo)
+    return [*plan_ov, f"cluster.gpu_memory_gib={gib}"]
+
+
+def _bench_plan(algo: str, layout: str, gib: float = 80.0):
+    cfg, choices = compose(_bench_overrides(algo, layout, gib), algorithm=algo)
     return make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices)
 
 
@@ -208,6 +212,34 @@ def _bench_plan(algo: str, layout: str, gib: float = 80.0):
 def test_bench_two_gpu_layouts_fit_80gib(algo, layout):
     plan = _bench_plan(algo, layout)
     assert all(g.fits for g in plan.memory.gpus)
+
+
+def test_the_critics_copy_of_the_reference_model_is_counted_on_its_gpu():
+    """bench's `ppo critic` layout (policy and its engine on GPU 0, the critic alone on
+    GPU 1, the recipe's KL penalty): the critic runs its passes while the engines generate
+    and holds a copy of the reference model for them (value.hosts_reference=null); the
+    policy keeps its own for the rows left at the end. value.hosts_reference=false drops
+    the critic's copy."""
+    from rltrain.plan.memory import reference_bytes
+
+    def parts(p, gpu: int, role: str) -> dict[str, int]:
+        return next(x.parts for x in p.memory.gpus[gpu].processes if x.role == role)
+
+    plan = _bench_plan("ppo", "critic")
+    assert plan.gpu_layout is not None and not plan.gpu_layout.value_colocated
+    policy, value = parts(plan, 0, "policy"), parts(plan, 1, "value")
+    assert value["reference"] == policy["reference"] > 0  # dp 1 each, the same model
+    notes = " ".join(plan.role("value").notes)
+    assert "holds a copy of the reference model" in notes
+    cfg, choices = compose(
+        [*_bench_overrides("ppo", "critic"), "value.hosts_reference=false"], algorithm="ppo"
+    )
+    kept = make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices)
+    assert "reference" not in parts(kept, 1, "value")
+    assert parts(kept, 0, "policy")["reference"] == policy["reference"]
+    assert "reference model" not in " ".join(kept.role("value").notes)
+    shape = model_shape(cfg)
+    assert shape is not None and value["reference"] == reference_bytes(cfg, shape, 1)
 
 
 def test_bench_ppo_split_is_refused_at_80gib():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -430,3 +431,44 @@ def test_engine_logprobs_sample_gives_every_nth_row_and_the_metric_skips_the_res
     assert engine_logprob_stride(replace(cfg, algorithm=rc), "cuda") == 1
     every = replace(cfg, rollout=replace(cfg.rollout, engine_logprobs="all"))
     assert engine_logprob_stride(every, "cuda") == 1
+
+
+def test_sampled_logprobs_read_vllms_flat_and_dict_forms():
+    """The engine asks vLLM for flat logprobs (a few lists per request, not a dict and an
+    object per token); each sampled token's logprob comes out of either form, and a row
+    asked without them gives NaN."""
+    import math
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rltrain.rollout.vllm_turns import sampled_logprobs
+
+    ids = [5, 9, 2]
+    per_position = [
+        {5: Logprob(-0.5, 1)},
+        {9: Logprob(-1.25, 3), 4: Logprob(-0.1, 1)},  # the sampled token listed first
+        {7: Logprob(-0.2, 1), 2: Logprob(-3.0, 8)},  # ... or not
+    ]
+    flat = FlatLogprobs()
+    for position in per_position:
+        flat.append(position)
+    assert sampled_logprobs(ids, flat) == [-0.5, -1.25, -3.0]
+    assert sampled_logprobs(ids, per_position) == [-0.5, -1.25, -3.0]
+    assert all(math.isnan(x) for x in sampled_logprobs(ids, None))
+    with pytest.raises(RuntimeError, match="logprobs for 3 positions, 2 tokens"):
+        sampled_logprobs(ids[:2], flat)
+
+
+def test_the_model_class_is_inspected_in_the_replicas_process():
+    """vLLM's first inspection of a model class on a host runs in a fresh interpreter;
+    while an engine is built it runs in the replica's process instead, and vLLM's own hook
+    is back afterwards."""
+    from vllm.model_executor.models import registry
+
+    from rltrain.rollout.vllm_settings import model_inspection_in_process
+
+    original = registry._run_in_subprocess
+    pid = os.getpid()
+    with model_inspection_in_process():
+        assert registry._run_in_subprocess(os.getpid) == pid
+    assert registry._run_in_subprocess is original

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -25,6 +25,10 @@ from rltrain.train.value_worker import ValueWorker
 
 R = TypeVar("R")
 T = TypeVar("T", bound=FSDPTrainer)
+
+
+# How a call of each pass is named in a failure's message.
+PASS_WORDS = {"logprobs": "logprobs", "reference": "reference logprobs", "values": "values"}
 
 
 class Calls:
@@ -61,15 +65,21 @@ class Streamed(NamedTuple):
     old_logprobs_BT: torch.Tensor
 
 
-@dataclass(frozen=True)
 class Later(Generic[R]):
     """A gang's call in flight (its ranks already working); :meth:`result` waits for it and
-    puts the ranks' answers together. Lets the controller run another gang meanwhile."""
+    puts the ranks' answers together (once: later calls give the same answer). Lets the
+    controller run another gang meanwhile."""
 
-    finish: Callable[[], R]
+    def __init__(self, finish: Callable[[], R]) -> None:
+        self.finish = finish
+        self._done = False
+        self._value: R | None = None
 
     def result(self) -> R:
-        return self.finish()
+        if not self._done:
+            self._value = self.finish()
+            self._done = True
+        return cast(R, self._value)
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,27 @@ class TrainerGang(Generic[T]):
     def shards(self, batch: B) -> Shards[B]:
         return shard_rows(batch, self.dp, self.tp, self.mini_batch)
 
+    def gather_passes(
+        self,
+        pending: list[Pending[list[torch.Tensor]]],
+        shards: Shards,
+        batch: TrainBatch,
+        names: tuple[str, ...],
+    ) -> Later[list[torch.Tensor]]:
+        """The ranks' answers to a call of passes ``names``, each pass back in rollout row
+        order."""
+        what = " and ".join(PASS_WORDS[n] for n in names)
+
+        def gather() -> list[torch.Tensor]:
+            who = "critic" if self.role == "value" else self.role
+            per_rank = self.calls.wait(pending, f"{who} {what}")
+            return [
+                shards.gather([r[k] for r in per_rank], batch.input_ids_BT)
+                for k in range(len(names))
+            ]
+
+        return Later(gather)
+
     def export_hf(self, path: str, metadata: dict) -> str:
         """The model as an HF folder at ``path`` (rank 0 writes it); returns the path."""
         self.calls.settle()
@@ -174,29 +205,18 @@ class PolicyGang(TrainerGang[PolicyWorker]):
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Token-aligned logprobs_BT of every row under the current (or reference) policy."""
-        return self.submit_logprob_passes(batch, (reference,)).result()[0]
+        return self.submit_passes(batch, ("reference" if reference else "logprobs",)).result()[0]
 
-    def submit_logprob_passes(
-        self, batch: TrainBatch, passes: tuple[bool, ...]
-    ) -> Later[list[torch.Tensor]]:
-        """:meth:`logprobs` of each pass in ``passes`` (True: the reference's), submitted as
-        one call per rank: the ranks start at once; ``result()`` waits."""
+    def submit_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> Later[list[torch.Tensor]]:
+        """The passes ``names`` ("logprobs", "reference") on every row, one call per rank:
+        the ranks start at once; ``result()`` waits and gives them in rollout row order."""
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
-            a.call(PolicyWorker.compute_logprob_passes, s.for_pass(), passes)
+            a.call(PolicyWorker.compute_passes, s.for_pass(), names)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
-        what = " and ".join("reference logprobs" if ref else "logprobs" for ref in passes)
-
-        def gather() -> list[torch.Tensor]:
-            per_rank = self.calls.wait(pending, what)
-            return [
-                shards.gather([r[k] for r in per_rank], batch.input_ids_BT)
-                for k in range(len(passes))
-            ]
-
-        return Later(gather)
+        return self.gather_passes(pending, shards, batch, names)
 
     def train(self, batch: PolicyBatch) -> TrainResult:
         """Train on the batch (its mini batches and epochs); rank 0's metrics (already reduced
@@ -292,13 +312,20 @@ class ValueGang(TrainerGang[ValueWorker]):
 
     def submit_values(self, batch: TrainBatch) -> Later[torch.Tensor]:
         """:meth:`values`, submitted: the critic's ranks start at once; ``result()`` waits."""
+        later = self.submit_passes(batch, ("values",))
+        return Later(lambda: later.result()[0])
+
+    def submit_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> Later[list[torch.Tensor]]:
+        """The passes ``names`` ("values"; "reference" where the critic hosts the reference
+        model) on every row, one call per rank; ``result()`` waits and gives them in rollout
+        row order."""
         self.calls.settle()
         shards = self.shards(batch)
         pending = [
-            a.call(ValueWorker.values, s.for_pass())
+            a.call(ValueWorker.compute_passes, s.for_pass(), names)
             for a, s in zip(self.actors, shards.batches, strict=True)
         ]
-        return Later(lambda: shards.gather(self.calls.wait(pending, "values"), batch.input_ids_BT))
+        return self.gather_passes(pending, shards, batch, names)
 
     def train(self, batch: ValueBatch) -> dict[str, float]:
         """Critic update(s) on the batch; rank 0's metrics (already reduced over the critic's

@@ -26,6 +26,7 @@ from rltrain.cluster.actors import (
 from rltrain.cluster.handles import Calls, PolicyGang, TrainerGang, ValueGang
 from rltrain.cluster.placement import RoleBundles, role_bundles, shared_gpu_mismatch
 from rltrain.cluster.pool import RolloutPool
+from rltrain.config.resolved import reference_on_critic
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitGroup, RefitStats
@@ -102,10 +103,18 @@ class Workers:
     def __init__(self, cfg: RunConfig, plan: RunPlan):
         self.pgs: list = []
         # The workers see the plan's answers to the auto keys: rollout.colocated (the vLLM
-        # engine enables sleep mode from it) and train.max_tokens_per_micro_batch.
+        # engine enables sleep mode from it), train.max_tokens_per_micro_batch and
+        # value.hosts_reference (which gang builds the reference model).
+        layout = plan.gpu_layout
         self.cfg = replace(
             cfg,
             rollout=replace(cfg.rollout, colocated=plan.colocated),
+            value=replace(
+                cfg.value,
+                hosts_reference=reference_on_critic(
+                    cfg, None if layout is None else layout.value_colocated
+                ),
+            ),
             train=replace(
                 cfg.train,
                 max_tokens_per_micro_batch=plan.batch.micro_batch_tokens

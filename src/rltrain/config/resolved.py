@@ -1,6 +1,6 @@
 """Settings resolved from a whole run config: what ``null``/``auto`` keys mean once the rest of
 the run is known (the engine's logprob rows, the importance-weight level, whether the
-policy's logprob passes run while the engines generate)."""
+policy's logprob passes run while the engines generate, where the reference model lives)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ def is_level(cfg: RunConfig) -> ISLevel | None:
     return None
 
 
+def streams_passes(cfg: RunConfig) -> bool:
+    """Whether a step's rows stream out of the engines one by one, in time for passes on
+    them while the rest generate: vLLM, the synchronous loop (the asynchronous one trains
+    while the engines generate), single-turn episodes (an environment's end as a batch of
+    turns) and no dynamic sampling."""
+    a = cfg.algorithm
+    return (
+        cfg.rollout.engine == "vllm"
+        and not a.async_rollout.enabled
+        and not a.dynamic_sampling.enabled
+        and cfg.env.target is None
+    )
+
+
 def logprobs_while_generating(cfg: RunConfig, rollout_colocated: bool | None) -> bool:
     """``train.logprobs_while_generating`` resolved: whether the step's old and reference
     logprob passes run on the rows the engines have finished while they still generate.
@@ -50,13 +64,31 @@ def logprobs_while_generating(cfg: RunConfig, rollout_colocated: bool | None) ->
     trainers idle through generation) and the engine streams rows (vLLM); never in the
     asynchronous loop (its trainer trains while the engines generate), with an
     environment (episodes end as a batch of turns) or dynamic sampling."""
-    t, a = cfg.train.logprobs_while_generating, cfg.algorithm
-    possible = (
-        cfg.rollout.engine == "vllm"
-        and not a.async_rollout.enabled
-        and not a.dynamic_sampling.enabled
-        and cfg.env.target is None
-    )
+    t = cfg.train.logprobs_while_generating
     if t is not None:
-        return bool(t) and possible
-    return possible and rollout_colocated is False
+        return bool(t) and streams_passes(cfg)
+    return streams_passes(cfg) and rollout_colocated is False
+
+
+def reference_on_critic(cfg: RunConfig, value_colocated: bool | None) -> bool:
+    """``value.hosts_reference`` resolved: whether PPO's critic ranks hold a copy of the
+    frozen reference model of the KL penalty and run its pass, beside their values, on the
+    rows that stream out while the engines generate. null = wherever the critic runs its
+    passes while generating (:func:`critic_passes_while_generating`). The policy's ranks
+    keep their own copy: the rows left when generation ends get it there, beside the
+    critic's values. Never without a KL penalty."""
+    if cfg.algorithm.name != "ppo" or cfg.algorithm.kl_coef <= 0:
+        return False
+    h = cfg.value.hosts_reference
+    return critic_passes_while_generating(cfg, value_colocated) if h is None else bool(h)
+
+
+def critic_passes_while_generating(cfg: RunConfig, value_colocated: bool | None) -> bool:
+    """Whether PPO's critic runs its passes (the values, and the reference logprobs where it
+    hosts the reference) on the rows as they stream out of the engines: where its ranks
+    have GPUs of their own (they idle through generation), unless
+    ``train.logprobs_while_generating`` says otherwise (true: also on CPU)."""
+    if cfg.algorithm.name != "ppo" or not streams_passes(cfg):
+        return False
+    t = cfg.train.logprobs_while_generating
+    return bool(t) if t is not None else value_colocated is False

@@ -485,6 +485,11 @@ class ValueConfig:
     # Diagnostic only (the right-shift ablation): false aligns V[t] with the state
     # *after* token t, which is wrong for PPO. Keep true for training.
     right_shift: bool = True
+    # The critic's ranks also hold the frozen reference model of a KL penalty and run its
+    # pass with the values on the rows that stream out while the engines generate (the
+    # rows left at the end get it from the policy's own copy). null = wherever the critic
+    # runs its passes while generating (GPUs of its own); true needs that.
+    hosts_reference: bool | None = None
 
 
 @dataclass

@@ -182,6 +182,18 @@ def validate(cfg: RunConfig) -> None:
             "trains while the engines generate), algorithm.dynamic_sampling or an env.target; "
             "set train.logprobs_while_generating=null or false."
         )
+    if cfg.value.hosts_reference:
+        if cfg.algorithm.name != "ppo":
+            raise ConfigError(
+                f"value.hosts_reference=true puts the reference model on PPO's critic, but "
+                f"algorithm={cfg.algorithm.name} has no critic; set value.hosts_reference=null."
+            )
+        if cfg.algorithm.kl_coef <= 0:
+            raise ConfigError(
+                "value.hosts_reference=true: there is no reference model to host, "
+                "algorithm.kl_coef=0 (no KL penalty); set algorithm.kl_coef > 0 or "
+                "value.hosts_reference=null."
+            )
     check_positive("rollout.replicas", ro.replicas)
     check_positive("rollout.tp", ro.tp)
     if ro.tp != 1 and ro.engine != "vllm":

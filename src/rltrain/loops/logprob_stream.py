@@ -1,31 +1,37 @@
-"""The step's old and reference logprobs, computed on rows as the engines finish them.
+"""The step's passes on its rows (the old and reference logprobs, PPO's values), computed
+as the engines finish the rows.
 
-In a synchronous step the policy's weights do not change between the engines' sampling
-and the update, so the train-side logprob passes (the old logprobs when the step takes
-several optimizer steps, the reference logprobs of a KL penalty) need nothing but each
-row's tokens. Where the policy's GPUs hold no engine they idle while the engines
-generate; :class:`LogprobStream` hands them the rows that have finished, a chunk at a
-time, while the rest still generate. What is left once the last row is in (the rows
-of the last chunk) is the stage's exposed time.
+In a synchronous step the trainers' weights do not change between the engines' sampling
+and the update, so the passes before the update (the old logprobs when the step takes
+several optimizer steps, the reference logprobs of a KL penalty, the critic's values) need
+nothing but each row's tokens. Where a gang's GPUs hold no engine it idles while the
+engines generate; :class:`LogprobStream` hands it the rows that have finished, a chunk at
+a time, while the rest still generate. What is left once the last row is in (the rows of
+the last chunk) is the stage's exposed time. Each gang takes its own passes on every
+chunk (:class:`PassTarget`): the policy's (``"logprobs"``, ``"reference"``) and the
+critic's (``"values"``, and ``"reference"`` where it hosts the reference model).
 
 A chunk goes out when the controller has caught up with the rows streamed so far
 (:meth:`LogprobStream.caught_up`, called by the pool when no event waits) and holds at
 least ``chunk_rows`` of them: rows that arrive together (a burst of rows ending at the
-same step) go out in one chunk, each chunk's passes in one call per rank. Every call
+same step) go out in one chunk, each gang's passes in one call per rank. Every call
 costs the controller a submission, and that cost grows when other threads of the
 controller hold the interpreter.
 
-The passes are the same as :func:`rltrain.loops.step.old_and_reference_logprobs`'s,
-on fewer rows at a time: a row's logprobs do not depend on the rows beside it (packed
-sequences attend only to themselves), up to the kernels' rounding.
-``train.logprobs_while_generating`` switches it (:func:`rltrain.config.resolved.logprobs_while_generating`).
+The passes are the same as the ones after generation
+(:func:`rltrain.loops.step.old_and_reference_logprobs`, the critic's values), on fewer
+rows at a time: a row's result does not depend on the rows beside it (packed sequences
+attend only to themselves), up to the kernels' rounding.
+``train.logprobs_while_generating`` switches the policy's
+(:func:`rltrain.config.resolved.logprobs_while_generating`) and the critic's
+(:func:`rltrain.config.resolved.critic_passes_while_generating`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -33,55 +39,95 @@ from rltrain.rollout.base import RolloutBatch
 from rltrain.train.batch import TrainBatch, build_train_batch
 
 if TYPE_CHECKING:
-    from rltrain.cluster.handles import Later, PolicyGang
+    from rltrain.cluster.handles import Later
+
+
+class PassGang(Protocol):
+    """A gang that runs named passes on a batch (:class:`rltrain.cluster.handles.PolicyGang`,
+    :class:`~rltrain.cluster.handles.ValueGang`)."""
+
+    def submit_passes(
+        self, batch: TrainBatch, names: tuple[str, ...]
+    ) -> Later[list[torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class PassTarget:
+    """A gang and the passes it runs on a chunk of the stream; ``after_generation``: they
+    go out in :meth:`LogprobStream.finish`, once the engines are done (a gang whose GPUs
+    the engines hold while they generate)."""
+
+    gang: PassGang
+    names: tuple[str, ...]
+    after_generation: bool = False
 
 
 @dataclass
 class _Chunk:
     rows: list[int]
     lengths: list[int]
-    # the passes' logprobs (old first, then the reference's, where needed)
-    passes: Later[list[torch.Tensor]]
+    batch: TrainBatch | None  # kept while a target waits for the end of generation
+    # per target: its passes' names and, once submitted, their results (in that order)
+    parts: list[tuple[PassTarget, Later[list[torch.Tensor]] | None]]
 
 
 @dataclass
 class LogprobStream:
     """Collects a step's finished rows (:meth:`add`, called as each row streams out) and
-    submits the policy's logprob passes on the rows waiting whenever the controller has
-    caught up and at least ``chunk_rows`` wait (:meth:`caught_up`); :meth:`finish` submits
-    the rest and assembles [B, T] tensors in rollout row order."""
+    submits every target's passes on the rows waiting whenever the controller has caught up
+    and at least ``chunk_rows`` wait (:meth:`caught_up`); :meth:`finish` submits the rest
+    and assembles each pass's [B, T] tensor in rollout row order.
 
-    policy: PolicyGang
+    ``last_targets`` (None: ``targets``) serve the step's last chunk, the rows that came in
+    when the engines were done or nearly: PPO's critic then runs only the values there
+    while the policy's own copy of the reference model takes the reference pass, so the two
+    GPUs share what is left after generation."""
+
+    targets: tuple[PassTarget, ...]
     pad_id: int
-    need_old: bool
-    need_ref: bool
     chunk_rows: int
     # the step's rows: once that many were added, the last ones go out without waiting for
     # a chunk's worth (0: not known; :meth:`finish` submits them)
     expected_rows: int = 0
+    last_targets: tuple[PassTarget, ...] | None = None
     added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
     # Controller seconds spent building and submitting the chunks (inside the generate stage).
     submit_s: float = 0.0
+    _finished: dict[str, torch.Tensor] = field(default_factory=dict)
+    _checked: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows={self.chunk_rows} must be >= 1")
+        self.targets = tuple(t for t in self.targets if t.names)
+        last = self.targets if self.last_targets is None else self.last_targets
+        self.last_targets = tuple(t for t in last if t.names)
+        for group in (self.targets, self.last_targets):
+            names = [n for t in group for n in t.names]
+            if len(set(names)) != len(names):
+                raise ValueError(f"a pass runs on one gang only, not {names}")
+        if set(self._names(self.targets)) != set(self._names(self.last_targets)):
+            raise ValueError("the last chunk must get the same passes as the others")
+
+    @staticmethod
+    def _names(targets: tuple[PassTarget, ...]) -> tuple[str, ...]:
+        return tuple(n for t in targets for n in t.names)
 
     @property
     def active(self) -> bool:
-        return self.need_old or self.need_ref
+        return bool(self.targets)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every pass the stream runs."""
+        return self._names(self.targets)
 
     @property
     def streamed_rows(self) -> int:
         """Rows whose passes were submitted before :meth:`finish`."""
         return sum(len(c.rows) for c in self.chunks)
-
-    @property
-    def passes(self) -> tuple[bool, ...]:
-        """The passes of a chunk: the policy's (False), then the reference's (True)."""
-        return ((False,) if self.need_old else ()) + ((True,) if self.need_ref else ())
 
     def add(self, row: int, prompt_ids: list[int], response_ids: list[int]) -> None:
         """Row ``row`` of the step (its index in the rollout) has finished."""
@@ -95,9 +141,9 @@ class LogprobStream:
         last."""
         last = self.expected_rows > 0 and self.added >= self.expected_rows
         if self.active and self.pending and (len(self.pending) >= self.chunk_rows or last):
-            self._submit()
+            self._submit(last)
 
-    def _submit(self) -> None:
+    def _submit(self, last: bool) -> None:
         t0 = time.perf_counter()
         rows, self.pending = self.pending, []
         rollout = RolloutBatch(
@@ -108,24 +154,60 @@ class LogprobStream:
             weight_version=0,
         )
         batch = build_train_batch(rollout, self.pad_id)
+        targets = self.last_targets if last else self.targets
+        assert targets is not None
+        parts: list[tuple[PassTarget, Later[list[torch.Tensor]] | None]] = [
+            (t, None if t.after_generation else t.gang.submit_passes(batch, t.names))
+            for t in targets
+        ]
+        deferred = any(later is None for _, later in parts)
         self.chunks.append(
             _Chunk(
                 [i for i, _, _ in rows],
                 [len(p) + len(r) for _, p, r in rows],
-                self.policy.submit_logprob_passes(batch, self.passes),
+                batch if deferred else None,
+                parts,
             )
         )
         self.submit_s += time.perf_counter() - t0
 
-    def finish(self, batch: TrainBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(old logprobs_BT, reference logprobs_BT) of ``batch``'s rows (None where not
-        needed), once every row was added; waits for the passes still running."""
+    def finish(
+        self, batch: TrainBatch, names: tuple[str, ...] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Each pass's [B, T] tensor over ``batch``'s rows, by name, once every row was added
+        and generation ended; submits what waited for that, then waits for the passes still
+        running (``names``: only for those). A pass is assembled once: later calls give the
+        same tensors."""
         if self.pending:
-            self._submit()
+            self._submit(True)
+        for chunk in self.chunks:
+            if chunk.batch is not None:
+                chunk.parts = [
+                    (t, later if later is not None else t.gang.submit_passes(chunk.batch, t.names))
+                    for t, later in chunk.parts
+                ]
+                chunk.batch = None
+        if not self._checked:
+            self._check_rows(batch)
+        for name in self.names if names is None else names:
+            if name in self._finished or name not in self.names:
+                continue
+            full = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+            for chunk in self.chunks:
+                target, later = next((t, x) for t, x in chunk.parts if name in t.names)
+                assert later is not None
+                part = later.result()[target.names.index(name)]
+                for r, (i, n) in enumerate(zip(chunk.rows, chunk.lengths, strict=True)):
+                    full[i, :n] = part[r, :n]
+            self._finished[name] = full
+        wanted = self.names if names is None else names
+        return {n: self._finished[n] for n in wanted if n in self._finished}
+
+    def _check_rows(self, batch: TrainBatch) -> None:
         got = sorted(i for c in self.chunks for i in c.rows)
         if got != list(range(batch.size)):
             raise RuntimeError(
-                f"the logprob stream holds rows {got[:8]}... of {len(got)}, not the step's "
+                f"the pass stream holds rows {got[:8]}... of {len(got)}, not the step's "
                 f"{batch.size} rows; a row went missing between the engines and the controller"
             )
         lengths = batch.attention_mask_BT.sum(-1).tolist()
@@ -135,18 +217,4 @@ class LogprobStream:
                     raise RuntimeError(
                         f"row {i} streamed {n} tokens but the step's batch holds {lengths[i]}"
                     )
-        results = [chunk.passes.result() for chunk in self.chunks]
-        return self._assemble(batch, results, "old"), self._assemble(batch, results, "ref")
-
-    def _assemble(
-        self, batch: TrainBatch, results: list[list[torch.Tensor]], which: str
-    ) -> torch.Tensor | None:
-        if not (self.need_old if which == "old" else self.need_ref):
-            return None
-        k = 0 if which == "old" else len(self.passes) - 1
-        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-        for chunk, parts in zip(self.chunks, results, strict=True):
-            part = parts[k]
-            for j, (i, n) in enumerate(zip(chunk.rows, chunk.lengths, strict=True)):
-                out[i, :n] = part[j, :n]
-        return out
+        self._checked = True

@@ -62,8 +62,8 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
         # steps 1-3: prompts (each repeated samples_per_prompt times), generate with the
         # engines' current weights (version = weight_version), reward of each whole response
         need_old = not (fuse_old_logprobs and trains_policy)
-        # where the policy idles while the engines generate: its logprob passes on the
-        # rows that have finished (train.logprobs_while_generating)
+        # where the policy or the critic idles while the engines generate: their passes on
+        # the rows that have finished (train.logprobs_while_generating)
         stream = logprob_stream(ctx, need_old) if gather is collect else None
         if stream is not None:
             got = collect(ctx, step, sampling, weight_version, timer, stream=stream)
@@ -81,20 +81,26 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
                 lengths, cfg.rollout.max_new_tokens, a.overlong.buffer, a.overlong.penalty
             )
 
-        # step 4: values of the state before every token (critic, right-shifted). With GPUs
-        # of its own the critic's forward runs while step 5 runs on the policy's.
-        with timer("values"):
-            values_later = value.submit_values(batch)
-            if not beside:
-                old_values_BT = values_later.result()
-
-        # step 5: train-side logprobs before the update, reference logprobs for the KL penalty
+        # steps 4-5: values of the state before every token (critic, right-shifted), the
+        # train-side logprobs before the update and the reference logprobs for the KL penalty.
+        # With GPUs of its own the critic ran its passes on the rows as they streamed out of
+        # the engines (what is left of them runs beside the policy's), or its forward runs
+        # while the policy's passes run.
         streamed = stream.streamed_rows / batch.size if stream is not None else None
-        before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer, stream)
+        if stream is not None and "values" in stream.names:
+            before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer, stream)
+            with timer("values"):  # what is left of the critic's passes: their exposed time
+                old_values_BT = stream.finish(batch, ("values",))["values"]
+        else:
+            with timer("values"):
+                values_later = value.submit_values(batch)
+                if not beside:
+                    old_values_BT = values_later.result()
+            before = old_and_reference_logprobs(ctx, batch, mask, need_old, timer, stream)
+            if beside:
+                with timer("values"):  # what is left of the critic's forward: its exposed time
+                    old_values_BT = values_later.result()
         kl_BT = before.kl_BT
-        if beside:
-            with timer("values"):  # what is left of the critic's forward: its exposed time
-                old_values_BT = values_later.result()
 
         # step 6: GAE: the score on the last response token (minus the KL penalty per token)
         rewards_BT = token_rewards(shaped, mask, kl_BT, a.kl_coef)

@@ -10,12 +10,16 @@ from typing import NamedTuple, cast
 import torch
 
 from rltrain.algorithms.losses import kl_estimate
-from rltrain.config.resolved import logprobs_while_generating
+from rltrain.config.resolved import (
+    critic_passes_while_generating,
+    logprobs_while_generating,
+    reference_on_critic,
+)
 from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
-from rltrain.loops.logprob_stream import LogprobStream
+from rltrain.loops.logprob_stream import LogprobStream, PassTarget
 from rltrain.refit.base import RefitStats
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 
@@ -40,20 +44,55 @@ class Before(NamedTuple):
     kl_BT: torch.Tensor | None
 
 
+def value_colocated(ctx: RunContext) -> bool | None:
+    """Whether PPO's critic shares the policy's GPUs (None: not a CUDA run)."""
+    layout = ctx.plan.gpu_layout
+    return None if layout is None else layout.value_colocated
+
+
+def critic_reference(ctx: RunContext) -> bool:
+    """The critic's ranks hold the reference model (``value.hosts_reference`` resolved)."""
+    return reference_on_critic(ctx.cfg, value_colocated(ctx))
+
+
 def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
-    """The step's :class:`LogprobStream` when its logprob passes run while the engines
-    generate (``train.logprobs_while_generating``) and it has any, else None."""
+    """The step's :class:`LogprobStream` when any of its passes run while the engines
+    generate, else None: the policy's (``train.logprobs_while_generating``) and, in PPO,
+    the critic's values and, where its ranks hold a copy of the reference model, the
+    reference logprobs (:func:`rltrain.config.resolved.critic_passes_while_generating`).
+    The step's last chunk then gets its reference logprobs from the policy's own copy once
+    generation ends, beside the critic's values."""
     cfg = ctx.cfg
     layout = ctx.plan.gpu_layout
     colocated = None if layout is None else layout.rollout_colocated
     need_ref = cfg.algorithm.kl_coef > 0
-    if not (need_old or need_ref) or not logprobs_while_generating(cfg, colocated):
+    ref_on_critic = need_ref and critic_reference(ctx)
+    policy_streams = logprobs_while_generating(cfg, colocated)
+    targets, last_targets = [], []
+    if policy_streams:
+        names = (("logprobs",) if need_old else ()) + (
+            ("reference",) if need_ref and not ref_on_critic else ()
+        )
+        targets.append(PassTarget(ctx.policy, names))
+        last_targets.append(PassTarget(ctx.policy, names))
+    if ctx.value is not None and critic_passes_while_generating(cfg, value_colocated(ctx)):
+        targets.append(
+            PassTarget(ctx.value, ("values",) + (("reference",) if ref_on_critic else ()))
+        )
+        last_targets.append(PassTarget(ctx.value, ("values",)))
+        if ref_on_critic:  # the last rows: the policy's copy, once the engines are done
+            last_targets.append(PassTarget(ctx.policy, ("reference",), after_generation=True))
+    if not any(t.names for t in targets):
         return None
     # A chunk per eighth of the step's rows (and at least one row per dp rank).
     rows = cfg.algorithm.prompts_per_step * cfg.algorithm.samples_per_prompt
     chunk = max(rows // 8, ctx.policy.dp, 1)
     return LogprobStream(
-        ctx.policy, ctx.tokenizer.pad_token_id, need_old, need_ref, chunk, expected_rows=rows
+        tuple(targets),
+        ctx.tokenizer.pad_token_id,
+        chunk,
+        expected_rows=rows,
+        last_targets=tuple(last_targets),
     )
 
 
@@ -68,20 +107,26 @@ def old_and_reference_logprobs(
     """Train-side logprobs before the update (when ``need_old``), and with
     ``algorithm.kl_coef > 0`` the reference logprobs: for the loss's KL term, or, with
     ``kl_in_reward``, turned into the per-token KL penalty (times ``mask_BT``). Times
-    "logprobs". ``stream``: the passes already went on the rows as they finished; this
-    waits for the rest."""
+    "logprobs". ``stream``: passes that already went on the rows as they finished (this
+    waits for the rest)."""
     a = ctx.cfg.algorithm
-    old = ref = kl_BT = None
+    need_ref = a.kl_coef > 0
+    kl_BT = ref = None
     with timer("logprobs"):
-        if stream is not None:
-            old, ref_logprobs = stream.finish(batch)
-        else:  # both passes in one call per rank
-            passes = ((False,) if need_old else ()) + ((True,) if a.kl_coef > 0 else ())
-            got = ctx.policy.submit_logprob_passes(batch, passes).result() if passes else []
-            old = got[0] if need_old else None
-            ref_logprobs = got[-1] if a.kl_coef > 0 else None
-        if a.kl_coef > 0:
-            assert ref_logprobs is not None, "the reference logprobs were not computed"
+        wanted = tuple(
+            n for n, needed in (("logprobs", need_old), ("reference", need_ref)) if needed
+        )
+        streamed = stream.names if stream is not None else ()
+        # what the stream did not run: the policy's passes in one call per rank, submitted
+        # before waiting on the stream's (they run beside its last chunk's)
+        names = tuple(n for n in wanted if n not in streamed)
+        later = ctx.policy.submit_passes(batch, names) if names else None
+        have = dict(stream.finish(batch, wanted)) if stream is not None else {}
+        if later is not None:
+            have.update(zip(names, later.result(), strict=True))
+        old = have.get("logprobs") if need_old else None
+        if need_ref:
+            ref_logprobs = have["reference"]
             if a.kl_in_reward:  # per sampled token (k1 by default)
                 assert old is not None, "the KL penalty in the reward needs the old logprobs"
                 kl = kl_estimate(old, ref_logprobs, cast(KLEstimator, a.kl_estimator))

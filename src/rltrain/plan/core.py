@@ -10,6 +10,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from rltrain.config.errors import ConfigError
+from rltrain.config.resolved import (
+    critic_passes_while_generating,
+    reference_on_critic,
+    streams_passes,
+)
 from rltrain.config.schema import (
     CPU_MICRO_BATCH_TOKENS,
     RunConfig,
@@ -308,6 +313,24 @@ def _make_plan_resolved(
             "rollout has GPUs of its own) or give the rollout GPUs of its own "
             "(rollout.colocated=false)."
         )
+    v_colocated = None if layout is None else layout.value_colocated
+    if cfg.value.hosts_reference and not critic_passes_while_generating(cfg, v_colocated):
+        if not streams_passes(cfg):
+            where = (
+                "nothing streams a step's rows: that needs rollout=vllm, a synchronous loop, "
+                "single-turn episodes and no dynamic sampling"
+            )
+        elif cfg.train.logprobs_while_generating is False:
+            where = "train.logprobs_while_generating=false"
+        elif v_colocated:
+            where = "the critic shares the policy's GPUs, which the engines hold then"
+        else:
+            where = "on CPU they run after generation unless train.logprobs_while_generating=true"
+        raise ConfigError(
+            "value.hosts_reference=true: the critic's copy of the reference model serves the "
+            f"rows that stream out while the engines generate, but its passes do not run then "
+            f"({where}); set value.hosts_reference=null (the policy's copy serves every row)."
+        )
     batch = batch_plan(cfg, dp)
     value_dp = 0
     value_batch = None
@@ -411,6 +434,12 @@ def _make_plan_resolved(
             if layout is not None and layout.value_colocated
             else []
         )
+        if reference_on_critic(cfg, v_colocated):
+            value_notes.append(
+                "holds a copy of the reference model (value.hosts_reference): its logprobs "
+                "run here with the values on rows as they stream out of the engines; the "
+                "last rows get them from the policy's copy"
+            )
         roles.append(
             _value_role(
                 cfg,

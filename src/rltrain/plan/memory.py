@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from rltrain.config.resolved import reference_on_critic
 from rltrain.config.schema import DTYPE_BYTES, LoraConfig, RunConfig
 from rltrain.models.shapes import ModelShape
 from rltrain.plan.sizes import lora_params, model_shape, refit_params  # importable from here too
@@ -129,8 +130,26 @@ def micro_batch_tokens(cfg: RunConfig, micro_rows: int | None) -> int:
     return (micro_rows or 1) * longest
 
 
+def reference_bytes(cfg: RunConfig, shape: ModelShape, dp: int) -> int:
+    """Bytes of the frozen reference model (the policy's ``shape``) on one rank of a gang of
+    ``dp`` x ``cfg.dtensor.tp``: fp32 shards, and the compute-dtype copy a no-grad forward
+    leaves gathered."""
+    d = cfg.dtensor
+    reshard, _ = speed_knobs(cfg, dp)
+    shard = -(-shape.num_params // (dp * d.tp))
+    cb = DTYPE_BYTES[cfg.precision.param_dtype]
+    on_gpu = 0 if d.cpu_offload else 1
+    gathered = shape.num_params if not reshard else shape.root_params
+    return 4 * shard * on_gpu + cb * gathered // d.tp
+
+
 def trainer_parts(
-    cfg: RunConfig, shape: ModelShape, dp: int, role: str, tokens: int, cuda: bool
+    cfg: RunConfig,
+    shape: ModelShape,
+    dp: int,
+    role: str,
+    tokens: int,
+    cuda: bool,
 ) -> dict[str, int]:
     """Bytes one trainer rank allocates at its peak, by part (``role``: policy or value;
     ``cfg``: the role's config, :func:`rltrain.config.schema.value_run_config` for the
@@ -167,8 +186,7 @@ def trainer_parts(
             "gathered": cb * gathered // tp,
         }
     if role == "policy" and cfg.algorithm.kl_coef > 0 and not n_lora:
-        # fp32 shards, and the compute-dtype copy a no-grad forward leaves gathered
-        parts["reference"] = 4 * shard * on_gpu + cb * (n if not reshard else root) // tp
+        parts["reference"] = reference_bytes(cfg, shape, dp)
     h, kv, inter, layers = (
         shape.hidden_size,
         shape.kv_dim,
@@ -356,8 +374,13 @@ def gpu_memory_plan(
     n_policy = dp * d.tp
     gpus: list[list[ProcessMemory]] = [[] for _ in range(n_policy)]
 
+    hosted = reference_on_critic(cfg, value_colocated)
+
     def trainer(c: RunConfig, s: ModelShape, role: str, role_dp: int, rank: int) -> ProcessMemory:
         parts = trainer_parts(c, s, role_dp, role, tokens, True)
+        if role == "value" and hosted:  # a copy of the policy's reference (its initial weights)
+            assert shape is not None
+            parts["reference"] = reference_bytes(c, shape, role_dp)
         margin = CONTEXT_BYTES + int(TRAINER_FRAGMENTATION * sum(parts.values()))
         return ProcessMemory(f"{role} rank {rank}", role, rank, parts, margin)
 

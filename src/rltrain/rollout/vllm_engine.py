@@ -69,6 +69,7 @@ from rltrain.rollout.vllm_settings import (
     colocated_kv_cache_bytes,
     compilation_config,
     enforce_eager,
+    model_inspection_in_process,
     request_seeds,
     seeds_per_request,
     vllm_lora_rank,
@@ -241,9 +242,10 @@ class VLLMEngine(VLLMTurns):
         # The batch defaults of vLLM's offline LLM class (H100/H200: up to 1024 sequences and
         # 16384 tokens a step), not those of an engine behind a server (128 sequences): a
         # step's 256 rows otherwise decode in two waves, half as fast.
-        return AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
-        )
+        with model_inspection_in_process():
+            return AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
+            )
 
     def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """``method`` of :class:`~rltrain.rollout.vllm_worker.RefitWorkerExtension` on every

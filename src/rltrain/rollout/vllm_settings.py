@@ -5,6 +5,8 @@ builds the engine from them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -110,3 +112,35 @@ def capture_sizes(rows: int, most: int = 512) -> list[int]:
     ladder = [n for n in ladder if n <= most]
     holds = next((n for n in ladder if n >= rows), ladder[-1])
     return [n for n in ladder if n <= holds]
+
+
+@contextmanager
+def model_inspection_in_process() -> Iterator[None]:
+    """While an engine is built: vLLM's inspection of the model class in this process.
+
+    The first time a host sees a model class, vLLM inspects it (what the class supports) in
+    a fresh Python interpreter, which imports vLLM and torch all over again (26 s of the
+    start-up on a fresh H100 host), and caches the answer under ``VLLM_CACHE_ROOT``. It
+    does so to keep CUDA out of an API server's process; a replica's process has imported
+    vLLM already and its engine core runs in a process of its own (started with spawn when
+    this one has touched CUDA), so the class is imported and inspected here. Where vLLM
+    has no such hook this changes nothing.
+    """
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:
+        yield
+        return
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None:
+        yield
+        return
+    registry._run_in_subprocess = _call  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original  # type: ignore[attr-defined]
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()

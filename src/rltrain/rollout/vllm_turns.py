@@ -27,6 +27,28 @@ from typing import Any
 from rltrain.rollout.base import OnTurn, SamplingParams, TurnRequest, TurnsDone
 
 
+def sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:
+    """Each sampled token's logprob from a vLLM completion's ``logprobs``: vLLM's flat form
+    (``FlatLogprobs``: a position's entries at ``start_indices[i]:end_indices[i]``, the
+    sampled token's among them) or a dict per position; NaN for a row asked without them
+    (``rollout.engine_logprobs``)."""
+    if logprobs is None:
+        return [math.nan] * len(ids)
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:
+        return [float(lp[t].logprob) for t, lp in zip(ids, logprobs, strict=True)]
+    ends, toks, vals = logprobs.end_indices, logprobs.token_ids, logprobs.logprobs
+    if len(starts) != len(ids):
+        raise RuntimeError(f"vLLM gave logprobs for {len(starts)} positions, {len(ids)} tokens")
+    out = []
+    for i, t in enumerate(ids):
+        j = starts[i]
+        if toks[j] != t:  # the sampled token is listed first; search its position's entries
+            j = toks.index(t, j, ends[i])
+        out.append(float(vals[j]))
+    return out
+
+
 @dataclass
 class _Row:
     """One request's response as it streams in; ``versions`` per token (partial rollouts)."""
@@ -64,7 +86,13 @@ class VLLMTurns:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        extra: dict[str, Any] = {}
+        if "flat_logprobs" in getattr(VLLMSamplingParams, "__struct_fields__", ()):
+            # Logprobs as a few flat lists per request instead of a dict and an object per
+            # token: the replica's process builds and collects far fewer Python objects.
+            extra["flat_logprobs"] = True
         return VLLMSamplingParams(
+            **extra,
             n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -91,11 +119,7 @@ class VLLMTurns:
             if step.outputs:
                 comp = step.outputs[0]
                 ids = list(comp.token_ids)
-                lps = (
-                    [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
-                    if comp.logprobs is not None
-                    else [math.nan] * len(ids)  # a row asked without (rollout.engine_logprobs)
-                )
+                lps = sampled_logprobs(ids, comp.logprobs)
                 if self._partial:
                     # Tokens stream in as sampled; a refit lands only while the scheduler is
                     # paused and the streams drained (_refit_in_flight), so the version now

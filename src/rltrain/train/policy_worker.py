@@ -7,25 +7,23 @@ same rows) and every method is called on all ranks.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import cast
 
 import torch
 
-from rltrain.algorithms.logprobs import chunked_token_logprobs
 from rltrain.algorithms.losses import Objective, policy_loss
 from rltrain.config.schema import RunConfig
-from rltrain.models.lora import adapters_disabled
 from rltrain.refit import RefitSender, make_refit_sender
 from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 from rltrain.train.distributed import DistEnv, free_port, node_ip
 from rltrain.train.fsdp import FSDPTrainer, MicroLoss
+from rltrain.train.logprob_pass import batch_logprobs, check_pass_names, token_logprobs
 from rltrain.train.metrics import MetricKind
-from rltrain.train.packing import MicroBatch, unpack
+from rltrain.train.packing import MicroBatch
 from rltrain.train.sharded_model import hf_name
 
 
@@ -40,7 +38,6 @@ class PolicyWorker(FSDPTrainer):
         if cfg.algorithm.kl_coef > 0 and not self.lora:
             # With LoRA the reference is the frozen base: the policy with its adapters off.
             self.reference = self.load_sharded_model(trainable=False).eval()
-        self.temperature = cfg.rollout.temperature
         self.objective = Objective.from_config(cfg)
         rc = cfg.algorithm.rollout_correction
         self.needs_engine_logprobs = (
@@ -54,28 +51,11 @@ class PolicyWorker(FSDPTrainer):
     def token_logprobs(
         self, model: torch.nn.Module, micro: MicroBatch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token-aligned logprobs_RS (and entropy_RS) of ``micro`` under ``model``.
-
-        Formed from the final hidden states chunk by chunk
-        (``train.logprob_chunk_tokens`` positions at a time), at the rollout's
-        temperature with the blocked tokens masked, 0 outside the response.
-        """
-        hidden = self.forward_hidden(model, micro)
-        return chunked_token_logprobs(
-            hidden,
-            self.output_weight(model),
-            micro.input_ids_RS,
-            self.temperature,
-            self.blocked,
-            micro.response_mask_RS,
-            with_entropy=with_entropy,
-            chunk_tokens=self.cfg.train.logprob_chunk_tokens,
-            compiled=bool(self.compiled),
-            backend=self.compile_backend,
-        )
+        """Token-aligned logprobs_RS (and entropy_RS) of ``micro`` under ``model``
+        (:func:`rltrain.train.logprob_pass.token_logprobs`)."""
+        return token_logprobs(self, model, micro, with_entropy)
 
     # -- inference ------------------------------------------------------------------
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Token-aligned logprobs_BT of this rank's rows under the current (or reference) policy."""
         base = reference and self.lora  # LoRA: the reference is the policy without adapters
@@ -84,25 +64,15 @@ class PolicyWorker(FSDPTrainer):
             raise RuntimeError(
                 "reference logprobs asked for, but algorithm.kl_coef=0 built no reference model"
             )
-        model.eval()
-        out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-        done = []
-        with adapters_disabled(model) if base else contextlib.nullcontext():
-            for rows in self.plan_micro_batches(batch):
-                micro = self.make_micro_batch(batch, rows)
-                done.append((self.token_logprobs(model, micro)[0], micro))
-        for lp, micro in done:  # read back after the last forward was queued
-            unpack(lp, micro, out)
-        return out
+        return batch_logprobs(self, model, batch, base)
 
-    def compute_logprob_passes(
-        self, batch: TrainBatch, passes: tuple[bool, ...]
-    ) -> list[torch.Tensor]:
-        """:meth:`compute_logprobs` of each pass in ``passes`` (True: the reference's), in one
-        call: the controller submits a step's passes on a batch once per rank, its fields
-        narrowed for the trip (:meth:`TrainBatch.for_pass`)."""
+    def compute_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> list[torch.Tensor]:
+        """The passes ``names`` ("logprobs": the current policy's, "reference") on ``batch``,
+        in one call: the controller submits a step's passes on a batch once per rank, its
+        fields narrowed for the trip (:meth:`TrainBatch.for_pass`)."""
+        check_pass_names(names, ("logprobs", "reference"), "policy")
         batch = batch.widened()
-        return [self.compute_logprobs(batch, reference) for reference in passes]
+        return [self.compute_logprobs(batch, name == "reference") for name in names]
 
     # -- training -----------------------------------------------------------------------
     def microbatch_loss(self, micro: MicroBatch) -> MicroLoss:

@@ -111,8 +111,12 @@ class ShardedModel:
         """The same architecture, built under ``torch.device("meta")`` on every rank."""
         return build_empty_model(self.cfg)
 
-    def load_sharded_model(self, trainable: bool = True) -> torch.nn.Module:
+    def load_sharded_model(
+        self, trainable: bool = True, causal_lm_of: RunConfig | None = None
+    ) -> torch.nn.Module:
         """The initial weights, read once per gang and sharded (all ranks call it).
+        ``causal_lm_of``: instead of this gang's model, the causal LM that config names,
+        frozen (the policy's reference model hosted by the critic's ranks).
 
         Rank 0 reads the full fp32 model on CPU; every rank builds the
         architecture on the meta device, shards it, allocates only its shards
@@ -120,13 +124,26 @@ class ShardedModel:
         ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
         state dict) are broadcast too, so every rank ends with rank 0's weights.
         """
-        lora = trainable and self.lora
+        lora = trainable and self.lora and causal_lm_of is None
+        build, build_empty, shard = self.build_model, self.build_empty_model, self._shard
+        if causal_lm_of is not None:
+            trainable = False
+
+            def build() -> torch.nn.Module:
+                return load_model(causal_lm_of, "float32")
+
+            def build_empty() -> torch.nn.Module:
+                return build_empty_model(causal_lm_of)
+
+            def shard(model: torch.nn.Module, trainable: bool = False) -> torch.nn.Module:
+                return ShardedModel._shard(self, model, trainable)
+
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
             # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
-            whole: torch.nn.Module = load_model(self.cfg, "float32")
+            whole: torch.nn.Module = build()
             if lora:
                 self._prepare_lora(whole)
-            return self._shard(whole, trainable)
+            return shard(whole, trainable)
         # imported here: ~2 s the driver (which imports this module) does not need
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -134,7 +151,7 @@ class ShardedModel:
         full_buffers: dict[str, torch.Tensor] = {}
         t0 = time.perf_counter()
         if self.is_rank0:
-            loaded = self.build_model()
+            loaded = build()
             if lora:
                 self._prepare_lora(loaded)
             full_sd = loaded.state_dict()
@@ -142,10 +159,10 @@ class ShardedModel:
             del loaded
         self.startup_phases.setdefault("weights_read_s", time.perf_counter() - t0)
         with torch.device("meta"):
-            model = self.build_empty_model()
+            model = build_empty()
             if lora:
                 self._prepare_lora(model)
-        model = self._shard(model, trainable)
+        model = shard(model, trainable)
         model.to_empty(device=self.device)
         set_model_state_dict(
             model,

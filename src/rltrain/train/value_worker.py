@@ -25,6 +25,7 @@ from rltrain.models.loader import build_empty_model, load_model
 from rltrain.train.batch import TrainBatch, ValueBatch
 from rltrain.train.distributed import DistEnv
 from rltrain.train.fsdp import FSDPTrainer, MicroLoss
+from rltrain.train.logprob_pass import batch_logprobs, check_pass_names
 from rltrain.train.metrics import MetricKind
 from rltrain.train.packing import MicroBatch, unpack
 
@@ -86,6 +87,13 @@ class ValueWorker(FSDPTrainer):
 
     def __init__(self, cfg: RunConfig, env: DistEnv, num_threads: int = 0):
         super().__init__(value_run_config(cfg), env, num_threads)
+        # value.hosts_reference (resolved by the plan): the policy's frozen initial model,
+        # sharded over the critic's ranks, for the KL penalty's reference logprobs.
+        self.reference: torch.nn.Module | None = None
+        if cfg.value.hosts_reference and cfg.algorithm.kl_coef > 0:
+            t0 = time.perf_counter()
+            self.reference = self.load_sharded_model(causal_lm_of=cfg).eval()
+            self.startup_phases["reference_s"] = time.perf_counter() - t0
 
     # -- set-up -----------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -132,6 +140,24 @@ class ValueWorker(FSDPTrainer):
         for rows in self.plan_micro_batches(batch):
             micro = self.make_micro_batch(batch, rows)
             unpack(self.forward_values(micro) * micro.response_mask_RS, micro, out)
+        return out
+
+    def compute_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> list[torch.Tensor]:
+        """The passes ``names`` ("values"; "reference": the reference model's logprobs, where
+        these ranks host it) on ``batch``, in one call. The rows may come narrowed for the
+        trip (:meth:`TrainBatch.for_pass`)."""
+        check_pass_names(names, ("values", "reference"), "critic")
+        out = []
+        for name in names:
+            if name == "values":
+                out.append(self.values(batch))
+                continue
+            if self.reference is None:
+                raise RuntimeError(
+                    "reference logprobs asked of the critic, which hosts no reference model "
+                    "(value.hosts_reference resolved false)"
+                )
+            out.append(batch_logprobs(self, self.reference, batch.widened()))
         return out
 
     # -- training -------------------------------------------------------------------------
