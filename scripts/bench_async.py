@@ -247,6 +247,7 @@ def main() -> None:
         "device": device,
         "command": " ".join(sys.argv),
         "max_staleness": args.max_staleness,
+        # the "async" runs' partial_rollouts (--partial); "async_partial" runs always have it
         "partial_rollouts": args.partial,
         "steps": args.steps,
         "seeds": args.seeds,

@@ -171,6 +171,8 @@ def parity_worker(spec: dict) -> None:
     tb = build_train_batch(out, engine.tokenizer.pad_token_id or 0)
     trainer = worker.compute_logprobs(tb)
     mask = tb.response_mask_BT.bool()
+    if torch.isnan(tb.engine_logprobs_BT[mask]).any():
+        raise SystemExit("parity: rows came back without the engine's logprobs (NaN)")
     diff = (trainer[mask] - tb.engine_logprobs_BT[mask]).abs()
     print(
         "PARITY "
@@ -205,6 +207,8 @@ def run_parity(
         "rollout.vllm.enforce_eager=true",
         "rollout.vllm.max_model_len=512",
         "rollout.vllm.cpu_kv_cache_gib=0.25",
+        # every row's logprobs: auto gives vLLM's for one row in 8 on GPUs (the others NaN)
+        "rollout.engine_logprobs=all",
     ]
     spec = {"overrides": overrides, "engine": engine, "cuda": cuda, "max_new_tokens": 16}
     proc = subprocess.run(

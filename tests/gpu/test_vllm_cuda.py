@@ -29,6 +29,11 @@ def _cfg():
     cfg.rollout.colocated = True  # vLLM's sleep mode is on only for colocated engines
     cfg.rollout.vllm.gpu_memory_utilization = GPU_FRACTION
     cfg.rollout.vllm.kv_cache_gib = KV_GIB
+    # every row's logprobs (auto gives one row in 8 on GPUs): the checks read them all
+    cfg.rollout.engine_logprobs = "all"
+    # a seed per request (auto: the engine's generator on GPUs, whose state moves on between
+    # calls): the generate after wake-up samples the same rows as the one before the sleep
+    cfg.rollout.vllm.request_seeds = True
     return cfg
 
 
