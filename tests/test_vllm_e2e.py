@@ -16,17 +16,21 @@ pytestmark = pytest.mark.e2e
 STEPS = 40
 
 
-def _grpo_rows(out, *overrides: str, timeout: float = 850) -> list[dict]:
-    """`rltrain grpo rollout=vllm <overrides>` into ``out`` (exit 0 asserted): its metric rows."""
+def _rows(algo: str, out, *overrides: str, timeout: float = 850) -> list[dict]:
+    """`rltrain <algo> rollout=vllm <overrides>` into ``out`` (exit 0 asserted): its metric rows."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
     proc = subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", "grpo", "rollout=vllm", *overrides,
+        [sys.executable, "-m", "rltrain.cli", algo, "rollout=vllm", *overrides,
          f"output_dir={out}", "logger.progress=false", "logger.tensorboard=false",
          "checkpoint.save_final=false", "cluster.startup_timeout_s=600"],
         capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _grpo_rows(out, *overrides: str, timeout: float = 850) -> list[dict]:
+    return _rows("grpo", out, *overrides, timeout=timeout)
 
 
 @pytest.mark.timeout(1500)
@@ -113,3 +117,33 @@ def test_cli_logprob_passes_run_on_rows_streamed_from_vllm(tmp_path):
         assert r["time/logprobs_submit"] > 0
         assert abs(r["token_mult_prob_error"] - 1.0) <= 0.01, r["token_mult_prob_error"]
         assert r["weight_version"] == float(r["step"])
+
+
+def _value_notes(out) -> str:
+    plan = json.loads((out / "plan.json").read_text())
+    return " ".join(n for r in plan["roles"] if r["name"] == "value" for n in r["notes"])
+
+
+@pytest.mark.timeout(1500)
+def test_cli_ppo_critic_runs_values_and_reference_on_rows_streamed_from_vllm(tmp_path):
+    """PPO with the critic's passes on the rows as they stream out of vLLM and a copy of the
+    reference model on the critic (value.hosts_reference=true): the KL penalty (the policy
+    moved at step 1, the reference did not) and the values match a run where the policy
+    alone holds the reference, on the same samples (fp32, up to the kernels' rounding over
+    other packings)."""
+    common = (
+        "train.logprobs_while_generating=true",
+        "algorithm.kl_coef=0.05",
+        "algorithm.prompts_per_step=8",
+        "max_steps=2",
+    )
+    hosted = _rows("ppo", tmp_path / "hosted", *common, "value.hosts_reference=true")
+    kept = _rows("ppo", tmp_path / "kept", *common, "value.hosts_reference=false")
+    assert "holds a copy of the reference model" in _value_notes(tmp_path / "hosted")
+    assert "reference model" not in _value_notes(tmp_path / "kept")
+    for a, b in zip(hosted, kept, strict=True):
+        assert a["logprobs/streamed_frac"] == b["logprobs/streamed_frac"] == 1.0
+        assert a["reward/mean"] == b["reward/mean"]  # the same samples
+        for key in ("kl_penalty", "value/mean", "returns/mean", "advantages/abs_mean"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1e-3, abs(b[key])), (key, a[key], b[key])
+    assert hosted[1]["kl_penalty"] > 1e-4  # step 2: the policy is no longer the reference
