@@ -54,7 +54,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=str(e2e.DATA), help="GSM8K-style jsonl (question, answer)")
     p.add_argument("--model-dir", default=None, help="model folder to reuse or create")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--micro-tokens", type=int, default=4096)
+    p.add_argument(
+        "--micro-tokens",
+        type=int,
+        default=None,
+        help="train.max_tokens_per_micro_batch of both runs (default: the project's auto, "
+        "the largest size whose plan fits the GPU)",
+    )
     p.add_argument("--timeout", type=float, default=1500.0, help="bound on each loop (s)")
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
