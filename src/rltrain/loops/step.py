@@ -51,7 +51,8 @@ def value_colocated(ctx: RunContext) -> bool | None:
 
 
 def critic_reference(ctx: RunContext) -> bool:
-    """The critic's ranks hold the reference model (``value.hosts_reference`` resolved)."""
+    """The critic's ranks hold a copy of the reference model (``value.hosts_reference``
+    resolved)."""
     return reference_on_critic(ctx.cfg, value_colocated(ctx))
 
 
