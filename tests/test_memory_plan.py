@@ -179,13 +179,15 @@ def test_cli_unknown_gpu_size_skips_the_check_and_says_so():
 
 
 # -- the benchmarks' layouts stay accepted at 80 GiB -----------------------------------------
-def _bench_overrides(algo: str, layout: str, gib: float = 80.0) -> list[str]:
+def _bench_overrides(
+    algo: str, layout: str, gib: float = 80.0, micro_tokens: int | None = 4096
+) -> list[str]:
     layouts = _script("bench_e2e_layouts")
     args = SimpleNamespace(
         prompts=32,
         samples=8,
         mini_batch=None,
-        micro_tokens=4096,
+        micro_tokens=micro_tokens,
         max_new_tokens=256,
         steps=6,
         recipe="qwen1.5b-gsm8k",
@@ -201,8 +203,8 @@ def _bench_overrides(algo: str, layout: str, gib: float = 80.0) -> list[str]:
     return [*plan_ov, f"cluster.gpu_memory_gib={gib}"]
 
 
-def _bench_plan(algo: str, layout: str, gib: float = 80.0):
-    cfg, choices = compose(_bench_overrides(algo, layout, gib), algorithm=algo)
+def _bench_plan(algo: str, layout: str, gib: float = 80.0, micro_tokens: int | None = 4096):
+    cfg, choices = compose(_bench_overrides(algo, layout, gib, micro_tokens), algorithm=algo)
     return make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices)
 
 
@@ -328,16 +330,20 @@ def test_gpu_memory_is_read_from_nvml_without_a_cuda_context(monkeypatch):
 
 def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
     """bench_e2e keeps, per process, plan.json's estimate and the run's measured peak (here
-    the grpo dp2 run's memory as the 2 x H100 result holds it)."""
+    the grpo dp2 run's memory as the 2 x H100 result holds it; that run took the micro batch
+    size the plan picks, auto)."""
     layouts = _script("bench_e2e_layouts")
     result = json.loads((ROOT / "scripts/results/bench_e2e-nvidia-h100-2gpu.json").read_text())
     gpu_memory = result["runs"]["grpo_dp2"]["gpu_memory"]
-    (tmp_path / "plan.json").write_text(_bench_plan("grpo", "dp2", 79.18).to_json())
+    plan = _bench_plan("grpo", "dp2", 79.18, micro_tokens=None)
+    (tmp_path / "plan.json").write_text(plan.to_json())
     got = layouts.plan_estimate_vs_peak(tmp_path, gpu_memory)
     assert set(got) == {"policy rank 0", "policy rank 1", "rollout rank 0"}
     assert [got[k]["gpu"] for k in sorted(got)] == [0, 1, 0]
-    assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(24.936, abs=1e-3)
-    assert got["policy rank 1"]["memory_estimate_gib"] == pytest.approx(24.77, abs=0.01)
+    assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(33.369, abs=1e-3)
+    # what the run's own plan estimated (its result file records it beside the peak)
+    recorded = result["runs"]["grpo_dp2"]["memory"]["policy rank 1"]["memory_estimate_gib"]
+    assert got["policy rank 1"]["memory_estimate_gib"] == pytest.approx(recorded, abs=0.01)
     assert got["rollout rank 0"]["memory_estimate_gib"] == pytest.approx(13.63, abs=0.01)
     # the replica's process and its engine core's (vLLM's weights and KV cache live there)
     assert got["rollout rank 0"]["memory_process_gib"] == pytest.approx(14.756, abs=0.01)
