@@ -92,3 +92,18 @@ def critic_passes_while_generating(cfg: RunConfig, value_colocated: bool | None)
         return False
     t = cfg.train.logprobs_while_generating
     return bool(t) if t is not None else value_colocated is False
+
+
+def why_critic_passes_wait(cfg: RunConfig, value_colocated: bool | None) -> str:
+    """Why PPO's critic runs its passes after generation, not on rows as they stream out
+    (:func:`critic_passes_while_generating` is false): the reason, in the user's keys."""
+    if not streams_passes(cfg):
+        return (
+            "nothing streams a step's rows: that needs rollout=vllm, a synchronous loop, "
+            "single-turn episodes and no dynamic sampling"
+        )
+    if cfg.train.logprobs_while_generating is False:
+        return "train.logprobs_while_generating=false"
+    if value_colocated:
+        return "the critic shares the policy's GPUs, which the engines hold then"
+    return "on CPU they run after generation unless train.logprobs_while_generating=true"

@@ -10,11 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.resolved import (
-    critic_passes_while_generating,
-    reference_on_critic,
-    streams_passes,
-)
+from rltrain.config.resolved import reference_on_critic
 from rltrain.config.schema import (
     CPU_MICRO_BATCH_TOKENS,
     RunConfig,
@@ -22,6 +18,7 @@ from rltrain.config.schema import (
 )
 from rltrain.config.validate import check_liger_device
 from rltrain.plan.batch import BatchPlan, batch_plan
+from rltrain.plan.checks import check_device, check_layout
 from rltrain.plan.engine import check_engine, model_head_dim  # noqa: F401 - re-exported
 from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
 from rltrain.plan.memory import (
@@ -281,11 +278,7 @@ def _make_plan_resolved(
             "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
         )
     device = "cuda" if (cfg.cluster.device != "cpu" and resources.num_gpus > 0) else "cpu"
-    if ro.colocated and device == "cpu":
-        raise ConfigError(
-            "rollout.colocated=true needs GPUs (the engines share the trainer's GPU and sleep "
-            "between steps); on CPU set rollout.colocated=false or null."
-        )
+    check_device(cfg, device)
     check_engine(cfg, device)
     check_liger_device(cfg, device, resolved=True)
     # PPO's critic: the policy's config with the value.* fields substituted, derived once.
@@ -297,40 +290,8 @@ def _make_plan_resolved(
     else:
         dp = d.dp if d.dp is not None else 1
     colocated = layout is not None and layout.rollout_colocated
-    if colocated and cfg.algorithm.async_rollout.enabled:
-        raise ConfigError(
-            f"algorithm.async_rollout.enabled=true but the engines land on the trainers' GPUs "
-            f"({resources.num_gpus} GPU(s): rollout.colocated resolves to true), where they sleep "
-            "while the trainer trains; give the rollout GPUs of its own (more GPUs, or fewer "
-            "trainer ranks with dtensor.dp) or set algorithm.async_rollout.enabled=false."
-        )
-    if colocated and cfg.train.logprobs_while_generating:
-        raise ConfigError(
-            f"train.logprobs_while_generating=true but the engines land on the trainers' GPUs "
-            f"({resources.num_gpus} GPU(s): rollout.colocated resolves to true): a logprob pass "
-            "needs the memory the engines free when they sleep after generating, so nothing "
-            "could run beside them; set train.logprobs_while_generating=null (on where the "
-            "rollout has GPUs of its own) or give the rollout GPUs of its own "
-            "(rollout.colocated=false)."
-        )
     v_colocated = None if layout is None else layout.value_colocated
-    if cfg.value.hosts_reference and not critic_passes_while_generating(cfg, v_colocated):
-        if not streams_passes(cfg):
-            where = (
-                "nothing streams a step's rows: that needs rollout=vllm, a synchronous loop, "
-                "single-turn episodes and no dynamic sampling"
-            )
-        elif cfg.train.logprobs_while_generating is False:
-            where = "train.logprobs_while_generating=false"
-        elif v_colocated:
-            where = "the critic shares the policy's GPUs, which the engines hold then"
-        else:
-            where = "on CPU they run after generation unless train.logprobs_while_generating=true"
-        raise ConfigError(
-            "value.hosts_reference=true: the critic's copy of the reference model serves the "
-            f"rows that stream out while the engines generate, but its passes do not run then "
-            f"({where}); set value.hosts_reference=null (the policy's copy serves every row)."
-        )
+    check_layout(cfg, resources.num_gpus, colocated, v_colocated)
     batch = batch_plan(cfg, dp)
     value_dp = 0
     value_batch = None
