@@ -182,8 +182,22 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
         compiles.append(metrics["compile/compiles"])  # 0 after the first step
         if i >= warmup:
             times.append(times_all[-1])
+    # the logprob pass (no grad) on the same rows: what a step's old or reference
+    # logprobs cost beside its training
+    pass_times = []
+    for i in range(1 + max(1, steps)):
+        _sync(device)
+        t0 = time.perf_counter()
+        worker.compute_passes(batch.for_pass(), ("logprobs",))
+        _sync(device)
+        if i >= 1:  # the first includes the pass's compilation
+            pass_times.append(time.perf_counter() - t0)
+    pass_s = sum(pass_times) / len(pass_times)
     out = {
         "step_s": sum(times) / len(times),
+        "pass_s": pass_s,
+        "pass_over_step": pass_s / (sum(times) / len(times)),
+        "pass_tokens_per_s": real / pass_s,
         "real_tokens_per_step": real,
         "tokens_per_s": real / (sum(times) / len(times)),
         "peak_mem_gb": _peak_gb(device),
