@@ -42,6 +42,7 @@ def _cfg(precision: str, engine: str, transport: str = "ipc"):
     if engine == "vllm":
         cfg.rollout.colocated = transport == "ipc"  # sleep mode on, as in a colocated run
         cfg.rollout.vllm.gpu_memory_utilization = 0.25
+        cfg.rollout.engine_logprobs = "all"  # the parity check reads every row's
     return cfg
 
 

@@ -24,7 +24,13 @@ from rltrain.config.errors import ConfigError
 # Timers nested inside another stage (engine time inside generate, worker time
 # inside train): shown in the summary, left out of the stacked breakdown.
 NESTED_TIMERS = frozenset(
-    {"time/generate_engine", "time/train_worker", "time/engine_sleep_wait", "time/step"}
+    {
+        "time/generate_engine",
+        "time/train_worker",
+        "time/passes_worker",
+        "time/engine_sleep_wait",
+        "time/step",
+    }
 )
 
 

@@ -43,6 +43,9 @@ class PolicyWorker(FSDPTrainer):
         self.needs_engine_logprobs = (
             self.objective.is_level is not None or rc.mask_bound is not None
         )
+        # seconds this rank spent in logprob passes since the last train() (its metric
+        # time/passes_worker: the passes' own time, against what the controller waited)
+        self.passes_s = 0.0
         self.manifest: RefitManifest | None = None
         self.sender: RefitSender | None = None
         self.gatherer: BucketGatherer | None = None
@@ -71,8 +74,12 @@ class PolicyWorker(FSDPTrainer):
         in one call: the controller submits a step's passes on a batch once per rank, its
         fields narrowed for the trip (:meth:`TrainBatch.for_pass`)."""
         check_pass_names(names, ("logprobs", "reference"), "policy")
+        t0 = time.perf_counter()
         batch = batch.widened()
-        return [self.compute_logprobs(batch, name == "reference") for name in names]
+        out = [self.compute_logprobs(batch, name == "reference") for name in names]
+        self.settle_device()
+        self.passes_s += time.perf_counter() - t0
+        return out
 
     # -- training -----------------------------------------------------------------------
     def microbatch_loss(self, micro: MicroBatch) -> MicroLoss:
@@ -165,6 +172,7 @@ class PolicyWorker(FSDPTrainer):
         metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
         self.settle_device()
         metrics["time/train_worker"] = time.perf_counter() - t0
+        metrics["time/passes_worker"], self.passes_s = self.passes_s, 0.0
         old = fused if fused is not None else batch.old_logprobs_BT
         assert old is not None
         return TrainResult(metrics, old)
