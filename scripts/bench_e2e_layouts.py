@@ -244,6 +244,16 @@ def exposed_parts(steady: list[dict]) -> dict:
         "exposed_logprobs_s": med("time/logprobs"),
         "exposed_values_s": med("time/values"),
         "reward_streamed_s": med("time/reward_streamed"),
+        # the policy ranks' own time in logprob passes (policy rank 0, GPU-synced), and
+        # what the controller waited on top of it (transfer, queueing, gathering)
+        "passes_worker_s": med("time/passes_worker"),
+        "logprobs_wait_over_worker_s": median(
+            [
+                r["time/logprobs"] - r["time/passes_worker"]
+                for r in steady
+                if "time/passes_worker" in r and "time/logprobs" in r
+            ]
+        ),
         "generate_call_over_engine_s": median(
             [
                 r["time/generate"] - r["time/generate_engine"]
