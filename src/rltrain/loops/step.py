@@ -56,6 +56,12 @@ def critic_reference(ctx: RunContext) -> bool:
     return reference_on_critic(ctx.cfg, value_colocated(ctx))
 
 
+def policy_pass_names(old: bool, reference: bool) -> tuple[str, ...]:
+    """The policy's passes a step asks for, in the order they run: the old logprobs (when
+    the update needs them), then the reference's (a KL penalty)."""
+    return (("logprobs",) if old else ()) + (("reference",) if reference else ())
+
+
 def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     """The step's :class:`LogprobStream` when any of its passes run while the engines
     generate, else None: the policy's (``train.logprobs_while_generating``) and, in PPO,
@@ -71,9 +77,7 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     policy_streams = logprobs_while_generating(cfg, colocated)
     targets, last_targets = [], []
     if policy_streams:
-        names = (("logprobs",) if need_old else ()) + (
-            ("reference",) if need_ref and not ref_on_critic else ()
-        )
+        names = policy_pass_names(need_old, need_ref and not ref_on_critic)
         targets.append(PassTarget(ctx.policy, names))
         last_targets.append(PassTarget(ctx.policy, names))
     if ctx.value is not None and critic_passes_while_generating(cfg, value_colocated(ctx)):
@@ -114,9 +118,7 @@ def old_and_reference_logprobs(
     need_ref = a.kl_coef > 0
     kl_BT = ref = None
     with timer("logprobs"):
-        wanted = tuple(
-            n for n, needed in (("logprobs", need_old), ("reference", need_ref)) if needed
-        )
+        wanted = policy_pass_names(need_old, need_ref)
         streamed = stream.names if stream is not None else ()
         # what the stream did not run: the policy's passes in one call per rank, submitted
         # before waiting on the stream's (they run beside its last chunk's)
