@@ -172,7 +172,8 @@ class PolicyWorker(FSDPTrainer):
         metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
         self.settle_device()
         metrics["time/train_worker"] = time.perf_counter() - t0
-        metrics["time/passes_worker"], self.passes_s = self.passes_s, 0.0
+        if self.passes_s > 0:  # a step whose logprob passes ran on this rank
+            metrics["time/passes_worker"], self.passes_s = self.passes_s, 0.0
         old = fused if fused is not None else batch.old_logprobs_BT
         assert old is not None
         return TrainResult(metrics, old)
