@@ -119,6 +119,8 @@ CASES = [
     Case("context-parallel-key", C, ["grpo", "dtensor.cp=2"],
          ["'dtensor.cp'", "valid keys of 'dtensor': dp, tp"],
          "context parallelism is not a key: lists the mesh keys there are"),
+    Case("profile-step-past-the-run", C, ["grpo", "max_steps=3", "logger.profile_step=5"],
+         ["logger.profile_step=5", "max_steps=3", "from 1 to 3"], "names the run's steps"),
     Case("unknown-option", C, ["grpo", "precision=fp8"], ["'fp8'", "bf16, fp16, fp32"],
          "lists the group's options"),
     Case("wrong-type-float", C, ["grpo", "optim.lr=fast"], ["'optim.lr'", "fast"],

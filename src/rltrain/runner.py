@@ -257,6 +257,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                     ctx.loop_state,
                 ),
                 driver=driver,
+                out_dir=str(out),
             )
             if resume_from is not None:
                 restore_checkpoint(ctx, workers, resume_from)
@@ -281,6 +282,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 outputs["final checkpoint"] = ctx.checkpoint(cfg.max_steps, cfg.max_steps)
             if cfg.logger.tensorboard:
                 outputs["tensorboard"] = str(out / "tensorboard")
+            profiled = out / "profile" / f"step_{cfg.logger.profile_step:06d}"
+            if cfg.logger.profile_step and profiled.is_dir():
+                outputs["profile"] = str(profiled)
         finally:
             task.set_reward_workers(0)
             if driver is not None:

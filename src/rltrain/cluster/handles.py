@@ -143,6 +143,25 @@ class TrainerGang(Generic[T]):
     def names(self) -> list[str]:
         return [a.name for a in self.actors]
 
+    def profile_start(self, folder: str, stem: str | None = None) -> None:
+        """Start torch's profiler on every rank, each writing ``<folder>/<stem>_rank<i>``
+        (``stem``: the role's name) when :meth:`profile_stop` ends it."""
+        name = stem or self.role
+        self.calls.wait(
+            [
+                a.call(FSDPTrainer.profile_start, f"{folder}/{name}_rank{i}")
+                for i, a in enumerate(self.actors)
+            ],
+            f"{self.role} profile",
+        )
+
+    def profile_stop(self) -> list[str]:
+        """End every rank's profile; the files they wrote."""
+        written = self.calls.wait(
+            [a.call(FSDPTrainer.profile_stop) for a in self.actors], f"{self.role} profile"
+        )
+        return [path for files in written for path in files]
+
     def shards(self, batch: B) -> Shards[B]:
         return shard_rows(batch, self.dp, self.tp, self.mini_batch)
 

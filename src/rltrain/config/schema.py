@@ -449,6 +449,9 @@ class LoggerConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "rltrain"
     progress: bool = True  # the live progress bar (step, reward, loss, throughput)
+    # Profile this step (0 = none): torch's profiler on every trainer rank and Python's on
+    # the controller, written to <output_dir>/profile/step_<n>/ (docs/user-guide.md)
+    profile_step: int = 0
 
 
 @dataclass

@@ -276,6 +276,12 @@ def validate(cfg: RunConfig) -> None:
     check_choice("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 (0 = final checkpoint only).")
+    if not 0 <= cfg.logger.profile_step <= cfg.max_steps:
+        raise ConfigError(
+            f"logger.profile_step={cfg.logger.profile_step} is not a step of this run "
+            f"(max_steps={cfg.max_steps}); give a step from 1 to {cfg.max_steps}, or 0 for none "
+            "(step 1 includes compilation; a later one shows the steady state)."
+        )
     if cfg.checkpoint.keep_last < 0:
         raise ConfigError("checkpoint.keep_last must be >= 0 (0 = keep every checkpoint).")
     if cfg.resume == "auto" and cfg.output_dir is None and cfg.run_name is None:

@@ -39,7 +39,7 @@ from rltrain.loops.async_buffer import (
 from rltrain.loops.async_episodes import env_metrics
 from rltrain.loops.context import RunContext
 from rltrain.loops.grpo import group_advantages, shape_rewards
-from rltrain.loops.step import end_step, old_and_reference_logprobs
+from rltrain.loops.step import end_step, old_and_reference_logprobs, start_step_profile
 from rltrain.rollout.base import RolloutBatch
 from rltrain.train.batch import PolicyBatch, build_train_batch
 
@@ -85,6 +85,7 @@ def train_grpo_async(ctx: RunContext, on_step: Callable[[int, dict[str, float]],
     ctx.loop_state = checkpoint_state
     tail: Tail | None = None
     for step in range(ctx.start_step + 1, ctx.cfg.max_steps + 1):
+        start_step_profile(ctx, step)
         version, tail = _step(ctx, gen, step, version, on_step, tail)
     assert tail is None, "the last step ends in itself"
 

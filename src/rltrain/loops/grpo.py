@@ -24,6 +24,7 @@ from rltrain.loops.step import (
     logprob_stream,
     old_and_reference_logprobs,
     refit_rollout,
+    start_step_profile,
     train_policy,
 )
 from rltrain.rollout.base import RolloutBatch
@@ -104,6 +105,7 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
     # A resumed run starts after its checkpoint's step, with the restored weights.
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
+        start_step_profile(ctx, step)
         t_step = time.perf_counter()
         timer = StageTimer()
 

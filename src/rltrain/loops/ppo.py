@@ -23,6 +23,7 @@ from rltrain.loops.step import (
     logprob_stream,
     old_and_reference_logprobs,
     refit_rollout,
+    start_step_profile,
     train_policy,
 )
 from rltrain.train.batch import PolicyBatch, ValueBatch, build_train_batch
@@ -55,6 +56,7 @@ def train_ppo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None])
     gather = collector(ctx)  # multi-turn episodes when the run has an environment
     weight_version = ctx.weight_version
     for step in range(ctx.start_step + 1, cfg.max_steps + 1):
+        start_step_profile(ctx, step)
         t_step = time.perf_counter()
         timer = StageTimer()
         trains_policy = step >= a.policy_training_start_step

@@ -4,8 +4,11 @@ the policy update, the refit, and the step's end (evaluation, logging, checkpoin
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -17,11 +20,17 @@ from rltrain.config.resolved import (
 )
 from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
+from rltrain.logging.profile import ControllerProfile
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
 from rltrain.loops.logprob_stream import LogprobStream, PassTarget
 from rltrain.refit.base import RefitStats
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
+
+if TYPE_CHECKING:
+    from rltrain.cluster.handles import TrainerGang
+
+log = logging.getLogger(__name__)
 
 
 def fuses_old_logprobs(ctx: RunContext) -> bool:
@@ -153,6 +162,39 @@ def refit_rollout(ctx: RunContext, weight_version: int, timer: StageTimer) -> Re
         return ctx.refit(weight_version)
 
 
+@dataclass
+class StepProfile:
+    """The profilers running through one step (``logger.profile_step``): the trainer
+    gangs' and the controller's, all writing into ``folder``."""
+
+    folder: Path
+    gangs: list[TrainerGang[Any]]
+    controller: ControllerProfile
+
+    def stop(self) -> list[str]:
+        """End every profile; the files written."""
+        files = self.controller.stop()
+        for gang in self.gangs:
+            files += gang.profile_stop()
+        return files
+
+
+def start_step_profile(ctx: RunContext, step: int) -> None:
+    """Start the profilers when ``step`` is ``logger.profile_step`` (:func:`end_step` stops
+    them): torch's on every trainer rank (one for the whole process when the run is in
+    one), Python's on the controller."""
+    if step != ctx.cfg.logger.profile_step or ctx.out_dir is None:
+        return
+    folder = Path(ctx.out_dir) / "profile" / f"step_{step:06d}"
+    in_process = ctx.plan.in_process
+    gangs: list[TrainerGang[Any]] = [ctx.policy]
+    if ctx.value is not None and not in_process:  # one torch profiler per process
+        gangs.append(ctx.value)
+    for gang in gangs:
+        gang.profile_start(str(folder), "process" if in_process else None)
+    ctx.profile = StepProfile(folder, gangs, ControllerProfile(folder))
+
+
 def end_step(
     ctx: RunContext,
     step: int,
@@ -164,6 +206,9 @@ def end_step(
     weights), then ``on_step``, then a checkpoint every ``checkpoint.every_n_steps``
     (the last step's is the runner's final one)."""
     cfg = ctx.cfg
+    if ctx.profile is not None:  # the step's work is done: evaluation and logging are not
+        profile, ctx.profile = ctx.profile, None
+        log.info("step %d profiled: %s", step, ", ".join(profile.stop()))
     if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
         # Engines stay awake: the next step generates before anything trains.
         eval_generate = functools.partial(ctx.rollout.generate, then_sleep=False)

@@ -368,6 +368,20 @@ class ShardedModel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def profile_start(self, stem: str) -> None:
+        """Profile what this rank runs from now until :meth:`profile_stop` (torch's
+        profiler; ``logger.profile_step``), into ``<stem>.json`` and ``<stem>.txt``."""
+        from rltrain.logging.profile import TraceProfiler
+
+        if getattr(self, "_profiler", None) is None:
+            self._profiler = TraceProfiler()
+        self._profiler.start(stem, self.device)
+
+    def profile_stop(self) -> list[str]:
+        """End the profile :meth:`profile_start` began; the files written."""
+        profiler = getattr(self, "_profiler", None)
+        return profiler.stop() if profiler is not None else []
+
     def compile_metrics(self, prefix: str = "") -> dict[str, float]:
         """``<prefix>compile/compiles`` / ``recompiles`` since the previous call, the largest
         over the gang's ranks (see :class:`CompileCounter`). Collective: all ranks."""

@@ -1,0 +1,78 @@
+"""``logger.profile_step``: one step under torch's profiler on every trainer rank and
+Python's on the controller, written to ``<output_dir>/profile/step_<n>/``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+QUIET = ["logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false"]
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", *args, *QUIET],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _trace_ops(path: Path) -> set[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return {e.get("name", "") for e in events}
+
+
+def test_a_step_in_one_process_is_profiled(tmp_path):
+    out = tmp_path / "run"
+    proc = _run("grpo", "max_steps=3", "logger.profile_step=2", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = out / "profile" / "step_000002"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "controller.prof",
+        "controller.txt",
+        "process_rank0.json",
+        "process_rank0.txt",
+    ]
+    ops = _trace_ops(folder / "process_rank0.json")
+    # the step's generation, passes and update ran under it: matmuls and the optimizer step
+    assert "aten::mm" in ops and any(o.startswith("Optimizer.step") for o in ops), sorted(ops)[:20]
+    assert "aten::mm" in (folder / "process_rank0.txt").read_text()
+    controller = (folder / "controller.txt").read_text()
+    assert "train_policy" in controller and "collect" in controller
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outputs"]["profile"] == str(folder)
+    # only that step: no other step's folder
+    assert [p.name for p in (out / "profile").iterdir()] == ["step_000002"]
+
+
+@pytest.mark.timeout(900)
+def test_ppo_profiles_each_role_in_its_own_processes(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(
+        "ppo",
+        "max_steps=2",
+        "logger.profile_step=2",
+        "cluster.in_process=false",
+        f"output_dir={out}",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = out / "profile" / "step_000002"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [
+        "controller.prof",
+        "controller.txt",
+        "policy_rank0.json",
+        "policy_rank0.txt",
+        "value_rank0.json",
+        "value_rank0.txt",
+    ]
+    for role in ("policy", "value"):
+        assert "aten::mm" in _trace_ops(folder / f"{role}_rank0.json"), role
