@@ -105,7 +105,7 @@ def _controller(monkeypatch, k: int, prompts: int = 4, groups_per_call: int = 2,
     monkeypatch.setattr(
         async_buffer, "wait_all", lambda pending, t, what: [p.value for p in pending]
     )
-    ctx = SimpleNamespace(cfg=cfg, rollout=Pool(), task=_Task(), tokenizer=None)
+    ctx = SimpleNamespace(cfg=cfg, rollout=Pool(), task=_Task(), tokenizer=None, profile=None)
     return AsyncController(ctx, AsyncState()), submitted, Pool
 
 
