@@ -76,6 +76,7 @@ from benchlib import (  # noqa: E402
     STEP_KEYS,
     after_first,
     child_env,
+    copy_profile,
     device_slug,
     ensure_qwen_model,
     gsm8k_shape_overrides,
@@ -420,6 +421,8 @@ def main() -> None:
     if args.explain_recompiles:  # the workers' stderr, where dynamo logs, reaches run.log
         overrides = [*overrides, "cluster.ray_logs=true"]
     loop = run_loop(overrides, run_dir, args.timeout, args.explain_recompiles)
+    if profile := copy_profile(run_dir, args.out, "loop"):
+        result["profile"] = profile  # logger.profile_step among the overrides
     if args.explain_recompiles and (run_dir / "run.log").is_file():
         result["recompile_reasons"] = recompile_reasons((run_dir / "run.log").read_text())
     if loop["returncode"] != 0:

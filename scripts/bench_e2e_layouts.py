@@ -26,6 +26,7 @@ from benchlib import (  # noqa: E402
     after_first,
     child_env,
     cli_command,
+    copy_profile,
     device_slug,
     ensure_qwen_model,
     median,
@@ -373,6 +374,8 @@ def run_two_gpu_layout(
         flush=True,
     )
     loop = run_loop(run_ov, run_dir, timeout_s, algo=algo)
+    if profile := copy_profile(run_dir, args.out, f"{algo}_{layout}"):
+        entry["profile"] = profile  # logger.profile_step among the overrides
     gpu_memory = (loop.get("run_summary") or {}).get("gpu_memory")
     if gpu_memory is None and (run_dir / "memory.json").is_file():
         gpu_memory = json.loads((run_dir / "memory.json").read_text())

@@ -129,6 +129,20 @@ def result_paths(name: str, out: str | Path | None = None, committed: bool = Tru
     return paths
 
 
+def copy_profile(run_dir: str | Path, out: str | Path | None, label: str) -> str | None:
+    """A run's step profile (``logger.profile_step``: ``<run_dir>/profile/``) copied to
+    ``<out>/<label>-profile`` (``$OUT`` on the GPU machines); the copy's path, or None
+    when the run wrote none or there is no ``out``."""
+    import shutil
+
+    src = Path(run_dir) / "profile"
+    if not out or not src.is_dir():
+        return None
+    dst = Path(out) / f"{label}-profile"
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    return str(dst)
+
+
 def write_json(
     result: dict,
     paths: Path | str | Iterable[Path | str],

@@ -3,6 +3,7 @@ Python's on the controller, written to ``<output_dir>/profile/step_<n>/``."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def _trace_ops(path: Path) -> set[str]:
-    events = json.loads(path.read_text())["traceEvents"]
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     return {e.get("name", "") for e in events}
 
 
@@ -38,10 +39,10 @@ def test_a_step_in_one_process_is_profiled(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [
         "controller.prof",
         "controller.txt",
-        "process_rank0.json",
+        "process_rank0.json.gz",
         "process_rank0.txt",
     ]
-    ops = _trace_ops(folder / "process_rank0.json")
+    ops = _trace_ops(folder / "process_rank0.json.gz")
     # the step's generation, passes and update ran under it: matmuls and the optimizer step
     assert "aten::mm" in ops and any(o.startswith("Optimizer.step") for o in ops), sorted(ops)[:20]
     assert "aten::mm" in (folder / "process_rank0.txt").read_text()
@@ -69,10 +70,10 @@ def test_ppo_profiles_each_role_in_its_own_processes(tmp_path):
     assert names == [
         "controller.prof",
         "controller.txt",
-        "policy_rank0.json",
+        "policy_rank0.json.gz",
         "policy_rank0.txt",
-        "value_rank0.json",
+        "value_rank0.json.gz",
         "value_rank0.txt",
     ]
     for role in ("policy", "value"):
-        assert "aten::mm" in _trace_ops(folder / f"{role}_rank0.json"), role
+        assert "aten::mm" in _trace_ops(folder / f"{role}_rank0.json.gz"), role

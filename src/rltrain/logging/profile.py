@@ -1,8 +1,8 @@
 """One step under the profilers (``logger.profile_step``): torch's profiler in each trainer
 process, Python's in the controller.
 
-Each trainer rank writes ``<role>_rank<i>.json`` (a Chrome trace: open it in Perfetto or
-``chrome://tracing``) and ``<role>_rank<i>.txt`` (its operators by self time, GPU time on
+Each trainer rank writes ``<role>_rank<i>.json.gz`` (a gzipped Chrome trace: open it in
+Perfetto or ``chrome://tracing``) and ``<role>_rank<i>.txt`` (its operators by self time, GPU time on
 CUDA) into ``<output_dir>/profile/step_<n>/``; the controller writes ``controller.txt``
 (its functions by cumulative time) and ``controller.prof`` (``python -m pstats``, snakeviz).
 A run in one process (``cluster.in_process``) has one torch profiler for every role, its
@@ -14,8 +14,9 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -52,7 +53,8 @@ class TraceProfiler:
             torch.cuda.synchronize()
         prof.__exit__(None, None, None)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        trace, table = stem.with_suffix(".json"), stem.with_suffix(".txt")
+        trace = stem.parent / f"{stem.name}.json.gz"  # a GPU step's trace runs to many MB
+        table = stem.parent / f"{stem.name}.txt"
         prof.export_chrome_trace(str(trace))
         table.write_text(operator_table(prof, self._cuda) + "\n")
         return [str(trace), str(table)]
@@ -87,3 +89,26 @@ class ControllerProfile:
         pstats.Stats(self._prof, stream=out).sort_stats("cumulative").print_stats(TOP_ROWS)
         text.write_text(out.getvalue())
         return [str(raw), str(text)]
+
+
+class ProfiledGang(Protocol):
+    """A trainer gang whose ranks profile (:class:`rltrain.cluster.handles.TrainerGang`)."""
+
+    def profile_stop(self) -> list[str]: ...
+
+
+@dataclass
+class StepProfile:
+    """The profilers running through one step: the trainer gangs' and the controller's,
+    all writing into ``folder``."""
+
+    folder: Path
+    gangs: list[ProfiledGang]
+    controller: ControllerProfile
+
+    def stop(self) -> list[str]:
+        """End every profile; the files written."""
+        files = self.controller.stop()
+        for gang in self.gangs:
+            files += gang.profile_stop()
+        return files

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rltrain.config.schema import RunConfig
     from rltrain.data import Task
     from rltrain.envs.driver import TurnDriver
-    from rltrain.loops.step import StepProfile
+    from rltrain.logging.profile import StepProfile
     from rltrain.plan import RunPlan
     from rltrain.refit.base import RefitStats
 
@@ -52,7 +52,7 @@ class RunContext:
     # data task's single turn (loops/collect.py).
     driver: TurnDriver | None = None
     # The run's output folder (``logger.profile_step`` writes its profile under it), and
-    # the step profile in progress (:func:`rltrain.loops.step.start_step_profile`).
+    # the step profile in progress (``rltrain.loops.step.start_step_profile``).
     out_dir: str | None = None
     profile: StepProfile | None = None
 

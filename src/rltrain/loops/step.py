@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -20,7 +19,7 @@ from rltrain.config.resolved import (
 )
 from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
-from rltrain.logging.profile import ControllerProfile
+from rltrain.logging.profile import ControllerProfile, StepProfile
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
 from rltrain.loops.logprob_stream import LogprobStream, PassTarget
@@ -162,23 +161,6 @@ def refit_rollout(ctx: RunContext, weight_version: int, timer: StageTimer) -> Re
         return ctx.refit(weight_version)
 
 
-@dataclass
-class StepProfile:
-    """The profilers running through one step (``logger.profile_step``): the trainer
-    gangs' and the controller's, all writing into ``folder``."""
-
-    folder: Path
-    gangs: list[TrainerGang[Any]]
-    controller: ControllerProfile
-
-    def stop(self) -> list[str]:
-        """End every profile; the files written."""
-        files = self.controller.stop()
-        for gang in self.gangs:
-            files += gang.profile_stop()
-        return files
-
-
 def start_step_profile(ctx: RunContext, step: int) -> None:
     """Start the profilers when ``step`` is ``logger.profile_step`` (:func:`end_step` stops
     them): torch's on every trainer rank (one for the whole process when the run is in
@@ -192,7 +174,7 @@ def start_step_profile(ctx: RunContext, step: int) -> None:
         gangs.append(ctx.value)
     for gang in gangs:
         gang.profile_start(str(folder), "process" if in_process else None)
-    ctx.profile = StepProfile(folder, gangs, ControllerProfile(folder))
+    ctx.profile = StepProfile(folder, list(gangs), ControllerProfile(folder))
 
 
 def end_step(
