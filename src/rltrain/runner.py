@@ -282,7 +282,9 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 outputs["final checkpoint"] = ctx.checkpoint(cfg.max_steps, cfg.max_steps)
             if cfg.logger.tensorboard:
                 outputs["tensorboard"] = str(out / "tensorboard")
-            profiled = out / "profile" / f"step_{cfg.logger.profile_step:06d}"
+            from rltrain.logging.profile import profile_folder
+
+            profiled = profile_folder(out, cfg.logger.profile_step)
             if cfg.logger.profile_step and profiled.is_dir():
                 outputs["profile"] = str(profiled)
         finally:

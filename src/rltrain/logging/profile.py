@@ -23,6 +23,11 @@ import torch
 TOP_ROWS = 40
 
 
+def profile_folder(out_dir: str | Path, step: int) -> Path:
+    """Where step ``step``'s profile goes in the run's output folder."""
+    return Path(out_dir) / "profile" / f"step_{step:06d}"
+
+
 class TraceProfiler:
     """torch's profiler over everything this process runs between :meth:`start` and
     :meth:`stop` (CPU operators, and CUDA kernels on a GPU)."""

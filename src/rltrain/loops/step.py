@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -19,7 +18,7 @@ from rltrain.config.resolved import (
 )
 from rltrain.config.schema import KLEstimator
 from rltrain.logging.metrics import StageTimer
-from rltrain.logging.profile import ControllerProfile, StepProfile
+from rltrain.logging.profile import ControllerProfile, StepProfile, profile_folder
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
 from rltrain.loops.logprob_stream import LogprobStream, PassTarget
@@ -167,7 +166,7 @@ def start_step_profile(ctx: RunContext, step: int) -> None:
     one), Python's on the controller."""
     if step != ctx.cfg.logger.profile_step or ctx.out_dir is None:
         return
-    folder = Path(ctx.out_dir) / "profile" / f"step_{step:06d}"
+    folder = profile_folder(ctx.out_dir, step)
     in_process = ctx.plan.in_process
     gangs: list[TrainerGang[Any]] = [ctx.policy]
     if ctx.value is not None and not in_process:  # one torch profiler per process

@@ -370,7 +370,7 @@ class ShardedModel:
 
     def profile_start(self, stem: str) -> None:
         """Profile what this rank runs from now until :meth:`profile_stop` (torch's
-        profiler; ``logger.profile_step``), into ``<stem>.json`` and ``<stem>.txt``."""
+        profiler; ``logger.profile_step``), into ``<stem>.json.gz`` and ``<stem>.txt``."""
         from rltrain.logging.profile import TraceProfiler
 
         if getattr(self, "_profiler", None) is None:
