@@ -40,12 +40,17 @@ def test_a_step_in_one_process_is_profiled(tmp_path):
         "controller.prof",
         "controller.txt",
         "process_rank0.json.gz",
+        "process_rank0.phases.txt",
         "process_rank0.txt",
     ]
     ops = _trace_ops(folder / "process_rank0.json.gz")
     # the step's generation, passes and update ran under it: matmuls and the optimizer step
     assert "aten::mm" in ops and any(o.startswith("Optimizer.step") for o in ops), sorted(ops)[:20]
     assert "aten::mm" in (folder / "process_rank0.txt").read_text()
+    # the project's spans, summed: the training micro batch's forward and backward, the step
+    phases = (folder / "process_rank0.phases.txt").read_text()
+    for name in ("micro.forward", "micro.backward", "optimizer"):
+        assert f"\n{name} " in phases, phases
     controller = (folder / "controller.txt").read_text()
     assert "train_policy" in controller and "collect" in controller
     summary = json.loads((out / "summary.json").read_text())
@@ -71,9 +76,47 @@ def test_ppo_profiles_each_role_in_its_own_processes(tmp_path):
         "controller.prof",
         "controller.txt",
         "policy_rank0.json.gz",
+        "policy_rank0.phases.txt",
         "policy_rank0.txt",
         "value_rank0.json.gz",
+        "value_rank0.phases.txt",
         "value_rank0.txt",
     ]
     for role in ("policy", "value"):
         assert "aten::mm" in _trace_ops(folder / f"{role}_rank0.json.gz"), role
+    # in worker processes every actor call is a span, and the gaps between them a row
+    for role, calls in (("policy", ("call.train",)), ("value", ("call.train", "pass.values"))):
+        phases = (folder / f"{role}_rank0.phases.txt").read_text()
+        for name in (*calls, "(between calls)"):
+            assert f"\n{name} " in phases, (role, phases)
+
+
+def test_phase_rows_sum_each_span_and_the_kernels_it_ran():
+    """Spans and kernels in microseconds: a pass whose GPU range holds two kernels (one an
+    NCCL all-gather overlapping the other) and 3 us of idle GPU, then a train call."""
+    from rltrain.logging.profile import phase_rows
+
+    def ev(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            ev("user_annotation", "rltrain.call.compute_passes", 0, 20),
+            ev("user_annotation", "rltrain.pass.logprobs", 1, 18),
+            ev("gpu_user_annotation", "rltrain.pass.logprobs", 5, 15),
+            ev("kernel", "ncclDevKernel_AllGather", 5, 6),
+            ev("kernel", "ampere_gemm", 8, 6),  # overlaps the all-gather by 3
+            ev("kernel", "elementwise", 17, 3),
+            ev("user_annotation", "rltrain.call.train", 50, 30),
+            ev("user_annotation", "ProfilerStep#2", 0, 99),
+        ]
+    }
+    rows = {r["span"]: r for r in phase_rows(trace)}
+    assert set(rows) == {"call.compute_passes", "pass.logprobs", "call.train", "(between calls)"}
+    p = rows["pass.logprobs"]
+    assert p["count"] == 1 and p["wall_ms"] == pytest.approx(0.018)
+    assert p["gpu_busy_ms"] == pytest.approx(0.012)  # [5, 14) and [17, 20)
+    assert p["nccl_ms"] == pytest.approx(0.006)
+    assert p["gpu_idle_ms"] == pytest.approx(0.003)
+    assert rows["(between calls)"]["wall_ms"] == pytest.approx(0.030)  # 20 -> 50
+    assert rows["call.train"]["gpu_busy_ms"] == 0.0

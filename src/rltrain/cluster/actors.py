@@ -42,6 +42,7 @@ from rltrain.cluster.waits import (  # noqa: F401 - re-exported: the waits' name
     wait,
     wait_all,
 )
+from rltrain.logging.profile import call_span
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -139,7 +140,10 @@ class WorkerHost:
         return {"build_s": time.perf_counter() - t0, **phases}
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        # a span per call in a profiled step (logger.profile_step): the gaps between the
+        # spans are the time the rank waited on the controller
+        with call_span(method):
+            return getattr(self.worker, method)(*args, **kwargs)
 
     def call_between(
         self,
@@ -157,7 +161,8 @@ class WorkerHost:
         """
         for name in before:
             getattr(self.worker, name)()
-        out = getattr(self.worker, method)(*args, **(kwargs or {}))
+        with call_span(method):
+            out = getattr(self.worker, method)(*args, **(kwargs or {}))
         for name in after:
             getattr(self.worker, name)()
         return out

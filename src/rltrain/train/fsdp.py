@@ -20,6 +20,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from rltrain.config.schema import RunConfig, lora_lr
+from rltrain.logging.profile import span
 from rltrain.train.batch import TrainBatch
 from rltrain.train.checkpoint import load_trainer_state, save_trainer_state
 from rltrain.train.distributed import DistEnv
@@ -157,12 +158,14 @@ class FSDPTrainer(ShardedModel):
             micro = self.make_micro_batch(micro, list(range(micro.size)))
         else:
             micro = micro.to(self.device)
-        loss_sum, kind, metrics, token_out, counts = MicroLoss(*self.microbatch_loss(micro))
+        with span("micro.forward"):
+            loss_sum, kind, metrics, token_out, counts = MicroLoss(*self.microbatch_loss(micro))
         if self._step_kind not in (None, kind):
             raise RuntimeError(f"micro batches of one step mix {self._step_kind} and {kind} losses")
         self._step_kind = kind
         scaled = loss_sum / self.loss_prescale
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        with span("micro.backward"):
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         self._deferred = defer  # the last micro batch's backward reduced everything
         if counts is None:
             counts = (micro.response_mask_RS.sum(), micro.num_sequences)
@@ -219,7 +222,8 @@ class FSDPTrainer(ShardedModel):
         metrics, tokens, sequences = step.reduce(self.dp_sum, self.dp_all_max)
         count = sequences if kind is MetricKind.SEQUENCE_MEAN else tokens
         grad_factor = self.loss_prescale * self.dp / max(count, 1.0)
-        metrics.update(self.optimizer_step(grad_factor))
+        with span("optimizer"):
+            metrics.update(self.optimizer_step(grad_factor))
         freeze_gc_once()  # the first step built the long-lived objects (compiled graphs)
         metrics["num_tokens"] = tokens
         metrics["num_sequences"] = sequences

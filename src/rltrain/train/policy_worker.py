@@ -15,6 +15,7 @@ import torch
 
 from rltrain.algorithms.losses import Objective, policy_loss
 from rltrain.config.schema import RunConfig
+from rltrain.logging.profile import span
 from rltrain.refit import RefitSender, make_refit_sender
 from rltrain.refit.base import RefitGroup, RefitManifest, RefitStats, plan_refit
 from rltrain.refit.gather import BucketGatherer
@@ -76,7 +77,10 @@ class PolicyWorker(FSDPTrainer):
         check_pass_names(names, ("logprobs", "reference"), "policy")
         t0 = time.perf_counter()
         batch = batch.widened()
-        out = [self.compute_logprobs(batch, name == "reference") for name in names]
+        out = []
+        for name in names:
+            with span(f"pass.{name}"):
+                out.append(self.compute_logprobs(batch, name == "reference"))
         self.settle_device()
         self.passes_s += time.perf_counter() - t0
         return out

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from rltrain.algorithms.losses import clipped_value_loss
 from rltrain.algorithms.values import explained_variance, explained_variance_sums, right_shift
 from rltrain.config.schema import RunConfig, value_run_config
+from rltrain.logging.profile import span
 from rltrain.models.loader import build_empty_model, load_model
 from rltrain.train.batch import TrainBatch, ValueBatch
 from rltrain.train.distributed import DistEnv
@@ -150,14 +151,16 @@ class ValueWorker(FSDPTrainer):
         out = []
         for name in names:
             if name == "values":
-                out.append(self.values(batch))
+                with span("pass.values"):
+                    out.append(self.values(batch))
                 continue
             if self.reference is None:
                 raise RuntimeError(
                     "reference logprobs asked of the critic, which hosts no reference model "
                     "(value.hosts_reference resolved false)"
                 )
-            out.append(batch_logprobs(self, self.reference, batch.widened()))
+            with span("pass.reference"):
+                out.append(batch_logprobs(self, self.reference, batch.widened()))
         return out
 
     # -- training -------------------------------------------------------------------------
