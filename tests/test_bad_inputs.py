@@ -119,6 +119,8 @@ CASES = [
     Case("context-parallel-key", C, ["grpo", "dtensor.cp=2"],
          ["'dtensor.cp'", "valid keys of 'dtensor': dp, tp"],
          "context parallelism is not a key: lists the mesh keys there are"),
+    Case("pass-micro-batch-scale-zero", C, ["grpo", "train.pass_micro_batch_scale=0"],
+         ["train.pass_micro_batch_scale=0", ">= 1"], "names the key and the bound"),
     Case("profile-step-past-the-run", C, ["grpo", "max_steps=3", "logger.profile_step=5"],
          ["logger.profile_step=5", "max_steps=3", "from 1 to 3"], "names the run's steps"),
     Case("unknown-option", C, ["grpo", "precision=fp8"], ["'fp8'", "bf16, fp16, fp32"],

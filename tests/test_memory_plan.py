@@ -439,3 +439,23 @@ def test_micro_batch_tokens_auto_takes_the_largest_that_fits(gib, tokens):
 
     if gib == 80:
         assert "max_tokens_per_micro_batch=null: auto, the largest" in _micro_line(plan.batch)
+
+
+def test_a_pass_at_its_scaled_micro_batch_is_counted_where_it_is_the_peak():
+    """A pass keeps one block's activations, at train.pass_micro_batch_scale times the
+    training micro batch's tokens: the activations part is the larger of the two."""
+    from rltrain.plan.memory import trainer_parts
+
+    shape = known_shape("Qwen/Qwen2.5-1.5B")
+    assert shape is not None
+    h, kv, inter, layers = shape.hidden_size, shape.kv_dim, shape.intermediate_size, 28
+    per_layer = 8 * h + 2 * kv + 3 * inter  # compiled blocks (CUDA, 1.5B)
+    acts = {}
+    for scale in (4, 64):
+        cfg, _ = compose(
+            ["recipe=qwen1.5b-gsm8k", "cluster.device=cuda", f"train.pass_micro_batch_scale={scale}"],
+            "grpo",
+        )
+        acts[scale] = trainer_parts(cfg, shape, 1, "policy", 8192, True)["activations"]
+    assert acts[4] == 8192 * 2 * layers * per_layer  # the training micro batch is the peak
+    assert acts[64] == 8192 * 64 * 2 * (h + per_layer)  # the pass is

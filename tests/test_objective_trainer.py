@@ -181,3 +181,30 @@ def test_objective_from_config_reads_every_key():
     rc = replace(cfg.algorithm.rollout_correction, sequence_weight_all_tokens=True)
     verl = replace(cfg, algorithm=replace(cfg.algorithm, rollout_correction=rc))
     assert not o.seq_weight_all_tokens and Objective.from_config(verl).seq_weight_all_tokens
+
+
+def test_a_pass_packs_scaled_micro_batches_and_gives_the_same_logprobs():
+    """train.pass_micro_batch_scale: a logprob pass over micro batches 4x the training
+    budget runs fewer forwards and gives the logprobs of the training-sized ones; null
+    resolves to 1 on CPU (4 on CUDA)."""
+    from rltrain.config.resolved import pass_micro_batch_scale
+    from tests.conftest import tiny_config
+
+    case = next(iter(OBJECTIVE_CASES))
+    batch = _objective_batch(case)
+    assert pass_micro_batch_scale(_cfg(case, micro_tokens=16)) == 1
+    gpu = tiny_config(**{"cluster.device": "cuda"})
+    assert pass_micro_batch_scale(gpu) == 4
+    out = {}
+    for scale in (1, 4):
+        cfg = _cfg(case, micro_tokens=16)
+        cfg.train.pass_micro_batch_scale = scale
+        w = _worker(cfg)
+        train_micros = len(w.plan_micro_batches(batch))
+        out[scale] = (len(w.plan_micro_batches(batch, for_pass=True)), w.compute_logprobs(batch))
+        w.shutdown()
+        assert out[scale][0] <= train_micros
+    assert out[4][0] < out[1][0], {s: n for s, (n, _) in out.items()}
+    resp = batch.response_mask_BT.bool()
+    assert bool((out[1][1][resp] != 0).all())
+    torch.testing.assert_close(out[4][1], out[1][1], atol=1e-5, rtol=0)

@@ -65,6 +65,10 @@ def test_defaults_on_cpu():
     ray_plan = make_plan(cfg, CPU2)
     assert not ray_plan.in_process and ray_plan.refit.transport == "gloo"
     assert ray_plan.role("policy").threads == 1  # two processes on two cores: one each
+    # the controller: as it is in one process; one torch thread beside worker processes
+    assert (plan.controller_threads, ray_plan.controller_threads) == (0, 1)
+    cfg.cluster.torch_threads = 3
+    assert make_plan(cfg, CPU2).controller_threads == 3
 
 
 def _in_process_cfg(**keys: object) -> RunConfig:

@@ -210,6 +210,10 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             forecast = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
             plan = replace(plan, placement=forecast)
         (out / "plan.json").write_text(plan.to_json())
+        if plan.controller_threads:
+            import torch
+
+            torch.set_num_threads(plan.controller_threads)
         console.print(
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
             f"{plan.role('rollout').world_size} rollout replica(s) on {plan.device}; outputs in {out}"

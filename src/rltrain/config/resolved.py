@@ -57,6 +57,20 @@ def streams_passes(cfg: RunConfig) -> bool:
     )
 
 
+PASS_MICRO_BATCH_SCALE_CUDA = 4
+
+
+def pass_micro_batch_scale(cfg: RunConfig) -> int:
+    """``train.pass_micro_batch_scale`` resolved: how many training micro batches' worth of
+    tokens (or rows) a logprob or value pass puts in one forward. null = 4 on CUDA, where
+    a pass of many small forwards leaves the GPU waiting on the host's kernel launches; 1
+    on CPU (compute-bound there; a pass then runs the training forward's layout)."""
+    s = cfg.train.pass_micro_batch_scale
+    if s is not None:
+        return s
+    return PASS_MICRO_BATCH_SCALE_CUDA if cfg.cluster.device == "cuda" else 1
+
+
 def logprobs_while_generating(cfg: RunConfig, rollout_colocated: bool | None) -> bool:
     """``train.logprobs_while_generating`` resolved: whether the step's old and reference
     logprob passes run on the rows the engines have finished while they still generate.

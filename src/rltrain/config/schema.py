@@ -106,6 +106,11 @@ class TrainConfig:
     # batches keep the GPU's matmuls busy (1.5B shapes, H200: 46k tokens/s at 16384
     # against 30k at 2048-4096).
     max_tokens_per_micro_batch: int | None = None
+    # A logprob or value pass (no backward, so no activations kept for one) packs this many
+    # times a training micro batch's tokens (rows without packing) into each of its micro
+    # batches: fewer, larger forwards launch fewer kernels where the GPU would otherwise
+    # wait on the host. null = 4 on CUDA, 1 on CPU.
+    pass_micro_batch_scale: int | None = None
     # Attention kernel of the trainer for packed rows: auto = varlen (torch's flash varlen
     # kernel) on CUDA with 16-bit compute, flex on CUDA otherwise, sdpa on CPU.
     attention: str = "auto"  # auto | sdpa | flex | varlen

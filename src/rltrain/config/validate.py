@@ -65,6 +65,8 @@ def validate(cfg: RunConfig) -> None:
     if t.max_tokens_per_micro_batch is not None:
         check_positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
     check_positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
+    if t.pass_micro_batch_scale is not None:
+        check_positive("train.pass_micro_batch_scale", t.pass_micro_batch_scale)
     if cfg.dtensor.grad_sync is not None:
         check_choice("dtensor.grad_sync", cfg.dtensor.grad_sync, GRAD_SYNCS)
     check_choice("train.attention", t.attention, ATTENTIONS)

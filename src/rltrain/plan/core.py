@@ -170,6 +170,13 @@ class InputsPlan:
     eval: EvalInputs
 
 
+# The controller's torch work is small (a step's batch is ~1 MB of tensors): one thread
+# does each op in well under a millisecond, where a thread per core, beside the workers'
+# processes on the same GPU host, made each op wait on descheduled threads (a 0/1 mask
+# check or a row selection of a step's batch: 0.1-0.2 ms on one core, 8-24 ms there).
+CONTROLLER_THREADS = 1
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """Everything the launcher needs to start and run the job. Built once by
@@ -197,6 +204,9 @@ class RunPlan:
     # Every role in the driver's process, no Ray (cluster.in_process), and why (or why not).
     in_process: bool = False
     in_process_reason: str = ""
+    # torch intra-op threads of the driver (the controller) when the roles run in worker
+    # processes; 0 = as it is (in one process: the roles' threads)
+    controller_threads: int = 0
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -465,6 +475,7 @@ def _make_plan_resolved(
         objective=objective_summary(cfg),
         in_process=in_process,
         in_process_reason=in_process_reason,
+        controller_threads=0 if in_process else (threads or CONTROLLER_THREADS),
     )
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from rltrain.config.resolved import reference_on_critic
+from rltrain.config.resolved import pass_micro_batch_scale, reference_on_critic
 from rltrain.config.schema import DTYPE_BYTES, LoraConfig, RunConfig
 from rltrain.models.shapes import ModelShape
 from rltrain.plan.sizes import lora_params, model_shape, refit_params  # importable from here too
@@ -201,7 +201,10 @@ def trainer_parts(
         per_layer *= EAGER_ACTIVATION_FACTOR
     # activation checkpointing: the blocks' inputs are kept; one block recomputed at a time
     elements = layers * h + per_layer if d.activation_checkpointing else layers * per_layer
-    parts["activations"] = int(tokens * cb * elements)
+    # a logprob or value pass holds one block's activations at a time, over micro batches
+    # train.pass_micro_batch_scale times as large; the larger of the two is the peak
+    pass_tokens = tokens * pass_micro_batch_scale(cfg)
+    parts["activations"] = int(max(tokens * elements, pass_tokens * (h + per_layer)) * cb)
     if role == "policy":  # one chunk of logits: compute dtype, then fp32
         chunk = min(cfg.train.logprob_chunk_tokens, tokens)
         parts["logits"] = chunk * shape.vocab_size * (cb + 4)

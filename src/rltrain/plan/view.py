@@ -33,6 +33,8 @@ def plan_tree(plan: RunPlan) -> Tree:
         "roles: " + ("in this process (no Ray)" if plan.in_process else "Ray worker processes")
     )
     roles.add(plan.in_process_reason)
+    if plan.controller_threads:
+        roles.add(f"controller (this process): {plan.controller_threads} torch thread(s)")
     for r in plan.roles:
         node = roles.add(
             f"[bold]{r.name}[/]: "

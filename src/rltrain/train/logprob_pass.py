@@ -61,7 +61,7 @@ def batch_logprobs(
     out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
     done = []
     with adapters_disabled(model) if base else contextlib.nullcontext():
-        for rows in trainer.plan_micro_batches(batch):
+        for rows in trainer.plan_micro_batches(batch, for_pass=True):
             micro = trainer.make_micro_batch(batch, rows)
             done.append((token_logprobs(trainer, model, micro)[0], micro))
     for lp, micro in done:  # read back after the last forward was queued

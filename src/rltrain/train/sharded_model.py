@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rltrain.config.resolved import pass_micro_batch_scale
 from rltrain.config.schema import RunConfig, lora_targets
 from rltrain.models.loader import (
     TORCH_DTYPES,
@@ -274,20 +275,23 @@ class ShardedModel:
         return out.to(values.device)
 
     # -- micro batches --------------------------------------------------------------
-    def plan_micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+    def plan_micro_batches(self, batch: TrainBatch, for_pass: bool = False) -> list[list[int]]:
         """This rank's micro batches over ``batch``'s rows, padded with empty ones.
 
         Packing: first-fit decreasing by tokens (``train.max_tokens_per_micro_batch``);
-        otherwise rows of ``train.micro_batch_size`` (null = all rows). Every dp
-        rank returns the same number of micro batches (the short ones get empty
-        ``[]`` entries), so the FSDP collectives of each forward/backward pair
-        up. Collective over dp ranks.
+        otherwise rows of ``train.micro_batch_size`` (null = all rows). ``for_pass``: a
+        forward with no backward (a logprob or value pass), ``train.pass_micro_batch_scale``
+        times as large. Every dp rank returns the same number of micro batches (the short
+        ones get empty ``[]`` entries), so the FSDP collectives of each forward/backward
+        pair up. Collective over dp ranks.
         """
         t = self.cfg.train
+        scale = pass_micro_batch_scale(self.cfg) if for_pass else 1
+        rows = t.micro_batch_size * scale if t.micro_batch_size is not None else None
         micros = plan_micro_batches(
             row_lengths(batch),
-            t.micro_batch_tokens if t.packing else None,
-            t.micro_batch_size,
+            t.micro_batch_tokens * scale if t.packing else None,
+            rows,
         )
         return micros + [[] for _ in range(self.dp_max(len(micros)) - len(micros))]
 

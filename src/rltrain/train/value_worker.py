@@ -138,9 +138,12 @@ class ValueWorker(FSDPTrainer):
         batch = batch.widened()
         self.model.eval()
         out = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-        for rows in self.plan_micro_batches(batch):
+        done = []
+        for rows in self.plan_micro_batches(batch, for_pass=True):
             micro = self.make_micro_batch(batch, rows)
-            unpack(self.forward_values(micro) * micro.response_mask_RS, micro, out)
+            done.append((self.forward_values(micro) * micro.response_mask_RS, micro))
+        for values, micro in done:  # read back after the last forward was queued
+            unpack(values, micro, out)
         return out
 
     def compute_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> list[torch.Tensor]:
