@@ -317,3 +317,64 @@ def test_logprobs_while_generating_resolves_and_refuses_what_cannot_stream():
     asynchronous = tiny_config(rollout="vllm", **{"algorithm.async_rollout.enabled": "true"})
     with pytest.raises(ConfigError, match=r"algorithm.async_rollout"):
         validate(replace(asynchronous, train=on.train))
+
+
+def test_the_last_rows_reference_is_shared_when_the_policy_also_runs_its_old_logprobs():
+    """PPO with the KL penalty in the reward: the policy (its GPU holding the engine) runs
+    the old logprobs on every row once generation ends, so the last chunk's reference pass
+    is split: its first rows, up to half the step's tokens, go to the critic's copy beside
+    their values, the rest to the policy's. Every pass assembles to the passes' values."""
+    from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.step import logprob_stream, old_and_reference_logprobs
+    from rltrain.train.batch import build_train_batch
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        rollout="vllm",
+        **{
+            "algorithm.name": "ppo",
+            "algorithm.adv_estimator": "gae",
+            "algorithm.kl_coef": 0.01,
+            "algorithm.kl_in_reward": True,
+            "algorithm.prompts_per_step": 6,
+            "algorithm.samples_per_prompt": 1,
+        },
+    )
+    policy, critic = _Policy(), _Policy()
+    policy.dp = 1
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        value=critic,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        plan=SimpleNamespace(
+            gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
+        ),
+    )
+    stream = logprob_stream(ctx, need_old=True)  # type: ignore[arg-type]
+    assert stream is not None and stream.share_last
+    assert logprob_stream(ctx, need_old=False).share_last is False  # type: ignore[union-attr]
+    # every row comes in when generation ends (the last chunk is the whole step): 6 rows of
+    # 4 tokens, so the critic's copy takes the first 3 rows (12 of the step's 24 tokens)
+    prompts = [[3, 4]] * 6
+    responses = [[5 + i, 6] for i in range(6)]
+    for i in (5, 0, 3, 1, 4, 2):
+        stream.add(i, prompts[i], responses[i])
+    stream.caught_up()
+    assert [c.rows for c in stream.chunks] == [[5, 0, 3], [1, 4, 2]]
+    assert critic.calls == [(3, False), (3, True), (3, False)]  # values + reference, values
+    assert policy.calls == []
+    rollout = RolloutBatch(prompts, responses, [[0.0] * 2] * 6, [True] * 6, 0)
+    batch = build_train_batch(rollout, 0)
+    mask = batch.response_mask_BT
+    got = old_and_reference_logprobs(ctx, batch, mask, True, StageTimer(), stream)  # type: ignore[arg-type]
+    # the policy: its old logprobs on all 6 rows, then the reference on the last 3
+    assert policy.calls == [(6, False), (3, True)]
+    assert torch.equal(got.old_logprobs_BT, _Policy._pass(batch, "logprobs"))
+    from rltrain.algorithms.losses import kl_estimate
+
+    ref = _Policy._pass(batch, "reference")
+    assert torch.equal(stream.finish(batch, ("reference",))["reference"], ref)
+    want_kl = kl_estimate(got.old_logprobs_BT, ref, cfg.algorithm.kl_estimator) * mask
+    assert torch.equal(got.kl_BT, want_kl)
+    assert torch.equal(stream.finish(batch, ("values",))["values"], _Policy._pass(batch, "values"))

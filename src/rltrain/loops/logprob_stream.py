@@ -81,7 +81,16 @@ class LogprobStream:
     ``last_targets`` (None: ``targets``) serve the step's last chunk, the rows that came in
     when the engines were done or nearly: PPO's critic then runs only the values there
     while the policy's own copy of the reference model takes the reference pass, so the two
-    GPUs share what is left after generation."""
+    GPUs share what is left after generation.
+
+    ``share_last``: the policy also runs a pass of its own over every row once generation
+    ends (the old logprobs, where the policy's GPU holds the engine). The last chunk then
+    splits in two: its first rows, up to half the step's tokens, go to ``targets`` (the
+    critic's reference pass beside its values), the rest to ``last_targets``. A pass costs
+    about the same per token on either model, so the critic (values on the last rows + the
+    reference on half the step's tokens) and the policy (the old logprobs on every row +
+    the reference on the rest) end together: where every row ends with generation (the
+    last chunk is the step), each GPU runs 1.5 passes' worth instead of 1 and 2."""
 
     targets: tuple[PassTarget, ...]
     pad_id: int
@@ -90,6 +99,7 @@ class LogprobStream:
     # a chunk's worth (0: not known; :meth:`finish` submits them)
     expected_rows: int = 0
     last_targets: tuple[PassTarget, ...] | None = None
+    share_last: bool = False
     added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
@@ -146,6 +156,27 @@ class LogprobStream:
     def _submit(self, last: bool) -> None:
         t0 = time.perf_counter()
         rows, self.pending = self.pending, []
+        if last and self.share_last:
+            # the step's tokens: the chunks out so far and these rows
+            step_tokens = sum(sum(c.lengths) for c in self.chunks)
+            step_tokens += sum(len(p) + len(r) for _, p, r in rows)
+            room, cut = step_tokens / 2, 0
+            while cut < len(rows) and len(rows[cut][1]) + len(rows[cut][2]) <= room:
+                room -= len(rows[cut][1]) + len(rows[cut][2])
+                cut += 1
+            if cut:
+                self._send(rows[:cut], self.targets)
+            if cut < len(rows):
+                self._send(rows[cut:], self.last_targets)
+        else:
+            self._send(rows, self.last_targets if last else self.targets)
+        self.submit_s += time.perf_counter() - t0
+
+    def _send(
+        self, rows: list[tuple[int, list[int], list[int]]], targets: tuple[PassTarget, ...] | None
+    ) -> None:
+        """One chunk of ``rows`` out to ``targets`` (those that wait for the end of
+        generation: kept for :meth:`finish`)."""
         rollout = RolloutBatch(
             prompt_ids=[p for _, p, _ in rows],
             response_ids=[r for _, _, r in rows],
@@ -154,7 +185,6 @@ class LogprobStream:
             weight_version=0,
         )
         batch = build_train_batch(rollout, self.pad_id)
-        targets = self.last_targets if last else self.targets
         assert targets is not None
         parts: list[tuple[PassTarget, Later[list[torch.Tensor]] | None]] = [
             (t, None if t.after_generation else t.gang.submit_passes(batch, t.names))
@@ -169,7 +199,6 @@ class LogprobStream:
                 parts,
             )
         )
-        self.submit_s += time.perf_counter() - t0
 
     def finish(
         self, batch: TrainBatch, names: tuple[str, ...] | None = None

@@ -75,7 +75,9 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     the critic's values and, where its ranks hold a copy of the reference model, the
     reference logprobs (:func:`rltrain.config.resolved.critic_passes_while_generating`).
     The step's last chunk then gets its reference logprobs from the policy's own copy once
-    generation ends, beside the critic's values."""
+    generation ends, beside the critic's values; where the policy then also runs its old
+    logprobs on every row, the critic's copy takes the last chunk's first rows, up to half
+    the step's tokens (:class:`LogprobStream`'s ``share_last``)."""
     cfg = ctx.cfg
     layout = ctx.plan.gpu_layout
     colocated = None if layout is None else layout.rollout_colocated
@@ -105,6 +107,9 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
         chunk,
         expected_rows=rows,
         last_targets=tuple(last_targets),
+        # the policy runs its old logprobs on every row after generation: the critic's
+        # copy of the reference takes part of the last rows' reference pass
+        share_last=ref_on_critic and need_old and not policy_streams,
     )
 
 
