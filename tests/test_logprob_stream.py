@@ -71,6 +71,23 @@ def _stream(gang, need_old: bool, need_ref: bool, chunk_rows: int, expected_rows
     return LogprobStream((PassTarget(gang, names),), 0, chunk_rows, expected_rows)
 
 
+def _critic_apart_ctx(cfg) -> tuple[SimpleNamespace, _Policy, _Policy]:
+    """A PPO step's context with the engine on the policy's GPU (the policy does not
+    stream) and the critic on a GPU of its own; its policy and critic stand-ins."""
+    policy, critic = _Policy(), _Policy()
+    policy.dp = 1
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        value=critic,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        plan=SimpleNamespace(
+            gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
+        ),
+    )
+    return ctx, policy, critic
+
+
 @pytest.mark.parametrize("need_old", [True, False])
 def test_streamed_logprob_passes_equal_the_passes_after_generation(need_old):
     from rltrain.data import build_task
@@ -155,18 +172,7 @@ def test_the_critic_runs_values_and_reference_while_generating_and_the_policy_th
     off = replace(cfg, value=replace(cfg.value, hosts_reference=False))
     assert critic_passes_while_generating(off, False) and not reference_on_critic(off, False)
 
-    policy, critic = _Policy(), _Policy()
-    policy.dp = 1
-    ctx = SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        value=critic,
-        tokenizer=SimpleNamespace(pad_token_id=0),
-        # the engine on the policy's GPU (the policy does not stream), the critic apart
-        plan=SimpleNamespace(
-            gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
-        ),
-    )
+    ctx, policy, critic = _critic_apart_ctx(cfg)
     stream = logprob_stream(ctx, need_old=False)  # type: ignore[arg-type]
     assert stream is not None and stream.chunk_rows == 1 and stream.expected_rows == 7
     assert stream.names == ("values", "reference")
@@ -340,17 +346,7 @@ def test_the_last_rows_reference_is_shared_when_the_policy_also_runs_its_old_log
             "algorithm.samples_per_prompt": 1,
         },
     )
-    policy, critic = _Policy(), _Policy()
-    policy.dp = 1
-    ctx = SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        value=critic,
-        tokenizer=SimpleNamespace(pad_token_id=0),
-        plan=SimpleNamespace(
-            gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
-        ),
-    )
+    ctx, policy, critic = _critic_apart_ctx(cfg)
     stream = logprob_stream(ctx, need_old=True)  # type: ignore[arg-type]
     assert stream is not None and stream.share_last
     assert logprob_stream(ctx, need_old=False).share_last is False  # type: ignore[union-attr]
