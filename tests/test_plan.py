@@ -293,3 +293,21 @@ def test_num_params_estimate_is_exact_for_tiny_model():
     cfg = RunConfig()
     model = load_model(cfg)
     assert estimate_num_params(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_controllers_threads_hold_for_the_run_and_come_back_after():
+    """The runner sets the plan's controller_threads for the run's duration only (a run
+    started from Python leaves the caller's thread count as it was, also on an error)."""
+    import torch
+
+    from rltrain.runner import _torch_threads
+
+    before = torch.get_num_threads()
+    with _torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), _torch_threads(1):
+        raise RuntimeError("the run failed")
+    assert torch.get_num_threads() == before
+    with _torch_threads(0):  # in one process: as they are
+        assert torch.get_num_threads() == before

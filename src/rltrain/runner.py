@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +29,23 @@ if TYPE_CHECKING:
 
 
 LOOP_STATE = "loop_state.pt"
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """This process's torch intra-op threads at ``n`` until the block ends (0: as they
+    are): the controller's, beside worker processes (the plan's ``controller_threads``)."""
+    if not n:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def save_checkpoint(
@@ -197,7 +214,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
     cluster = (
         contextlib.nullcontext(resources) if in_process else ray_cluster(cfg.cluster, resources)
     )
-    with cluster as cluster_res:
+    with cluster as cluster_res, contextlib.ExitStack() as scoped:
         assert cluster_res is not None
         phases["ray_start_s"] = time.perf_counter() - t_ray
         if plan is None:
@@ -210,10 +227,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
             forecast = placement_rows(place(role_bundles(plan, cfg.cluster), cluster_nodes()))
             plan = replace(plan, placement=forecast)
         (out / "plan.json").write_text(plan.to_json())
-        if plan.controller_threads:
-            import torch
-
-            torch.set_num_threads(plan.controller_threads)
+        scoped.enter_context(_torch_threads(plan.controller_threads))
         console.print(
             f"[bold]rltrain {cfg.algorithm.name}[/]: {plan.role('policy').world_size} policy rank(s), "
             f"{plan.role('rollout').world_size} rollout replica(s) on {plan.device}; outputs in {out}"
