@@ -108,15 +108,25 @@ def test_phase_rows_sum_each_span_and_the_kernels_it_ran():
             ev("kernel", "ampere_gemm", 8, 6),  # overlaps the all-gather by 3
             ev("kernel", "elementwise", 17, 3),
             ev("user_annotation", "rltrain.call.train", 50, 30),
+            ev("user_annotation", "rltrain.call.refit_send", 60, 5),  # beside train: no gap
+            ev("user_annotation", "rltrain.call.compute_passes", 90, 4),
             ev("user_annotation", "ProfilerStep#2", 0, 99),
         ]
     }
     rows = {r["span"]: r for r in phase_rows(trace)}
-    assert set(rows) == {"call.compute_passes", "pass.logprobs", "call.train", "(between calls)"}
+    assert set(rows) == {
+        "call.compute_passes",
+        "pass.logprobs",
+        "call.train",
+        "call.refit_send",
+        "(between calls)",
+    }
     p = rows["pass.logprobs"]
     assert p["count"] == 1 and p["wall_ms"] == pytest.approx(0.018)
     assert p["gpu_busy_ms"] == pytest.approx(0.012)  # [5, 14) and [17, 20)
     assert p["nccl_ms"] == pytest.approx(0.006)
     assert p["gpu_idle_ms"] == pytest.approx(0.003)
-    assert rows["(between calls)"]["wall_ms"] == pytest.approx(0.030)  # 20 -> 50
+    # 20 -> 50 and 80 -> 90; the refit call inside the train call adds none
+    assert rows["(between calls)"]["count"] == 2
+    assert rows["(between calls)"]["wall_ms"] == pytest.approx(0.040)
     assert rows["call.train"]["gpu_busy_ms"] == 0.0

@@ -147,9 +147,14 @@ def phase_rows(trace: dict[str, Any]) -> list[dict[str, Any]]:
             row["nccl_ms"] += _union_us(_clip(nccl, a, b)) / 1e3
             row["gpu_idle_ms"] += (b - a - busy) / 1e3
     out = [{"span": k, **v} for k, v in rows.items()]
-    calls.sort()
     if len(calls) > 1:
-        gaps = [max(0.0, b[0] - a[1]) for a, b in zip(calls, calls[1:], strict=False)]
+        # calls on the refit thread overlap the default group's: a gap is time in no call
+        calls.sort()
+        gaps, end = [], calls[0][1]
+        for a, b in calls[1:]:
+            if a > end:
+                gaps.append(a - end)
+            end = max(end, b)
         out.append({"span": "(between calls)", "count": len(gaps), "wall_ms": sum(gaps) / 1e3})
     if not kernels:
         for row in out:
