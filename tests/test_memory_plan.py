@@ -453,7 +453,11 @@ def test_a_pass_at_its_scaled_micro_batch_is_counted_where_it_is_the_peak():
     acts = {}
     for scale in (4, 64):
         cfg, _ = compose(
-            ["recipe=qwen1.5b-gsm8k", "cluster.device=cuda", f"train.pass_micro_batch_scale={scale}"],
+            [
+                "recipe=qwen1.5b-gsm8k",
+                "cluster.device=cuda",
+                f"train.pass_micro_batch_scale={scale}",
+            ],
             "grpo",
         )
         acts[scale] = trainer_parts(cfg, shape, 1, "policy", 8192, True)["activations"]
