@@ -4,14 +4,13 @@ across a SIGKILL, learning."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 import signal
 import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,9 +21,10 @@ from rltrain.data.task import PromptItem
 from rltrain.loops import async_buffer, async_grpo
 from rltrain.loops.async_buffer import AsyncController, AsyncState, Group, overlap_seconds
 from rltrain.rollout.base import RolloutBatch
+from tests.cli_run import RLTRAIN, run_cli
+from tests.cli_run import metrics as _metrics
 from tests.conftest import tiny_config
 
-RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
 TIMING_PREFIXES = (
     "time/",
     "throughput/",
@@ -38,15 +38,7 @@ ASYNC = ["algorithm.async_rollout.enabled=true"]
 QUIET = ["logger.progress=false", "logger.tensorboard=false"]
 
 
-def _run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    return subprocess.run(
-        [*RLTRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+_run_cli = functools.partial(run_cli, timeout=600, columns=200)
 
 
 # -- the controller's pieces, without a cluster ----------------------------------------

@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli_run import metrics as _metrics
+from tests.cli_run import run_cli
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.e2e
 
-RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
-
-
-def _run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    return subprocess.run(
-        [*RLTRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+_run_cli = functools.partial(run_cli, timeout=240)
 
 
 @pytest.mark.timeout(300)

@@ -4,12 +4,11 @@ on its checkpoint (CPU). The tiny model will not solve GSM8K; the pipeline must 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_run import run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -24,15 +23,7 @@ DATA = [
 ]
 
 
-def _run_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+_run_cli = run_cli  # the CLI in a child process (timeout 400 s)
 
 
 @pytest.mark.timeout(600)

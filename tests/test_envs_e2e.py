@@ -4,12 +4,11 @@ rollout through the turn driver equal to it, and env=tool_copy learning to call 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_run import metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +29,12 @@ DISCRETE = (
 
 
 def _run(out: Path, *overrides: str, timeout: float = 300, command: str = "grpo") -> list[dict]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    argv = [sys.executable, "-m", "rltrain.cli", command, f"output_dir={out}", "logger.progress=false",
-           "logger.tensorboard=false", "checkpoint.save_final=false", *overrides]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run_cli(
+        command, f"output_dir={out}", "logger.progress=false", "logger.tensorboard=false",
+        "checkpoint.save_final=false", *overrides, timeout=timeout,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics(out)
 
 
 def _untimed(row: dict) -> dict:

@@ -3,28 +3,17 @@ dp=2 for both workers with a critic warm-up, checkpoints of both models."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.cli_run import metrics as _metrics
+from tests.cli_run import run_cli
+
 pytestmark = pytest.mark.e2e
 
-RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
-
-
-def _run_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    return subprocess.run(
-        [*RLTRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+_run_cli = functools.partial(run_cli, timeout=400)
 
 
 def _mean(rows: list[dict], key: str) -> float:

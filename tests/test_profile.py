@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_run import run_cli
 
 QUIET = ["logger.progress=false", "logger.tensorboard=false", "checkpoint.save_final=false"]
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", *args, *QUIET],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return run_cli(*args, *QUIET, timeout=timeout, columns=200)
 
 
 def _trace_ops(path: Path) -> set[str]:

@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rltrain.config.errors import ConfigError
 from rltrain.sweep.expand import parse_sweep
+from tests.cli_run import RLTRAIN, run_cli
 from tests.fixtures.gate import write_gate_reward
 
-RLTRAIN = [sys.executable, "-m", "rltrain.cli"]
 # Tiny trials: two steps, no TensorBoard or checkpoint export (not what a sweep test checks).
 TINY = ["max_steps=2", "logger.tensorboard=false", "checkpoint.save_final=false"]
 
 
-def _run_cli(
-    *args: str, timeout: float = 900, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160", **(env or {})}
-    return subprocess.run(
-        [*RLTRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+_run_cli = functools.partial(run_cli, timeout=900, columns=160)
 
 
 def _trials(out: Path) -> dict[str, dict]:

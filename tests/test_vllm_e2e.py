@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.cli_run import metrics, run_cli
+
 pytestmark = pytest.mark.e2e
 
 # Short run: the full 300-step default reaches last-10 exact match >= 0.8; over steps 31-40
@@ -18,15 +20,13 @@ STEPS = 40
 
 def _rows(algo: str, out, *overrides: str, timeout: float = 850) -> list[dict]:
     """`rltrain <algo> rollout=vllm <overrides>` into ``out`` (exit 0 asserted): its metric rows."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", algo, "rollout=vllm", *overrides,
-         f"output_dir={out}", "logger.progress=false", "logger.tensorboard=false",
-         "checkpoint.save_final=false", "cluster.startup_timeout_s=600"],
-        capture_output=True, text=True, timeout=timeout, env=env,
+    proc = run_cli(
+        algo, "rollout=vllm", *overrides, f"output_dir={out}", "logger.progress=false",
+        "logger.tensorboard=false", "checkpoint.save_final=false",
+        "cluster.startup_timeout_s=600", timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics(out)
 
 
 def _grpo_rows(out, *overrides: str, timeout: float = 850) -> list[dict]:
