@@ -376,10 +376,15 @@ def test_trainer_parts_in_bytes():
     # dp=1: every block kept gathered, fp32 gradients accumulated unsharded over the step
     one = trainer_parts(cfg, shape, 1, "policy", 4096, True)
     assert (one["gathered"], one["gradients"], one["reference"]) == (2 * n, 4 * n, 4 * n + 2 * n)
-    # activation checkpointing keeps each block's input (+ one block recomputed)
+    # activation checkpointing keeps each block's input (+ one block recomputed) ...
     cfg.dtensor.activation_checkpointing = True
+    cfg.train.pass_micro_batch_scale = 1
     ac = trainer_parts(cfg, shape, 2, "policy", 4096, True)["activations"]
     assert ac == 4096 * 2 * (28 * 1536 + 8 * 1536 + 2 * 256 + 3 * 8960)
+    # ... which a pass over micro batches 4x as large (its default on CUDA) outgrows
+    cfg.train.pass_micro_batch_scale = None
+    ac = trainer_parts(cfg, shape, 2, "policy", 4096, True)["activations"]
+    assert ac == 4 * 4096 * 2 * (1536 + 8 * 1536 + 2 * 256 + 3 * 8960)
     # CPU offload: no fp32 state on the GPU; eager blocks keep 1.5x the activations
     cfg.dtensor.activation_checkpointing, cfg.dtensor.cpu_offload = False, True
     cfg.train.compile = False

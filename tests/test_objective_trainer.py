@@ -192,9 +192,10 @@ def test_a_pass_packs_scaled_micro_batches_and_gives_the_same_logprobs():
 
     case = next(iter(OBJECTIVE_CASES))
     batch = _objective_batch(case)
-    assert pass_micro_batch_scale(_cfg(case, micro_tokens=16)) == 1
-    gpu = tiny_config(**{"cluster.device": "cuda"})
-    assert pass_micro_batch_scale(gpu) == 4
+    cfg = _cfg(case, micro_tokens=16)
+    assert pass_micro_batch_scale(cfg, "cpu") == 1
+    assert pass_micro_batch_scale(cfg, "cuda") == 4  # cluster.device=auto on a GPU
+    assert pass_micro_batch_scale(tiny_config(**{"train.pass_micro_batch_scale": 2}), "cuda") == 2
     out = {}
     for scale in (1, 4):
         cfg = _cfg(case, micro_tokens=16)

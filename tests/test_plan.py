@@ -49,6 +49,7 @@ def test_defaults_on_cpu():
     # packing (the default) fills micro batches by tokens: no sequence count applies
     assert (b.micro_batch, b.grad_accum_steps) == (None, None)
     assert b.micro_batch_tokens == CPU_MICRO_BATCH_TOKENS  # null: auto, the CPU size
+    assert b.pass_micro_batch_scale == 1  # a pass runs the training layout on CPU
     assert b.notes == ()
     assert b.optimizer_steps_per_rollout == 1
     assert b.sequences_per_rank == 256
@@ -178,6 +179,11 @@ def test_gpu_dp_auto_uses_gpus_left_after_rollout():
     assert plan.role("rollout").bundle == {"CPU": 1.0, "GPU": 1.0}
     assert plan.batch.micro_batch == 64
     assert plan.batch.sequences_per_rank == 64
+    # a pass's micro batches: 4x a training one's on CUDA (train.pass_micro_batch_scale)
+    assert plan.batch.pass_micro_batch_scale == 4
+    console = Console(record=True, width=400)
+    console.print(plan_tree(plan))
+    assert "a logprob or value pass: up to 256 sequences a micro batch (x4" in console.export_text()
 
 
 def test_gpu_tp2_with_two_free_gpus():

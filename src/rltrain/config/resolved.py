@@ -60,15 +60,16 @@ def streams_passes(cfg: RunConfig) -> bool:
 PASS_MICRO_BATCH_SCALE_CUDA = 4
 
 
-def pass_micro_batch_scale(cfg: RunConfig) -> int:
-    """``train.pass_micro_batch_scale`` resolved: how many training micro batches' worth of
-    tokens (or rows) a logprob or value pass puts in one forward. null = 4 on CUDA, where
-    a pass of many small forwards leaves the GPU waiting on the host's kernel launches; 1
-    on CPU (compute-bound there; a pass then runs the training forward's layout)."""
+def pass_micro_batch_scale(cfg: RunConfig, device: str) -> int:
+    """``train.pass_micro_batch_scale`` resolved for a trainer on ``device`` ("cuda" or
+    "cpu", the resolved one: ``cluster.device`` may say auto): how many training micro
+    batches' worth of tokens (or rows) a logprob or value pass puts in one forward. null =
+    4 on CUDA, where a pass of many small forwards leaves the GPU waiting on the host's
+    kernel launches; 1 on CPU (compute-bound there; a pass runs the training layout)."""
     s = cfg.train.pass_micro_batch_scale
     if s is not None:
         return s
-    return PASS_MICRO_BATCH_SCALE_CUDA if cfg.cluster.device == "cuda" else 1
+    return PASS_MICRO_BATCH_SCALE_CUDA if device == "cuda" else 1
 
 
 def logprobs_while_generating(cfg: RunConfig, rollout_colocated: bool | None) -> bool:

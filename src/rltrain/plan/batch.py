@@ -29,6 +29,9 @@ class BatchPlan:
     micro_batch_tokens: int | None = None  # packing: train.max_tokens_per_micro_batch
     # How a null (auto) train.max_tokens_per_micro_batch was resolved; None = set by the user.
     micro_batch_tokens_auto: str | None = None
+    # A logprob or value pass's micro batches are this many times a training one's
+    # (train.pass_micro_batch_scale resolved).
+    pass_micro_batch_scale: int = 1
     notes: tuple[str, ...] = ()  # knobs set that this layout does not use
 
 

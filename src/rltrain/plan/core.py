@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.resolved import reference_on_critic
+from rltrain.config.resolved import pass_micro_batch_scale, reference_on_critic
 from rltrain.config.schema import (
     CPU_MICRO_BATCH_TOKENS,
     RunConfig,
@@ -302,13 +302,14 @@ def _make_plan_resolved(
     colocated = layout is not None and layout.rollout_colocated
     v_colocated = None if layout is None else layout.value_colocated
     check_layout(cfg, resources.num_gpus, colocated, v_colocated)
-    batch = batch_plan(cfg, dp)
+    scale = pass_micro_batch_scale(cfg, device)
+    batch = replace(batch_plan(cfg, dp), pass_micro_batch_scale=scale)
     value_dp = 0
     value_batch = None
     if vd is not None:
         value_dp = cfg.value.dtensor.dp or dp
         try:
-            value_batch = batch_plan(cfg, value_dp)
+            value_batch = replace(batch_plan(cfg, value_dp), pass_micro_batch_scale=scale)
         except ConfigError as exc:
             raise ConfigError(f"value model (value.dtensor.dp={value_dp}): {exc}") from exc
     value_world = value_dp * vd.tp if vd is not None else 0

@@ -203,7 +203,7 @@ def trainer_parts(
     elements = layers * h + per_layer if d.activation_checkpointing else layers * per_layer
     # a logprob or value pass holds one block's activations at a time, over micro batches
     # train.pass_micro_batch_scale times as large; the larger of the two is the peak
-    pass_tokens = tokens * pass_micro_batch_scale(cfg)
+    pass_tokens = tokens * pass_micro_batch_scale(cfg, "cuda" if cuda else "cpu")
     parts["activations"] = int(max(tokens * elements, pass_tokens * (h + per_layer)) * cb)
     if role == "policy":  # one chunk of logits: compute dtype, then fp32
         chunk = min(cfg.train.logprob_chunk_tokens, tokens)

@@ -124,7 +124,23 @@ def _add_inputs(tree: Tree, inputs: InputsPlan) -> None:
 
 
 def _micro_line(b: BatchPlan) -> str:
-    """How a rank's share of a mini batch goes through forward/backward."""
+    """How a rank's share of a mini batch goes through forward/backward (and a pass)."""
+    s = b.pass_micro_batch_scale
+    if s > 1:
+        size = (
+            f"{b.micro_batch_tokens * s} tokens"
+            if b.micro_batch_tokens is not None
+            else f"{b.micro_batch * s} sequences"
+            if b.micro_batch is not None
+            else "all its rows"
+        )
+        passes = f"; a logprob or value pass: up to {size} a micro batch (x{s}, train.pass_micro_batch_scale)"
+    else:
+        passes = ""
+    return _train_micro_line(b) + passes
+
+
+def _train_micro_line(b: BatchPlan) -> str:
     if b.micro_batch_tokens is not None:
         return (
             f"micro batches packed by tokens: up to {b.micro_batch_tokens} tokens each "

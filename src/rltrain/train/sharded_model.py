@@ -286,7 +286,7 @@ class ShardedModel:
         pair up. Collective over dp ranks.
         """
         t = self.cfg.train
-        scale = pass_micro_batch_scale(self.cfg) if for_pass else 1
+        scale = pass_micro_batch_scale(self.cfg, self.device.type) if for_pass else 1
         rows = t.micro_batch_size * scale if t.micro_batch_size is not None else None
         micros = plan_micro_batches(
             row_lengths(batch),
