@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_run import RLTRAIN
+from tests.cli_run import metrics as _metrics
+from tests.cli_run import run_cli as _run_cli
 from tests.fixtures.gate import write_gate_reward
-from tests.test_e2e import RLTRAIN, _metrics, _run_cli
 
 # Wall-clock values differ between runs; everything else of a row must match.
 TIMING_PREFIXES = ("time/", "overhead/", "throughput/", "wall_time")
