@@ -72,6 +72,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="per mode (s)")
     p.add_argument("--out", default=None)
     p.add_argument(
+        "--log-dir",
+        default=None,
+        help="also write each mode's whole log (the worker's and vLLM's, whose lines carry "
+        "their time) to <log-dir>/<mode>.log",
+    )
+    p.add_argument(
         "--burn-s",
         type=float,
         default=0.0,
@@ -269,6 +275,9 @@ def main() -> None:
             run = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
             log = proc.stderr.splitlines() + proc.stdout.splitlines()
             run["engine_log"] = [ln[-300:] for ln in log if any(w in ln for w in TIMING_WORDS)][:60]
+            if args.log_dir:
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(args.log_dir) / f"{mode}.log").write_text(proc.stderr + proc.stdout)
         except subprocess.TimeoutExpired:
             run = {"error": f"timed out after {args.timeout:g} s"}
         run["wall_s"] = time.perf_counter() - t0

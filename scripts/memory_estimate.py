@@ -93,12 +93,19 @@ def bench_train_rows(path: Path = RESULTS / "bench_train-h200.json") -> list[dic
     return rows
 
 
-def plan_memory(algo: str, command: list[str], capacity_gib: float) -> dict:
-    """plan.json's ``memory`` of a benchmark's command, planned here on its 2-GPU layout."""
+def plan_memory(
+    algo: str, command: list[str], capacity_gib: float, micro_tokens: int | None = None
+) -> dict:
+    """plan.json's ``memory`` of a benchmark's command, planned here on its 2-GPU layout
+    (``micro_tokens``: the micro batch size the run's own plan picked, where the command
+    left it to the plan: sizes the plan picks now may differ)."""
     from rltrain.config.compose import compose
     from rltrain.plan import Resources, make_plan
 
     overrides = [o for o in command[2:] if not o.startswith("model.path=")]
+    key = "train.max_tokens_per_micro_batch="
+    if micro_tokens and not any(o.startswith(key) and o != key + "null" for o in overrides):
+        overrides.append(f"{key}{micro_tokens}")
     if algo == "ppo" and not any(o.startswith("value.hosts_reference=") for o in overrides):
         # recorded before the critic's ranks could host the reference model: the policy's did
         overrides.append("value.hosts_reference=false")
@@ -148,7 +155,8 @@ def bench_e2e_rows() -> list[dict]:
             )
             if not total:  # no process of the run touched CUDA itself
                 continue
-            memory = plan_memory(run["algo"], run["command"], round(total, 2))
+            micro = ((run.get("plan") or {}).get("batch") or {}).get("micro_batch_tokens")
+            memory = plan_memory(run["algo"], run["command"], round(total, 2), micro)
             for name, e in estimate_vs_peak(memory, gm).items():
                 if "memory_peak_gib" not in e:
                     continue

@@ -93,3 +93,39 @@ def test_a_critic_without_the_copy_names_the_key():
             value.submit_passes(build_train_batch(rollout, 0), ("reference",)).result()
     finally:
         wait_all([actor.call(ValueWorker.shutdown)], None, "shutdown")
+
+
+def test_the_reference_is_held_in_the_compute_dtype_and_scores_as_the_initial_policy():
+    """bf16 compute over fp32 master weights: the frozen reference keeps bf16 shards (a
+    third of fp32's memory with its gathered copy), and its logprobs are exactly those of
+    the policy before any update (whose forward casts its fp32 shards to bf16)."""
+    from rltrain.cluster.actors import LocalActor, wait_all
+    from rltrain.train.batch import build_train_batch
+    from rltrain.train.distributed import DistEnv, free_port
+    from rltrain.train.policy_worker import PolicyWorker
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(**{"algorithm.kl_coef": 0.05, "precision": "bf16"})
+    actor: LocalActor[PolicyWorker] = LocalActor("policy rank 0")
+    env = DistEnv(0, 1, "127.0.0.1", free_port(), "gloo", 60.0)
+    wait_all([actor.build(PolicyWorker, cfg, env, 1)], None, "building workers")
+    try:
+        worker = actor.host.worker
+        assert worker.reference is not None
+        ref_dtypes = {p.dtype for p in worker.reference.parameters()}
+        assert ref_dtypes == {torch.bfloat16}
+        assert {p.dtype for p in worker.model.parameters()} == {torch.float32}
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in (4, 6, 5)]
+        responses = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in (5, 2, 7)]
+        rollout = RolloutBatch(
+            prompts, responses, [[0.0] * len(r) for r in responses], [True] * 3, 0
+        )
+        batch = build_train_batch(rollout, 0)
+        mask = batch.response_mask_BT.bool()
+        policy_lp = worker.compute_logprobs(batch)
+        reference_lp = worker.compute_logprobs(batch, reference=True)
+        assert mask.sum() == 14 and (policy_lp[mask] < 0).all()
+        assert torch.equal(reference_lp, policy_lp)
+    finally:
+        wait_all([actor.call(PolicyWorker.shutdown)], None, "shutdown")

@@ -8,8 +8,8 @@ a loaded model. Each process gets what it allocates at its peak (comparable to t
   unsharded accumulation in the reduce dtype with ``dtensor.grad_sync=step``), AdamW's two
   fp32 moments, all sharded over dp x tp (on the CPU with ``dtensor.cpu_offload``); the
   gathered compute-dtype weights (all blocks while ``reshard_after_forward`` is off, else
-  the root unit and two blocks); the frozen reference model of a KL penalty (fp32 shards,
-  and its gathered copy, which a no-grad forward leaves gathered); the activations one
+  the root unit and two blocks); the frozen reference model of a KL penalty (compute-dtype shards, its root unit and
+  one block gathered at a time); the activations one
   micro batch keeps for backward; the policy's logprob head (one chunk of logits);
 * a vLLM replica: its ``gpu_memory_utilization`` share of the GPU, or (colocated, KV
   cache sized for one generate call) its weights, KV cache and sampler buffers; NCCL
@@ -132,15 +132,13 @@ def micro_batch_tokens(cfg: RunConfig, micro_rows: int | None) -> int:
 
 def reference_bytes(cfg: RunConfig, shape: ModelShape, dp: int) -> int:
     """Bytes of the frozen reference model (the policy's ``shape``) on one rank of a gang of
-    ``dp`` x ``cfg.dtensor.tp``: fp32 shards, and the compute-dtype copy a no-grad forward
-    leaves gathered."""
+    ``dp`` x ``cfg.dtensor.tp``: shards in the compute dtype, the root unit (embeddings,
+    final norm, head) gathered, and one block gathered at a time during a forward."""
     d = cfg.dtensor
-    reshard, _ = speed_knobs(cfg, dp)
     shard = -(-shape.num_params // (dp * d.tp))
     cb = DTYPE_BYTES[cfg.precision.param_dtype]
     on_gpu = 0 if d.cpu_offload else 1
-    gathered = shape.num_params if not reshard else shape.root_params
-    return 4 * shard * on_gpu + cb * gathered // d.tp
+    return cb * shard * on_gpu + cb * (shape.root_params + shape.layer_params) // d.tp
 
 
 def trainer_parts(

@@ -142,8 +142,7 @@ class ShardedModel:
         if self.cfg.dtensor.cpu_offload and self.device.type == "cuda":
             # Offloaded shards live on CPU, which NCCL cannot fill: every rank reads them.
             whole: torch.nn.Module = build()
-            if lora:
-                self._prepare_lora(whole)
+            self._prepare(whole, lora, trainable)
             return shard(whole, trainable)
         # imported here: ~2 s the driver (which imports this module) does not need
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -153,16 +152,14 @@ class ShardedModel:
         t0 = time.perf_counter()
         if self.is_rank0:
             loaded = build()
-            if lora:
-                self._prepare_lora(loaded)
+            self._prepare(loaded, lora, trainable)
             full_sd = loaded.state_dict()
             full_buffers = {hf_name(n): b for n, b in loaded.named_buffers()}
             del loaded
         self.startup_phases.setdefault("weights_read_s", time.perf_counter() - t0)
         with torch.device("meta"):
             model = build_empty()
-            if lora:
-                self._prepare_lora(model)
+            self._prepare(model, lora, trainable)
         model = shard(model, trainable)
         model.to_empty(device=self.device)
         set_model_state_dict(
@@ -182,6 +179,17 @@ class ShardedModel:
     def lora(self) -> bool:
         """The policy trains low-rank adapters (``train.lora.rank > 0``) on a frozen base."""
         return self.cfg.train.lora.rank > 0
+
+    def _prepare(self, model: torch.nn.Module, lora: bool, trainable: bool) -> None:
+        """Before sharding: the adapters of a LoRA policy, or a frozen model (a reference)
+        kept in the compute dtype. A frozen model's forward casts its weights to the
+        compute dtype anyway, so its logprobs are those of fp32 shards, at a third of the
+        memory; its buffers (rotary frequencies) keep their dtype."""
+        if lora:
+            self._prepare_lora(model)
+        elif not trainable:
+            model.requires_grad_(False)
+            freeze_base(model, TORCH_DTYPES[self.cfg.precision.param_dtype])
 
     def _prepare_lora(self, model: torch.nn.Module) -> None:
         """Wrap the targeted layers in adapters (fp32, seeded: the same on every rank) and
@@ -222,8 +230,10 @@ class ShardedModel:
         kwargs: dict[str, Any] = {"mesh": self.mesh["dp"], "mp_policy": mp}
         if d.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        # A frozen model runs forwards only: each block's gathered copy is freed after it.
+        reshard = self.reshard_after_forward or not trainable
         for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kwargs)
+            fully_shard(layer, reshard_after_forward=reshard, **kwargs)
         # The root unit (embeddings, final norm, lm_head) stays unsharded from
         # forward to backward: the chunked logprob head uses lm_head's weight
         # right after the forward (see forward_hidden).
