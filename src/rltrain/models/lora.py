@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rltrain.config.schema import LORA_HEAD, LoraConfig
 
@@ -75,9 +76,18 @@ class LoRALinear(nn.Module):
         out = self.base_layer(x)
         if self.disabled:
             return out
-        a = self.lora_A.weight
-        update = self.lora_B(self.lora_A(self.dropout(x.to(a.dtype))))
-        return out + (update * self.scaling).to(out.dtype)
+        h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
+        b = self.lora_B.weight
+        plain = not isinstance(b, DTensor) and not isinstance(out, DTensor)
+        if plain and h.dtype == out.dtype and h.dim() in (2, 3):
+            # One GEMM adds the scaled update into the base's output (C + alpha x h B^T):
+            # the update is never written out on its own, nor read back by an add.
+            if h.dim() == 2:
+                return torch.addmm(out, h, b.t(), alpha=self.scaling)
+            return torch.baddbmm(out, h, b.t().expand(h.shape[0], -1, -1), alpha=self.scaling)
+        # tensor-parallel adapters (the module applies their layout), or adapters in
+        # another dtype than the base's output
+        return out + (self.lora_B(h) * self.scaling).to(out.dtype)
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
