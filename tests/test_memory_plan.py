@@ -145,28 +145,48 @@ def test_cli_refuses_policy_and_critic_on_one_80gib_gpu():
     assert "Traceback" not in result.output
 
 
-def test_cli_colocated_engine_fits_once_its_share_does():
-    """The engines on the policy's GPU (the critic on GPU 1): vLLM awake takes its
+def test_cli_colocated_engine_gets_the_kv_cache_that_fits():
+    """The engines on the policy's GPU (the critic on GPU 1): vLLM awake would take its
     gpu_memory_utilization share (0.8 x 80 GiB at the recipe's 1024 rows x 2048 tokens, too
-    many for a KV cache of one call), which with the policy is over 80 GiB; the refusal
-    names the share that fits, and with it the plan is accepted."""
-    result = runner.invoke(app, [*PPO_2GPU, "rollout.colocated=true"])
-    assert result.exit_code == 2, result.output
-    msg = " ".join(result.output.split())
-    assert "rollout rank 0 64.0 GiB" in msg
-    assert "rollout.vllm.gpu_memory_utilization=0.4" in msg
-    fixed = [*PPO_2GPU, "rollout.colocated=true", "rollout.vllm.gpu_memory_utilization=0.4"]
-    result = runner.invoke(app, [*fixed, "--json"])
+    many for a KV cache of one call), which with the policy is over 80 GiB. With
+    rollout.vllm.kv_cache_gib=null the plan sizes the engine's KV cache to fit instead (the
+    largest training micro batch first), says so, and the workers get that size; a KV
+    cache the user set stays as set, and is refused when it cannot fit."""
+    result = runner.invoke(app, [*PPO_2GPU, "rollout.colocated=true", "--json"])
     assert result.exit_code == 0, result.output
-    mem = json.loads(result.stdout)["memory"]
+    plan = json.loads(result.stdout)
+    assert plan["kv_cache_gib"] == 8.0
+    assert plan["batch"]["micro_batch_tokens"] == 8192
+    mem = plan["memory"]
     layout = [[p["name"] for p in g["processes"]] for g in mem["gpus"]]
     assert layout == [["policy rank 0", "rollout rank 0"], ["value rank 0"]]
     assert all(g["fits"] for g in mem["gpus"])
-    assert mem["gpus"][0]["peak_bytes"] <= 80 * GIB < mem["gpus"][0]["peak_bytes"] + 2 * GIB
-    tree = runner.invoke(app, fixed)
+    assert mem["gpus"][0]["peak_bytes"] <= 80 * GIB
+    engine = mem["gpus"][0]["processes"][1]
+    assert engine["parts"]["kv_cache"] == 8 * GIB
+    (note,) = [n for n in mem["notes"] if n.startswith("rollout: ")]
+    assert note.startswith("rollout: rollout.vllm.kv_cache_gib=null: 8 GiB of KV cache, the")
+    assert "rollout.vllm.gpu_memory_utilization=0.8 of the GPU does not" in note
+    tree = runner.invoke(app, [*PPO_2GPU, "rollout.colocated=true"])
     assert tree.exit_code == 0
     assert "of 80.0 GiB at its peak, margins included: fits" in tree.output
     assert "activations" in tree.output and "AdamW moments" in tree.output
+    # a size the user set is kept, and refused where it does not fit
+    result = runner.invoke(
+        app, [*PPO_2GPU, "rollout.colocated=true", "rollout.vllm.kv_cache_gib=48"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "rollout.vllm.kv_cache_gib=" in result.output
+    # the workers build the engine with the plan's size
+    from rltrain.cluster.workers import worker_config
+
+    args = [a for a in PPO_2GPU[2:]] + ["rollout.colocated=true"]
+    cfg, choices = compose(args, algorithm="ppo")
+    planned = make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices)
+    assert cfg.rollout.vllm.kv_cache_gib is None and planned.kv_cache_gib == 8.0
+    built = worker_config(cfg, planned)
+    assert built.rollout.vllm.kv_cache_gib == 8.0 and built.rollout.colocated is True
+    assert built.train.max_tokens_per_micro_batch == 8192
 
 
 def test_cli_unknown_gpu_size_skips_the_check_and_says_so():

@@ -96,31 +96,40 @@ class RefitInFlight:
         return refit_summary(stats, replicas)
 
 
+def worker_config(cfg: RunConfig, plan: RunPlan) -> RunConfig:
+    """The run config the workers get: the plan's answers to the auto keys in place of
+    null. rollout.colocated (the vLLM engine enables sleep mode from it),
+    rollout.vllm.kv_cache_gib (sized to fit beside the trainers),
+    train.max_tokens_per_micro_batch and value.hosts_reference (which gang builds the
+    reference model)."""
+    layout = plan.gpu_layout
+    vllm = cfg.rollout.vllm
+    if plan.kv_cache_gib is not None:
+        vllm = replace(vllm, kv_cache_gib=plan.kv_cache_gib)
+    return replace(
+        cfg,
+        rollout=replace(cfg.rollout, colocated=plan.colocated, vllm=vllm),
+        value=replace(
+            cfg.value,
+            hosts_reference=reference_on_critic(
+                cfg, None if layout is None else layout.value_colocated
+            ),
+        ),
+        train=replace(
+            cfg.train,
+            max_tokens_per_micro_batch=plan.batch.micro_batch_tokens
+            or cfg.train.max_tokens_per_micro_batch,
+        ),
+    )
+
+
 class Workers:
     """Every actor of a run: the policy gang, the rollout pool and (PPO) the value gang as
     typed handles, plus the refit wiring between policy and pool."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan):
         self.pgs: list = []
-        # The workers see the plan's answers to the auto keys: rollout.colocated (the vLLM
-        # engine enables sleep mode from it), train.max_tokens_per_micro_batch and
-        # value.hosts_reference (which gang builds the reference model).
-        layout = plan.gpu_layout
-        self.cfg = replace(
-            cfg,
-            rollout=replace(cfg.rollout, colocated=plan.colocated),
-            value=replace(
-                cfg.value,
-                hosts_reference=reference_on_critic(
-                    cfg, None if layout is None else layout.value_colocated
-                ),
-            ),
-            train=replace(
-                cfg.train,
-                max_tokens_per_micro_batch=plan.batch.micro_batch_tokens
-                or cfg.train.max_tokens_per_micro_batch,
-            ),
-        )
+        self.cfg = worker_config(cfg, plan)
         self.plan = plan
         self.timeout = cfg.cluster.startup_timeout_s
         self.calls = Calls(cfg.cluster.call_timeout_s)

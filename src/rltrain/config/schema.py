@@ -246,7 +246,9 @@ class VLLMEngineConfig:
     cpu_kv_cache_gib: float = 1.0
     # GPU: KV cache size in GiB per replica. null = colocated engines get enough for one
     # step's sequences at once (waking and sleeping costs grow with the cache; the rest of
-    # the GPU stays with the trainer), other engines what gpu_memory_utilization leaves.
+    # the GPU stays with the trainer), or, where the gpu_memory_utilization share vLLM
+    # would then take does not fit beside the trainers, the largest of 48/32/24/16/12/8/4
+    # GiB that does (the plan says which); other engines what gpu_memory_utilization leaves.
     kv_cache_gib: float | None = None
     # Eager mode (no CUDA graphs / torch.compile). null = auto: CUDA graphs on GPUs (decoding
     # ~2.8x faster at 1.5B shapes for ~17 s more start-up), eager on CPU (required there).

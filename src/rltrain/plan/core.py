@@ -207,6 +207,9 @@ class RunPlan:
     # torch intra-op threads of the driver (the controller) when the roles run in worker
     # processes; 0 = as it is (in one process: the roles' threads)
     controller_threads: int = 0
+    # rollout.vllm.kv_cache_gib=null resolved where vLLM's share did not fit beside the
+    # trainers: the KV cache (GiB) each engine gets instead (None: as configured)
+    kv_cache_gib: float | None = None
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -239,12 +242,71 @@ def make_plan(
 # train.max_tokens_per_micro_batch=null on GPUs: the largest of these whose plan fits.
 AUTO_MICRO_BATCH_TOKENS = (16384, 8192, 4096)
 MICRO_KEY = "train.max_tokens_per_micro_batch"
+# rollout.vllm.kv_cache_gib=null, where vLLM's gpu_memory_utilization share does not fit
+# beside the trainers on a shared GPU: the largest of these KV caches (GiB) that does.
+AUTO_KV_CACHE_GIB = (48, 32, 24, 16, 12, 8, 4)
+KV_KEY = "rollout.vllm.kv_cache_gib"
 
 
 def _make_plan(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None, suggest: bool
 ) -> RunPlan:
-    """:func:`make_plan`; ``suggest``: search the changes that fit when memory is short.
+    """:func:`_make_micro_plan`, and where a colocated vLLM engine's share of the GPU does
+    not fit beside the trainers (``rollout.vllm.kv_cache_gib=null``, one engine per GPU),
+    the engine with the largest KV cache of :data:`AUTO_KV_CACHE_GIB` that fits: vLLM then
+    holds fewer sequences at once and queues the rest. The refusal stands when none fits."""
+    ro = cfg.rollout
+    try:
+        return _make_micro_plan(cfg, resources, choices, suggest)
+    except ConfigError as refused:
+        if ro.engine != "vllm" or ro.vllm.kv_cache_gib is not None:
+            raise
+        if "does not fit" not in str(refused):
+            raise
+        # The training micro batch first (the largest that fits with some KV cache), then
+        # the largest KV cache beside it.
+        t = cfg.train
+        auto_micro = t.max_tokens_per_micro_batch is None and t.packing
+        for tokens in AUTO_MICRO_BATCH_TOKENS if auto_micro else (None,):
+            for gib_ in AUTO_KV_CACHE_GIB:
+                over: dict = {KV_KEY: float(gib_)}
+                if tokens is not None:
+                    over[MICRO_KEY] = tokens
+                try:
+                    plan = _make_plan_resolved(with_overrides(cfg, over), resources, choices, False)
+                except ConfigError:
+                    continue
+                engines = [sum(q.role == "rollout" for q in g.processes) for g in plan.memory.gpus]
+                if not plan.colocated or plan.memory.capacity_bytes is None or max(engines) > 1:
+                    # only one engine sharing a GPU of known size: several engines on one
+                    # GPU, each with a sliver of cache, is a layout to change instead
+                    raise refused from None
+                share = ro.vllm.gpu_memory_utilization
+                note = (
+                    f"rollout: {KV_KEY}=null: {gib_:g} GiB of KV cache, the largest of "
+                    f"{'/'.join(map(str, AUTO_KV_CACHE_GIB))} that fits beside the trainers "
+                    f"(rollout.vllm.gpu_memory_utilization={share:g} of the GPU does not); "
+                    "vLLM holds fewer sequences at once and queues the rest"
+                )
+                notes = tuple(
+                    note if n.startswith(f"rollout: {KV_KEY}=") else n for n in plan.memory.notes
+                )
+                plan = replace(
+                    plan, kv_cache_gib=float(gib_), memory=replace(plan.memory, notes=notes)
+                )
+                if tokens is not None:
+                    sizes = "/".join(map(str, AUTO_MICRO_BATCH_TOKENS))
+                    why = f"auto, the largest of {sizes} that fits with a KV cache sized to fit"
+                    plan = replace(plan, batch=replace(plan.batch, micro_batch_tokens_auto=why))
+                return plan
+        raise refused from None
+
+
+def _make_micro_plan(
+    cfg: RunConfig, resources: Resources, choices: dict[str, str] | None, suggest: bool
+) -> RunPlan:
+    """:func:`make_plan` but the KV cache; ``suggest``: search the changes that fit when
+    memory is short.
 
     ``train.max_tokens_per_micro_batch=null`` resolves here: on GPUs (packed rows) to the
     largest of :data:`AUTO_MICRO_BATCH_TOKENS` whose plan fits the GPUs' known memory, else
