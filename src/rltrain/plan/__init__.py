@@ -4,14 +4,12 @@ Pure: no cluster, no torch. ``rltrain plan`` prints it (:mod:`rltrain.plan.view`
 the launcher executes it. The parts: :mod:`~rltrain.plan.core` (make_plan and the
 plan's types), :mod:`~rltrain.plan.batch` (the batch math), :mod:`~rltrain.plan.gpus`
 (who shares a GPU), :mod:`~rltrain.plan.process` (one process or Ray workers, the
-refit transport), :mod:`~rltrain.plan.objective` (the objective in words).
+refit transport), :mod:`~rltrain.plan.objective` (the objective in words),
+:mod:`~rltrain.plan.inputs` (what the run reads).
 """
 
 from rltrain.plan.batch import BatchPlan, batch_plan
 from rltrain.plan.core import (
-    CopyTaskInputs,
-    DatasetInputs,
-    InputsPlan,
     MemoryPlan,
     PrecisionPlan,
     RefitPlan,
@@ -23,9 +21,9 @@ from rltrain.plan.core import (
     estimate_num_params,
     make_plan,
     model_head_dim,
-    plan_inputs,
 )
 from rltrain.plan.gpus import GpuLayout, gpu_layout
+from rltrain.plan.inputs import CopyTaskInputs, DatasetInputs, InputsPlan, plan_inputs
 from rltrain.plan.objective import objective_summary
 from rltrain.plan.process import resolve_in_process, resolve_refit_transport
 

@@ -8,7 +8,8 @@ from rich.table import Table
 from rich.tree import Tree
 
 from rltrain.plan.batch import BatchPlan
-from rltrain.plan.core import CopyTaskInputs, InputsPlan, RunPlan
+from rltrain.plan.core import RunPlan
+from rltrain.plan.inputs import CopyTaskInputs, InputsPlan
 from rltrain.plan.memory import GpuMemory, MemoryPlan, gib
 
 
