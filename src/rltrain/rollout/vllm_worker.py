@@ -146,10 +146,8 @@ class RefitWorkerExtension:
             tensors = {}
             for sent_version, name, tensor in receiver.receive():
                 versions.add(sent_version)
-                # a copy where it arrived (the receive buffer is reused for the next bucket):
-                # on a GPU the adapter is built there, and vLLM's LoRA slots fill from it
-                # device to device, with no round trip through (pinned) host memory
-                tensors[PEFT_PREFIX + name] = tensor.detach().clone()
+                # a copy: the receive buffer is reused for the next bucket
+                tensors[PEFT_PREFIX + name] = tensor.detach().to("cpu", copy=True)
             (version,) = versions
             t_land = time.perf_counter()
             self._rltrain_add_adapter(tensors, version)
@@ -239,7 +237,7 @@ class RefitWorkerExtension:
             "lora_model_id": lora_id(version),
             "tensors": tensors,
             "peft_helper": helper,
-            "device": str(next(iter(tensors.values())).device) if tensors else "cpu",
+            "device": "cpu",
             "dtype": manager.lora_config.lora_dtype,
             "model_vocab_size": getattr(manager, "vocab_size", None),
             "weights_mapper": mapper,
