@@ -362,7 +362,7 @@ def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
     got = layouts.plan_estimate_vs_peak(tmp_path, gpu_memory)
     assert set(got) == {"policy rank 0", "policy rank 1", "rollout rank 0"}
     assert [got[k]["gpu"] for k in sorted(got)] == [0, 1, 0]
-    assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(33.369, abs=1e-3)
+    assert got["policy rank 1"]["memory_peak_gib"] == pytest.approx(31.937, abs=1e-3)
     # what the run's own plan estimated (its result file records it beside the peak)
     recorded = result["runs"]["grpo_dp2"]["memory"]["policy rank 1"]["memory_estimate_gib"]
     assert got["policy rank 1"]["memory_estimate_gib"] == pytest.approx(recorded, abs=0.01)
