@@ -472,3 +472,42 @@ def test_the_model_class_is_inspected_in_the_replicas_process():
     with model_inspection_in_process():
         assert registry._run_in_subprocess(os.getpid) == pid
     assert registry._run_in_subprocess is original
+
+
+def test_an_engine_from_a_model_folder_builds_while_its_tokenizer_loads(tmp_path):
+    """A model folder without blocked tokens: the engine starts building before the replica
+    reads its tokenizer, and then serves as any other (greedy tokens equal the trainer's
+    argmax; logprobs match its forward)."""
+    from rltrain.models.loader import load_tokenizer
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    cfg = _cfg()
+    cfg.model.blocked_tokens = []
+    cfg.algorithm.async_rollout.enabled = False
+    cfg.algorithm.async_rollout.partial_rollouts = False
+    model = load_model(cfg).eval()
+    model.save_pretrained(tmp_path)
+    load_tokenizer(cfg).save_pretrained(tmp_path)
+    cfg.model.path = str(tmp_path)
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    eng = VLLMEngine(cfg, num_threads=1)
+    try:
+        assert eng.startup_phases["async_llm_s"] >= eng.startup_phases["tokenizer_s"] > 0
+        assert eng._blocked == set()
+        prompts = _encode(eng, PROMPTS[:3])
+        out = eng.generate(prompts, SamplingParams(max_new_tokens=4, seed=3, top_k=1))
+        for prompt, resp in zip(prompts, out.response_ids, strict=True):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + resp])).logits[0]
+            assert resp == [int(logits[len(prompt) + j - 1].argmax()) for j in range(len(resp))]
+        # sampled at temperature 1: each token's logprob is the trainer's (nothing blocked)
+        out = eng.generate(prompts, SamplingParams(max_new_tokens=5, seed=5))
+        for prompt, resp, lps in zip(prompts, out.response_ids, out.response_logprobs, strict=True):
+            ids = torch.tensor([prompt + resp])
+            with torch.no_grad():
+                ref, _ = token_logprobs(model(input_ids=ids).logits, ids, 1.0, None)
+            assert (torch.tensor(lps) - ref[0, len(prompt) :]).abs().max() < 1e-4
+    finally:
+        eng.shutdown()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)

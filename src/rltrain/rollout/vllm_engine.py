@@ -46,6 +46,7 @@ the KV cache size in bytes on CPU and a memory fraction on GPUs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import tempfile
@@ -93,7 +94,11 @@ class _EventLoop:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (its exception is raised here)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        return self.submit(coro).result(timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop; its future (``.result()`` waits and raises)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
         """Cancel what still runs on the loop (vLLM's output handler), then stop it."""
@@ -127,12 +132,30 @@ class VLLMEngine(VLLMTurns):
         self.cfg = cfg
         self.device = device
         self.replica_index = replica_index
-        t0 = time.perf_counter()
-        self.tokenizer = load_tokenizer(cfg)
-        self.startup_phases = {"tokenizer_s": time.perf_counter() - t0}
-        self.eos_id = self.tokenizer.eos_token_id
-        self._blocked = set(blocked_token_ids(cfg, self.tokenizer))
         self._model_dir: tempfile.TemporaryDirectory | None = None
+        self._loop = _EventLoop(f"vllm-replica-{replica_index}")
+        self.startup_phases: dict[str, float] = {}
+        # A model folder without blocked tokens: vLLM's engine starts building on its loop
+        # while this thread reads the tokenizer (nothing the build is given needs it).
+        early = cfg.model.path is not None and not cfg.model.blocked_tokens
+        building = None
+        t_build = time.perf_counter()
+        if early:
+            self._blocked: set[int] = set()
+            building = self._loop.submit(self._build_llm(str(cfg.model.path)))
+        t0 = time.perf_counter()
+        try:
+            self.tokenizer = load_tokenizer(cfg)
+        except BaseException:
+            if building is not None:  # no engine left behind: wait for it, then shut it down
+                with contextlib.suppress(Exception):
+                    building.result().shutdown()
+            self._loop.close()
+            raise
+        self.startup_phases["tokenizer_s"] = time.perf_counter() - t0
+        self.eos_id = self.tokenizer.eos_token_id
+        if not early:
+            self._blocked = set(blocked_token_ids(cfg, self.tokenizer))
         model_path = cfg.model.path if cfg.model.path is not None else self._save_tiny_model()
         ar = cfg.algorithm.async_rollout
         # Refits that land mid-generation need each token's version: rows then stream their
@@ -141,10 +164,11 @@ class VLLMEngine(VLLMTurns):
         self._request_seeds = seeds_per_request(cfg, device)
         # Rows 0, n, 2n, ... of a generate call carry logprobs (rollout.engine_logprobs).
         self._logprob_stride = engine_logprob_stride(cfg, device)
-        self._loop = _EventLoop(f"vllm-replica-{replica_index}")
-        t0 = time.perf_counter()
-        self.llm: Any = self._loop.run(self._build_llm(model_path))
-        self.startup_phases["async_llm_s"] = time.perf_counter() - t0
+        if building is None:
+            t_build = time.perf_counter()
+            building = self._loop.submit(self._build_llm(model_path))
+        self.llm: Any = building.result()
+        self.startup_phases["async_llm_s"] = time.perf_counter() - t_build
         self._tie = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self._version = 0
         self._calls = 0
