@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from rltrain.config.errors import ConfigError
+from rltrain.config.errors import ConfigError, MemoryRefusal
 from rltrain.config.resolved import pass_micro_batch_scale, reference_on_critic
 from rltrain.config.schema import (
     CPU_MICRO_BATCH_TOKENS,
@@ -23,6 +23,7 @@ from rltrain.plan.engine import check_engine, model_head_dim  # noqa: F401 - re-
 from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
 from rltrain.plan.inputs import InputsPlan, plan_inputs
 from rltrain.plan.memory import (
+    KV_CACHE_GIB_LADDER,
     MemoryPlan,
     cpu_memory_plan,
     fix_candidates,
@@ -186,9 +187,6 @@ def make_plan(
 # train.max_tokens_per_micro_batch=null on GPUs: the largest of these whose plan fits.
 AUTO_MICRO_BATCH_TOKENS = (16384, 8192, 4096)
 MICRO_KEY = "train.max_tokens_per_micro_batch"
-# rollout.vllm.kv_cache_gib=null, where vLLM's gpu_memory_utilization share does not fit
-# beside the trainers on a shared GPU: the largest of these KV caches (GiB) that does.
-AUTO_KV_CACHE_GIB = (48, 32, 24, 16, 12, 8, 4)
 KV_KEY = "rollout.vllm.kv_cache_gib"
 
 
@@ -197,22 +195,20 @@ def _make_plan(
 ) -> RunPlan:
     """:func:`_make_micro_plan`, and where a colocated vLLM engine's share of the GPU does
     not fit beside the trainers (``rollout.vllm.kv_cache_gib=null``, one engine per GPU),
-    the engine with the largest KV cache of :data:`AUTO_KV_CACHE_GIB` that fits: vLLM then
+    the engine with the largest KV cache of :data:`KV_CACHE_GIB_LADDER` that fits: vLLM then
     holds fewer sequences at once and queues the rest. The refusal stands when none fits."""
     ro = cfg.rollout
     try:
         return _make_micro_plan(cfg, resources, choices, suggest)
-    except ConfigError as refused:
+    except MemoryRefusal as refused:
         if ro.engine != "vllm" or ro.vllm.kv_cache_gib is not None:
-            raise
-        if "does not fit" not in str(refused):
             raise
         # The training micro batch first (the largest that fits with some KV cache), then
         # the largest KV cache beside it.
         t = cfg.train
         auto_micro = t.max_tokens_per_micro_batch is None and t.packing
         for tokens in AUTO_MICRO_BATCH_TOKENS if auto_micro else (None,):
-            for gib_ in AUTO_KV_CACHE_GIB:
+            for gib_ in KV_CACHE_GIB_LADDER:
                 over: dict = {KV_KEY: float(gib_)}
                 if tokens is not None:
                     over[MICRO_KEY] = tokens
@@ -221,14 +217,18 @@ def _make_plan(
                 except ConfigError:
                     continue
                 engines = [sum(q.role == "rollout" for q in g.processes) for g in plan.memory.gpus]
-                if not plan.colocated or plan.memory.capacity_bytes is None or max(engines) > 1:
+                if (
+                    not plan.colocated
+                    or plan.memory.capacity_bytes is None
+                    or max(engines, default=0) > 1
+                ):
                     # only one engine sharing a GPU of known size: several engines on one
                     # GPU, each with a sliver of cache, is a layout to change instead
                     raise refused from None
                 share = ro.vllm.gpu_memory_utilization
                 note = (
                     f"rollout: {KV_KEY}=null: {gib_:g} GiB of KV cache, the largest of "
-                    f"{'/'.join(map(str, AUTO_KV_CACHE_GIB))} that fits beside the trainers "
+                    f"{'/'.join(map(str, KV_CACHE_GIB_LADDER))} that fits beside the trainers "
                     f"(rollout.vllm.gpu_memory_utilization={share:g} of the GPU does not); "
                     "vLLM holds fewer sequences at once and queues the rest"
                 )
@@ -514,7 +514,7 @@ def _check_memory(
         fitted.append(overrides)
         worst = max(g.peak_bytes for g in fit.memory.gpus)
         fixes.append(f"{override_text(overrides)} (largest GPU {gib(worst)} GiB)")
-    raise ConfigError(refusal(memory, fixes))
+    raise MemoryRefusal(refusal(memory, fixes))
 
 
 def _value_precision(vcfg: RunConfig) -> ValuePrecision:

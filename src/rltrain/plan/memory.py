@@ -77,6 +77,11 @@ def compile_default(choice: bool | None, cuda: bool, num_params: int) -> bool:
     return cuda and num_params >= COMPILE_MIN_PARAMS
 
 
+# KV cache sizes (GiB) tried for a vLLM engine, largest first: the changes a refusal
+# names, and what rollout.vllm.kv_cache_gib=null takes where vLLM's share does not fit.
+KV_CACHE_GIB_LADDER = (48, 32, 24, 16, 12, 8, 4)
+
+
 def speed_knobs(cfg: RunConfig, dp: int) -> tuple[bool, str]:
     """(reshard_after_forward, grad_sync) with their ``null`` defaults resolved.
 
@@ -501,7 +506,7 @@ def fix_candidates(cfg: RunConfig, dp: int, num_gpus: int, colocated: bool) -> l
     intrusive first; :func:`rltrain.plan.make_plan` keeps those whose plan fits."""
     d, t, ro = cfg.dtensor, cfg.train, cfg.rollout
     out: list[dict] = []
-    kv_sizes = [48, 32, 24, 16, 12, 8, 4]
+    kv_sizes = KV_CACHE_GIB_LADDER
     if not colocated and ro.tp == 1 and cfg.refit.transport in ("auto", "ipc"):
         out.append({"rollout.colocated": True})
         if ro.engine == "vllm":
