@@ -13,7 +13,17 @@ never samples EOS: every row runs to the limit). Modes:
   (``rollout.vllm.torch_compile=true``);
 - ``decode_graphs_seeded``: ``decode_graphs`` with a seed per request
   (``rollout.vllm.request_seeds=true``; the default on GPUs draws from the engine's
-  seeded generator instead).
+  seeded generator instead);
+- ``decode_graphs_v1``: ``decode_graphs`` on vLLM's first model runner
+  (``VLLM_USE_V2_MODEL_RUNNER=0``): its start-up and decoding against the second's;
+- ``decode_graphs_lora``: ``decode_graphs`` with LoRA on (``train.lora.rank=16``) and
+  every request under one random rank-16 adapter of the default targets (what a LoRA run
+  decodes with);
+- ``decode_graphs_lora_dual``: the same with vLLM's LoRA kernels on a second CUDA stream
+  beside the base layers' (``VLLM_LORA_ENABLE_DUAL_STREAM=1``).
+
+Each mode runs with Triton and vLLM caches of its own (fresh folders under the system's
+temporary folder): every mode's start-up is that of a host's first run.
 
 Writes ``scripts/results/bench_vllm_modes-<device>.json``: per mode the start-up seconds,
 each call's seconds and tokens/s and vLLM's own start-up log lines (``engine_log``); ``summary`` per mode: ``startup_s`` and
@@ -29,6 +39,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +59,14 @@ MODES = {
     "compile": ["rollout.vllm.torch_compile=true"],
     # the default mode with a seed per request (vLLM's sampler then loops over requests)
     "decode_graphs_seeded": ["rollout.vllm.torch_compile=false", "rollout.vllm.request_seeds=true"],
+    "decode_graphs_v1": ["rollout.vllm.torch_compile=false"],
+    "decode_graphs_lora": ["rollout.vllm.torch_compile=false", "train.lora.rank=16"],
+    "decode_graphs_lora_dual": ["rollout.vllm.torch_compile=false", "train.lora.rank=16"],
+}
+# Environment of a mode's process beyond the caches of its own.
+MODE_ENV = {
+    "decode_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    "decode_graphs_lora_dual": {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"},
 }
 # vLLM's own start-up lines (weights, profiling, KV cache, graphs, compile), kept per mode.
 TIMING_WORDS = (
@@ -137,6 +156,8 @@ def worker(spec: dict) -> None:
     t0 = time.perf_counter()
     engine = VLLMEngine(cfg, device="cuda")
     startup = time.perf_counter() - t0
+    if cfg.train.lora.rank > 0:
+        engine._lora_request = random_adapter(cfg, Path(spec["adapter_dir"]))
     tokenizer = load_tokenizer(cfg)
     task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
     calls = []
@@ -166,11 +187,44 @@ def worker(spec: dict) -> None:
     print("RESULT " + json.dumps(out_doc), flush=True)
 
 
+def random_adapter(cfg, path: Path):
+    """A PEFT adapter of the run's LoRA settings with random (non-zero) A and B for every
+    target of the model at ``model.path``, written to ``path``; vLLM's request for it."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.lora.request import LoRARequest
+
+    from rltrain.config.schema import lora_targets
+    from rltrain.models.lora import PEFT_PREFIX, peft_adapter_config
+
+    hf = AutoConfig.from_pretrained(cfg.model.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    targets = lora_targets(cfg)
+    g = torch.Generator().manual_seed(0)
+    r = cfg.train.lora.rank
+    tensors = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            a = torch.randn(r, mod.in_features, generator=g) / mod.in_features**0.5
+            b = torch.randn(mod.out_features, r, generator=g) * 1e-3
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = peft_adapter_config(cfg.train.lora, targets, cfg.model.path)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return LoRARequest("bench-adapter", 1, lora_path=str(path))
+
+
 # What each part of the engine's per-request sampling costs: the engine's own parameters
 # with one thing changed (the same prompts, rounds interleaved against drift).
 VARIANTS = {
     "engine": {},
     "no_logprobs": {"logprobs": None},
+    # the engine's GPU default (rollout.engine_logprobs=auto): every 8th row's logprobs
+    "sample8": {"logprob_stride": 8},
     "seeded": {"seed": "per_request"},
     "no_stop_ids": {"stop_token_ids": []},
     "delta_output": {"output_kind": "DELTA"},
@@ -195,6 +249,10 @@ def sampling_variants(engine, prompt_ids: list[list[int]], rounds: int) -> dict:
     def params(change: dict, row: int):
         p = engine._vllm_sampling(base, None, base.max_new_tokens)
         for key, value in change.items():
+            if key == "logprob_stride":
+                if row % value:
+                    p.logprobs = None
+                continue
             if key == "seed":
                 value = 1000 + row
             elif key == "output_kind":
@@ -206,7 +264,10 @@ def sampling_variants(engine, prompt_ids: list[list[int]], rounds: int) -> dict:
         async def one(row: int, prompt: list[int]) -> int:
             n = 0
             gen = engine.llm.generate(
-                TokensPrompt(prompt_token_ids=prompt), params(change, row), f"v{next(ids)}"
+                TokensPrompt(prompt_token_ids=prompt),
+                params(change, row),
+                f"v{next(ids)}",
+                lora_request=engine._lora_request,
             )
             async for out in gen:
                 n = (
@@ -256,19 +317,26 @@ def main() -> None:
     ]
     result = result_doc("scripts/bench_vllm_modes.py", device, name, args, modes={}, summary={})
     for mode in args.modes.split(","):
+        caches = Path(tempfile.mkdtemp(prefix=f"rltrain-vllm-modes-{mode}-"))
         spec = {
             "overrides": [*common, *MODES[mode]],
             "calls": args.calls,
             "burn_s": args.burn_s,
             "variant_rounds": args.variant_rounds,
+            "adapter_dir": str(caches / "adapter"),
         }
+        env = child_env(
+            TRITON_CACHE_DIR=str(caches / "triton"),
+            VLLM_CACHE_ROOT=str(caches / "vllm"),
+            **MODE_ENV.get(mode, {}),
+        )
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
                 [sys.executable, __file__, "--worker", json.dumps(spec)],
                 capture_output=True,
                 text=True,
-                env=child_env(),
+                env=env,
                 timeout=args.timeout,
             )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
