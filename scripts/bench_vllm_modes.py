@@ -17,10 +17,10 @@ never samples EOS: every row runs to the limit). Modes:
 - ``decode_graphs_v1``: ``decode_graphs`` on vLLM's first model runner
   (``VLLM_USE_V2_MODEL_RUNNER=0``): its start-up and decoding against the second's;
 - ``decode_graphs_lora``: ``decode_graphs`` with LoRA on (``train.lora.rank=16``) and
-  every request under one random rank-16 adapter of the default targets (what a LoRA run
-  decodes with);
+  every request under one random rank-16 adapter of the default targets, the LoRA kernels
+  on the base layers' stream (``rollout.vllm.lora_dual_stream=false``);
 - ``decode_graphs_lora_dual``: the same with vLLM's LoRA kernels on a second CUDA stream
-  beside the base layers' (``VLLM_LORA_ENABLE_DUAL_STREAM=1``).
+  beside the base layers' (``rollout.vllm.lora_dual_stream=true``, the default for LoRA).
 
 Each mode runs with Triton and vLLM caches of its own (fresh folders under the system's
 temporary folder): every mode's start-up is that of a host's first run.
@@ -60,13 +60,20 @@ MODES = {
     # the default mode with a seed per request (vLLM's sampler then loops over requests)
     "decode_graphs_seeded": ["rollout.vllm.torch_compile=false", "rollout.vllm.request_seeds=true"],
     "decode_graphs_v1": ["rollout.vllm.torch_compile=false"],
-    "decode_graphs_lora": ["rollout.vllm.torch_compile=false", "train.lora.rank=16"],
-    "decode_graphs_lora_dual": ["rollout.vllm.torch_compile=false", "train.lora.rank=16"],
+    "decode_graphs_lora": [
+        "rollout.vllm.torch_compile=false",
+        "train.lora.rank=16",
+        "rollout.vllm.lora_dual_stream=false",
+    ],
+    "decode_graphs_lora_dual": [
+        "rollout.vllm.torch_compile=false",
+        "train.lora.rank=16",
+        "rollout.vllm.lora_dual_stream=true",
+    ],
 }
 # Environment of a mode's process beyond the caches of its own.
 MODE_ENV = {
     "decode_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
-    "decode_graphs_lora_dual": {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"},
 }
 # vLLM's own start-up lines (weights, profiling, KV cache, graphs, compile), kept per mode.
 TIMING_WORDS = (

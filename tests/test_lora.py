@@ -246,3 +246,30 @@ def test_lora_dp2_and_tp2_match_one_rank(tmp_path):
     assert _moved(before, ref) > 1e-3
     _close(got["dp"], ref, "dp2 vs one rank")
     _close(got["tp"], ref, "tp2 vs one rank")
+
+
+@pytest.mark.parametrize("shape", [(7, 12), (2, 5, 12)])
+def test_lora_linear_compiled_matches_eager(shape):
+    """The compiled forward (the update as a matmul and an add the compiler fuses) gives the
+    eager one-GEMM forward's outputs and gradients (fp32, 2-D and 3-D inputs)."""
+    from rltrain.models.lora import LoRALinear
+
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(12, 10, bias=True), rank=4, alpha=8.0)
+    layer.base_layer.requires_grad_(False)
+    torch.nn.init.normal_(layer.lora_B.weight)  # a trained adapter: B no longer zero
+    x = torch.randn(*shape)
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        out = fn(x)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), layer.lora_A.weight.grad.clone(), layer.lora_B.weight.grad.clone()
+
+    eager = run(layer)
+    compiled = run(torch.compile(layer, backend="aot_eager", fullgraph=True))
+    plain = layer.base_layer(x) + layer.scaling * layer.lora_B(layer.lora_A(x))
+    torch.testing.assert_close(eager[0], plain.detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert eager[2].abs().sum() > 0 and eager[1].abs().sum() > 0

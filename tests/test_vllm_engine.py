@@ -362,6 +362,23 @@ def test_decode_graphs_cover_a_calls_rows_and_no_more():
     assert compilation_config(compiled, "cuda") is None
 
 
+def test_lora_dual_stream_resolves_for_lora_on_gpus_only():
+    """``rollout.vllm.lora_dual_stream=null``: on for LoRA on GPUs; nothing to set without
+    LoRA or on CPU; an explicit false holds."""
+    from dataclasses import replace
+
+    from rltrain.rollout.vllm_settings import lora_dual_stream
+
+    cfg = RunConfig()
+    lora = replace(cfg, train=replace(cfg.train, lora=replace(cfg.train.lora, rank=16)))
+    assert lora_dual_stream(cfg, "cuda") is None and lora_dual_stream(lora, "cpu") is None
+    assert lora_dual_stream(lora, "cuda") is True
+    off = replace(
+        lora, rollout=replace(lora.rollout, vllm=replace(lora.rollout.vllm, lora_dual_stream=False))
+    )
+    assert lora_dual_stream(off, "cuda") is False
+
+
 def test_request_seeds_resolve_per_device_and_reach_the_sampling_params():
     """``rollout.vllm.request_seeds=null``: a seed per request on CPU, none on GPUs (vLLM's
     sampler then draws every row's noise at once from the engine's seeded generator); an

@@ -44,6 +44,18 @@ TRITON_FP32_IEEE = EnvVar(
     "and the engine's logprobs drift from the trainer's fp32 forward by up to ~1e-2 once the "
     "weights have trained (measured after a refit on an H100 with bit-identical weights)",
 )
+VLLM_LORA_DUAL_STREAM = EnvVar(
+    "VLLM_LORA_ENABLE_DUAL_STREAM",
+    "1",
+    "set in a vLLM rollout replica's process before its engine starts, for LoRA on GPUs with "
+    "rollout.vllm.lora_dual_stream on (the default there): vLLM's engine process, started "
+    "after, runs each layer's LoRA kernels on a second CUDA stream beside the base GEMM",
+)
+VLLM_LORA_ONE_STREAM = EnvVar(
+    "VLLM_LORA_ENABLE_DUAL_STREAM",
+    "0",
+    "the same variable with rollout.vllm.lora_dual_stream off: one stream",
+)
 TRIAL_UNBUFFERED = EnvVar(
     "PYTHONUNBUFFERED",
     "1",
@@ -71,6 +83,8 @@ REGISTRY: tuple[EnvVar, ...] = (
     VLLM_PICKLE_RPC,
     HUB_OFFLINE,
     TRITON_FP32_IEEE,
+    VLLM_LORA_DUAL_STREAM,
+    VLLM_LORA_ONE_STREAM,
     TRIAL_UNBUFFERED,
     *SANDBOX_ENV,
 )

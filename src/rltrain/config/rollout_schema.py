@@ -57,6 +57,10 @@ class VLLMEngineConfig:
     # engine's seeded generator. null = auto: per-request seeds on CPU, the engine's
     # generator on GPUs (where vLLM's logits depend on the batch's make-up anyway).
     request_seeds: bool | None = None
+    # LoRA (train.lora.rank > 0) on GPUs: vLLM's LoRA kernels on a second CUDA stream beside
+    # the base layers' GEMMs (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM), so that a decode step's
+    # small adapter kernels overlap the base's. null = auto: on for LoRA on GPUs.
+    lora_dual_stream: bool | None = None
 
 
 @dataclass

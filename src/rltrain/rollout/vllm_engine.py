@@ -70,6 +70,7 @@ from rltrain.rollout.vllm_settings import (
     colocated_kv_cache_bytes,
     compilation_config,
     enforce_eager,
+    lora_dual_stream,
     model_inspection_in_process,
     request_seeds,
     seeds_per_request,
@@ -228,6 +229,9 @@ class VLLMEngine(VLLMTurns):
         lo = self.cfg.train.lora
         if lo.rank > 0:
             # vLLM's own LoRA path: the adapter of each refit is applied by its LoRA kernels.
+            dual = lora_dual_stream(self.cfg, self.device)
+            if dual is not None:  # read by the engine process, started below
+                env.apply(env.VLLM_LORA_DUAL_STREAM if dual else env.VLLM_LORA_ONE_STREAM)
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"] = vllm_lora_rank(lo.rank)
             kwargs["max_loras"] = 1

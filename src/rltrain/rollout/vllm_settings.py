@@ -75,6 +75,15 @@ def enforce_eager(cfg: RunConfig, device: str) -> bool:
     return device != "cuda" if v is None else v
 
 
+def lora_dual_stream(cfg: RunConfig, device: str) -> bool | None:
+    """``rollout.vllm.lora_dual_stream`` resolved: None without LoRA or off GPUs (nothing to
+    set), else on unless set false."""
+    if cfg.train.lora.rank <= 0 or device != "cuda":
+        return None
+    v = cfg.rollout.vllm.lora_dual_stream
+    return True if v is None else v
+
+
 def seeds_per_request(cfg: RunConfig, device: str) -> bool:
     """``rollout.vllm.request_seeds`` resolved: null = a seed per request on CPU, the
     engine's seeded generator on GPUs (vLLM's sampler draws a seeded request's noise in a
