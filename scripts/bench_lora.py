@@ -24,6 +24,8 @@ of both runs. Medians are over the steps after the first.
     python scripts/bench_lora.py --smoke     # CPU: tiny shapes, torch engine in the loop
     python scripts/bench_lora.py --parts parity --merge scripts/results/bench_lora-nvidia-h100.json
         # rerun one part, keeping the other's figures from an earlier run on that device
+    python scripts/bench_lora.py --parts "" --merge loops.json parity.json
+        # no run: the summary of parts measured in separate runs on one device (any machine)
 """
 
 from __future__ import annotations
@@ -68,12 +70,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--parts",
         default="loops,parity",
-        help="what to run: loops (the full and LoRA runs), parity (the logprob checks)",
+        help="what to run: loops (the full and LoRA runs), parity (the logprob checks); "
+        "empty: nothing, only --merge",
     )
     p.add_argument(
         "--merge",
+        nargs="+",
         default=None,
-        help="an earlier bench_lora JSON whose parts this run keeps where it does not rerun them",
+        help="earlier bench_lora JSONs of one device whose parts this run keeps where it does "
+        "not rerun them (a later file's part replaces an earlier one's)",
     )
     p.add_argument("--parity-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -83,6 +88,10 @@ def parse_args() -> argparse.Namespace:
         args.max_new_tokens = 16 if "--max-new-tokens" not in sys.argv else args.max_new_tokens
         args.prompts, args.samples, args.rank = 2, 2, min(args.rank, 8)
     return args
+
+
+# The parts a result keeps from --merge files where this run does not rerun them.
+MERGED = ("runs", "parity", "parity_vllm_bf16", "model")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -237,8 +246,24 @@ def main() -> None:
         return
     import torch
 
+    parts = {part for part in args.parts.split(",") if part}
+    if unknown := parts - {"loops", "parity"}:
+        sys.exit(f"error: --parts {','.join(sorted(unknown))} unknown; use loops, parity")
+    earlier: dict = {}
+    for path in args.merge or ():
+        doc = json.loads(Path(path).read_text())
+        if earlier and doc.get("device") != earlier.get("device"):
+            sys.exit(
+                f"error: --merge {path} was measured on {doc.get('device')}, not on "
+                f"{earlier.get('device')}"
+            )
+        earlier = {**earlier, **{k: v for k, v in doc.items() if k in MERGED or k == "device"}}
+        if "device_name" in doc:
+            earlier["device_name"] = doc["device_name"]
     device, device_name = e2e.device_slug()
-    if device == "cpu" and not args.smoke:
+    if not parts and earlier:  # only merging: the parts' device, whatever this machine is
+        device, device_name = earlier["device"], earlier.get("device_name", device_name)
+    elif device == "cpu" and not args.smoke:
         sys.exit("error: scripts/bench_lora.py needs a CUDA device; use --smoke on CPU.")
     if args.smoke:
         device = "cpu-smoke"
@@ -266,16 +291,13 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=2) + "\n")
 
-    parts = set(args.parts.split(","))
-    if unknown := parts - {"loops", "parity"}:
-        sys.exit(f"error: --parts {','.join(sorted(unknown))} unknown; use loops, parity")
-    earlier: dict = json.loads(Path(args.merge).read_text()) if args.merge else {}
     if earlier and earlier.get("device") != device:
-        sys.exit(f"error: --merge {args.merge} was measured on {earlier.get('device')}")
-    for key in ("runs", "parity", "parity_vllm_bf16"):
+        sys.exit(f"error: --merge {args.merge[0]} was measured on {earlier.get('device')}")
+    for key in MERGED:
         if key in earlier:
             result[key] = earlier[key]
-    result["model"] = benchlib.ensure_qwen_model(model_dir, args.smoke)
+    if parts:
+        result["model"] = benchlib.ensure_qwen_model(model_dir, args.smoke)
     runs = result.get("runs", {})
     loops = (("full", []), ("lora", [f"train.lora.rank={args.rank}"]))
     for mode, extra in loops if "loops" in parts else ():
