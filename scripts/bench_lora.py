@@ -69,9 +69,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--work-dir", default=None)
     p.add_argument(
         "--parts",
-        default="loops,parity",
-        help="what to run: loops (the full and LoRA runs), parity (the logprob checks); "
-        "empty: nothing, only --merge",
+        default="loops,parity,parity_vllm",
+        help="what to run: loops (the full and LoRA runs), parity (the fp32 logprob check), "
+        "parity_vllm (vLLM's, in bf16; GPUs); empty: nothing, only --merge",
     )
     p.add_argument(
         "--merge",
@@ -247,8 +247,10 @@ def main() -> None:
     import torch
 
     parts = {part for part in args.parts.split(",") if part}
-    if unknown := parts - {"loops", "parity"}:
-        sys.exit(f"error: --parts {','.join(sorted(unknown))} unknown; use loops, parity")
+    if unknown := parts - {"loops", "parity", "parity_vllm"}:
+        sys.exit(
+            f"error: --parts {','.join(sorted(unknown))} unknown; use loops, parity, parity_vllm"
+        )
     earlier: dict = {}
     for path in args.merge or ():
         doc = json.loads(Path(path).read_text())
@@ -321,11 +323,13 @@ def main() -> None:
         result["parity"] = run_parity(model_dir, args, cuda, engine)
         if "error" in result["parity"]:
             result["errors"]["parity"] = result["parity"]["error"]
-        if cuda and has_vllm:
-            print("parity: bf16, LoRA adapters refitted into vLLM", flush=True)
-            result["parity_vllm_bf16"] = run_parity(model_dir, args, cuda, "vllm", "bf16")
-            if "error" in result["parity_vllm_bf16"]:
-                result["errors"]["parity_vllm_bf16"] = result["parity_vllm_bf16"]["error"]
+        save()
+    if "parity_vllm" in parts and cuda and has_vllm:
+        print("parity: bf16, LoRA adapters refitted into vLLM", flush=True)
+        result["parity_vllm_bf16"] = run_parity(model_dir, args, cuda, "vllm", "bf16")
+        if "error" in result["parity_vllm_bf16"]:
+            result["errors"]["parity_vllm_bf16"] = result["parity_vllm_bf16"]["error"]
+        save()
     parity, vllm_bf16 = result.get("parity", {}), result.get("parity_vllm_bf16", {})
     empty = dict.fromkeys(("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes"))
     full, lora = runs.get("full", empty), runs.get("lora", empty)
