@@ -21,7 +21,7 @@ run: setup  ## the embedded default: tiny model, copy task, local Ray on CPU
 	$(VENV)/bin/rltrain grpo $(ARGS)
 
 test: setup lint typecheck  ## lint, types, then the whole suite (what CI runs)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 test-fast: setup  ## everything except the end-to-end runs
 	$(VENV)/bin/pytest -q -m "not e2e"
