@@ -32,7 +32,7 @@ import torch
 
 from rltrain.models.lora import PEFT_PREFIX
 from rltrain.refit import RefitReceiver, join_refit_group
-from rltrain.refit.base import RefitGroup, RefitStats, bucket_checksum
+from rltrain.refit.base import RefitGroup, RefitStats, bucket_checksum, unpack_bucket
 from rltrain.rollout.vllm_landing import VllmLanding, build_landing
 
 
@@ -144,10 +144,13 @@ class RefitWorkerExtension:
         m = receiver.manifest
         if self._rltrain_lora is not None:
             tensors = {}
-            for sent_version, name, tensor in receiver.receive():
+            for sent_version, bucket, flat in receiver.receive_buckets():
                 versions.add(sent_version)
-                # a copy: the receive buffer is reused for the next bucket
-                tensors[PEFT_PREFIX + name] = tensor.detach().to("cpu", copy=True)
+                # one host copy of the whole bucket (the receive buffer is reused for the
+                # next one), not one synchronous copy per adapter tensor
+                host = flat[: bucket.numel].detach().to("cpu", copy=True)
+                for name, tensor in unpack_bucket(bucket, host):
+                    tensors[PEFT_PREFIX + name] = tensor
             (version,) = versions
             t_land = time.perf_counter()
             self._rltrain_add_adapter(tensors, version)
