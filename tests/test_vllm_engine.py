@@ -379,6 +379,22 @@ def test_lora_dual_stream_resolves_for_lora_on_gpus_only():
     assert lora_dual_stream(off, "cuda") is False
 
 
+def test_lora_dual_stream_variable_is_set_and_removed(monkeypatch):
+    """On: vLLM's variable is set for the engine process; off: removed (vLLM's one stream),
+    whatever the environment held before."""
+    import os
+
+    from rltrain import env
+
+    name = env.VLLM_LORA_DUAL_STREAM.name
+    monkeypatch.setenv(name, "0")
+    env.apply(env.VLLM_LORA_DUAL_STREAM)
+    assert os.environ[name] == "1"
+    env.unset(env.VLLM_LORA_DUAL_STREAM)
+    assert name not in os.environ
+    env.unset(env.VLLM_LORA_DUAL_STREAM)  # absent: nothing to do
+
+
 def test_request_seeds_resolve_per_device_and_reach_the_sampling_params():
     """``rollout.vllm.request_seeds=null``: a seed per request on CPU, none on GPUs (vLLM's
     sampler then draws every row's noise at once from the engine's seeded generator); an

@@ -49,12 +49,8 @@ VLLM_LORA_DUAL_STREAM = EnvVar(
     "1",
     "set in a vLLM rollout replica's process before its engine starts, for LoRA on GPUs with "
     "rollout.vllm.lora_dual_stream on (the default there): vLLM's engine process, started "
-    "after, runs each layer's LoRA kernels on a second CUDA stream beside the base GEMM",
-)
-VLLM_LORA_ONE_STREAM = EnvVar(
-    "VLLM_LORA_ENABLE_DUAL_STREAM",
-    "0",
-    "the same variable with rollout.vllm.lora_dual_stream off: one stream",
+    "after, runs each layer's LoRA kernels on a second CUDA stream beside the base GEMM; "
+    "removed there with the key off (vLLM's default: one stream)",
 )
 TRIAL_UNBUFFERED = EnvVar(
     "PYTHONUNBUFFERED",
@@ -84,7 +80,6 @@ REGISTRY: tuple[EnvVar, ...] = (
     HUB_OFFLINE,
     TRITON_FP32_IEEE,
     VLLM_LORA_DUAL_STREAM,
-    VLLM_LORA_ONE_STREAM,
     TRIAL_UNBUFFERED,
     *SANDBOX_ENV,
 )
@@ -93,6 +88,12 @@ REGISTRY: tuple[EnvVar, ...] = (
 def apply(*variables: EnvVar) -> None:
     """Set ``variables`` in this process's environment."""
     os.environ.update({v.name: v.value for v in variables})
+
+
+def unset(*variables: EnvVar) -> None:
+    """Remove ``variables`` from this process's environment (the library's default then)."""
+    for v in variables:
+        os.environ.pop(v.name, None)
 
 
 def child_env(*variables: EnvVar, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -231,7 +231,7 @@ class VLLMEngine(VLLMTurns):
             # vLLM's own LoRA path: the adapter of each refit is applied by its LoRA kernels.
             dual = lora_dual_stream(self.cfg, self.device)
             if dual is not None:  # read by the engine process, started below
-                env.apply(env.VLLM_LORA_DUAL_STREAM if dual else env.VLLM_LORA_ONE_STREAM)
+                (env.apply if dual else env.unset)(env.VLLM_LORA_DUAL_STREAM)
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"] = vllm_lora_rank(lo.rank)
             kwargs["max_loras"] = 1
