@@ -81,8 +81,13 @@ def parse_args() -> argparse.Namespace:
         "not rerun them (a later file's part replaces an earlier one's)",
     )
     p.add_argument("--parity-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="extra key=value overrides for both loops (logger.profile_step=3, ...)",
+    )
     args = p.parse_args()
-    args.eager, args.overrides = False, []
+    args.eager = False
     if args.smoke:
         args.steps = 3 if "--steps" not in sys.argv else args.steps
         args.max_new_tokens = 16 if "--max-new-tokens" not in sys.argv else args.max_new_tokens
