@@ -349,3 +349,21 @@ def test_inductor_blocks_never_recompile_on_cuda(case):
         assert len({s for s, _ in seen}) >= 2 and len(set(segments)) >= 4
     else:
         assert len({s for s, _ in seen}) >= 4
+
+
+def test_lora_blocks_compile_as_often_as_full(monkeypatch):
+    """A LoRA policy (frozen embeddings) compiles its blocks as often as full fine-tuning:
+    block 0's input requires grad like every later block's, so the training pass builds
+    one graph, not a second one for block 0 (a recompile of forward and backward)."""
+    from tests.test_train_step import _cfg
+
+    counts = {}
+    for name, extra in (("full", {}), ("lora", {"train.lora.rank": 4})):
+        worker = _policy(_cfg(**BASE, **extra), monkeypatch, "eager")
+        assert worker.lora == (name == "lora")
+        metrics, _, _ = run_steps(worker)
+        worker.shutdown()
+        _assert_built_once(metrics)
+        counts[name] = (metrics[0]["compile/compiles"], metrics[0]["compile/recompiles"])
+        torch._dynamo.reset()
+    assert counts["lora"] == counts["full"], counts

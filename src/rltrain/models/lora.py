@@ -160,6 +160,24 @@ def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> l
     return wrapped
 
 
+def _embeddings_need_grad(module: nn.Module, args: object, output: torch.Tensor) -> None:  # noqa: ARG001
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
+def blocks_see_grad_inputs(model: nn.Module) -> None:
+    """Make the input embeddings' output require grad while grad is enabled (the frozen
+    embedding of a LoRA model gives one that does not). The first decoder block then gets
+    an input like every later block's, so compiled blocks share one graph: otherwise
+    ``requires_grad`` differs between block 0's input and the others' and every block
+    variant compiles twice (a recompile of forward and backward in the first step). The
+    gradient reaching the embeddings' output is dropped: they stay frozen."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if isinstance(emb, nn.Module):
+        emb.register_forward_hook(_embeddings_need_grad)
+
+
 def head_weight(model: nn.Module) -> torch.Tensor:
     """The LM head's weight [V, H] as the policy applies it: with an adapter on the head,
     ``W + scale x B A`` (:meth:`LoRALinear.merged_weight`), else the weight itself."""

@@ -31,7 +31,7 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
-from rltrain.models.lora import freeze_base, head_weight, inject_lora
+from rltrain.models.lora import blocks_see_grad_inputs, freeze_base, head_weight, inject_lora
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -197,6 +197,7 @@ class ShardedModel:
         torch.manual_seed(self.cfg.seed)
         inject_lora(model, self.cfg.train.lora, lora_targets(self.cfg))
         freeze_base(model, TORCH_DTYPES[self.cfg.precision.param_dtype])
+        blocks_see_grad_inputs(model)
 
     def _shard(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         if self.compiled is None:  # the policy (or critic) decides; a reference model follows
