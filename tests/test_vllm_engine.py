@@ -507,6 +507,46 @@ def test_the_model_class_is_inspected_in_the_replicas_process():
     assert registry._run_in_subprocess is original
 
 
+_FIRST_IMPORT_CHECK = """
+import sys
+from rltrain.rollout import vllm_engine
+
+class Stop(Exception):
+    pass
+
+def submit(self, coro):
+    coro.close()
+    print("TRANSFORMERS_AT_SUBMIT", "transformers" in sys.modules, flush=True)
+    raise Stop
+
+vllm_engine._EventLoop.submit = submit
+cfg = vllm_engine.RunConfig()
+cfg.model.path = sys.argv[1]
+cfg.model.blocked_tokens = []
+try:
+    vllm_engine.VLLMEngine(cfg)
+except Stop:
+    pass
+"""
+
+
+def test_transformers_is_imported_before_the_engine_builds_beside_the_tokenizer(tmp_path):
+    """The early build (a model folder, no blocked tokens) runs beside the tokenizer's read:
+    transformers is imported before the build starts, in a fresh interpreter, so the two
+    threads never make its first import at once (its lazy module failed that way)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_IMPORT_CHECK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert "TRANSFORMERS_AT_SUBMIT True" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
 def test_an_engine_from_a_model_folder_builds_while_its_tokenizer_loads(tmp_path):
     """A model folder without blocked tokens: the engine starts building before the replica
     reads its tokenizer, and then serves as any other (greedy tokens equal the trainer's

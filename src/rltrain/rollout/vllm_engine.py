@@ -116,6 +116,17 @@ class _EventLoop:
         self.thread.join(timeout=10)
 
 
+def import_shared_libraries() -> None:
+    """Import transformers (and huggingface_hub with it) in the calling thread, before the
+    engine's build and the tokenizer's read run side by side: both import them, and a
+    first import of transformers' lazy module from two threads at once can fail
+    ("cannot import name 'PretrainedConfig' from 'transformers'", seen on a GPU host)."""
+    import transformers
+
+    for name in ("PretrainedConfig", "AutoConfig", "AutoTokenizer"):
+        getattr(transformers, name)
+
+
 class VLLMEngine(VLLMTurns):
     """One rollout replica backed by ``vllm.AsyncLLM``. ``generate`` is called by the controller;
     ``init_refit`` once and ``refit_receive`` after every optimizer step by the refit wiring.
@@ -143,6 +154,7 @@ class VLLMEngine(VLLMTurns):
         t_build = time.perf_counter()
         if early:
             self._blocked: set[int] = set()
+            import_shared_libraries()
             building = self._loop.submit(self._build_llm(str(cfg.model.path)))
         t0 = time.perf_counter()
         try:
