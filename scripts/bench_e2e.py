@@ -148,7 +148,11 @@ def parse_args() -> argparse.Namespace:
     )
     g.add_argument("--min-run-s", type=float, default=None, help="skip a layout with less left")
     g.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, torch engine")
-    g.add_argument("--no-ray-stop", action="store_true", help="no `ray stop` after a failed run")
+    g.add_argument(
+        "--no-ray-stop",
+        action="store_true",
+        help="leave what a failed run started running (its Ray processes and engines)",
+    )
     g.add_argument("--merge", nargs="+", default=None, help="merge --gpus 2 result files")
     args = p.parse_args()
     if args.gpus > 1 or args.merge:

@@ -9,7 +9,6 @@ the ``--merge`` of several result files. Run through bench_e2e.py's command line
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -29,8 +28,10 @@ from benchlib import (  # noqa: E402
     copy_profile,
     device_slug,
     ensure_qwen_model,
+    kill_marked,
     median,
     micro_tokens,
+    new_run_marker,
     result_paths,
     run_loop,
     write_json,
@@ -326,18 +327,6 @@ def summarize_two_gpu(rows: list[dict], gpu_memory: dict | None) -> dict:
     return out
 
 
-def stop_ray() -> None:
-    """`ray stop --force`: frees the GPUs of a run that was killed or failed (its workers
-    may outlive it). Only on the GPU machine, where the benchmark's runs are the only Ray."""
-    with contextlib.suppress(Exception):
-        subprocess.run(
-            [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-            capture_output=True,
-            env=child_env(),
-            timeout=60,
-        )
-
-
 def run_two_gpu_layout(
     args: argparse.Namespace, algo: str, layout: str, model_dir: Path, work: Path, deadline: float
 ) -> dict:
@@ -373,7 +362,8 @@ def run_two_gpu_layout(
         f"[{algo}_{layout}] run (timeout {timeout_s:.0f} s): rltrain {algo} " + " ".join(run_ov),
         flush=True,
     )
-    loop = run_loop(run_ov, run_dir, timeout_s, algo=algo)
+    marker = new_run_marker()
+    loop = run_loop(run_ov, run_dir, timeout_s, algo=algo, marker=marker)
     if profile := copy_profile(run_dir, args.out, f"{algo}_{layout}"):
         entry["profile"] = profile  # logger.profile_step among the overrides
     gpu_memory = (loop.get("run_summary") or {}).get("gpu_memory")
@@ -404,8 +394,10 @@ def run_two_gpu_layout(
         entry["error"] = ("CUDA out of memory: " if oom else "") + tail[-4000:]
     else:
         entry["status"] = "ok"
-    if entry["status"] != "ok" and not args.dry_run and not args.no_ray_stop:
-        stop_ray()
+    if entry["status"] != "ok" and not args.no_ray_stop:
+        # what the failed run left behind (Ray's processes, engines) holds its GPUs; other
+        # runs on the machine (a benchmark beside this one) carry other markers
+        entry["killed_after_failure"] = len(kill_marked(marker))
     entry["figures"] = summarize_two_gpu(loop["rows"], gpu_memory) if loop["rows"] else None
     if entry["figures"] is not None:
         entry["figures"]["memory"] = entry["memory"]

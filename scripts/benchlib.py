@@ -220,6 +220,50 @@ def child_env(**extra: str) -> dict[str, str]:
     }
 
 
+# Set in a benchmarked run's environment (a value of its own): every process the run starts
+# inherits it (Ray's daemons and workers, the engines' processes), so what a failed run
+# leaves behind can be found without touching another run on the machine.
+RUN_MARKER = "RLTRAIN_BENCH_RUN"
+
+
+def new_run_marker() -> str:
+    """A fresh value for :data:`RUN_MARKER`."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
+    """The processes (Linux ``/proc``) whose environment holds ``RUN_MARKER=marker``, this
+    one excluded. Processes whose environment cannot be read are skipped."""
+    needle = b"\0" + f"{RUN_MARKER}={marker}".encode() + b"\0"
+    me, out = os.getpid(), []
+    for d in proc.iterdir() if proc.is_dir() else ():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in b"\0" + env + b"\0":
+            out.append(int(d.name))
+    return out
+
+
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process of the run marked ``marker`` (:func:`marked_pids`): frees the
+    GPUs of a run that failed or was stopped while its workers outlive it, and leaves other
+    runs on the machine alone. Returns the pids signalled."""
+    import signal
+
+    killed = []
+    for pid in marked_pids(marker):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
 def cli_command(*args: str) -> list[str]:
     """``python -m rltrain.cli <args>`` with this interpreter."""
     return [sys.executable, "-m", "rltrain.cli", *args]
@@ -328,6 +372,7 @@ def run_loop(
     timeout_s: float,
     explain_recompiles: bool = False,
     algo: str = "grpo",
+    marker: str | None = None,
 ) -> dict:
     """`rltrain <algo> <overrides>` in a subprocess; its output goes to run_dir/run.log.
 
@@ -335,7 +380,10 @@ def run_loop(
     metrics rows it logged), then SIGKILL after INTERRUPT_GRACE_S (run_cli);
     ``returncode`` is None and ``timed_out`` true.
     """
-    env = child_env(**({"TORCH_LOGS": "recompiles"} if explain_recompiles else {}))
+    extra = {"TORCH_LOGS": "recompiles"} if explain_recompiles else {}
+    if marker is not None:  # RUN_MARKER: what the run starts can be found (kill_marked)
+        extra[RUN_MARKER] = marker
+    env = child_env(**extra)
     run = run_cli([algo, *overrides], timeout_s, log=run_dir / "run.log", env=env)
     out: dict = {"returncode": run.returncode, "wall_s": round(run.wall_s, 1)}
     if run.timed_out:

@@ -238,3 +238,28 @@ def test_bench_two_gpu_layouts_plan_as_intended(tmp_path, algo, layout):
         assert got["roles"]["value"]["processes"] == (2 if layout == "dp2" else 1)
     assert got["roles"]["policy"]["processes"] == (2 if layout == "dp2" else 1)
     assert got["refit"] == ("nccl" if layout == "split" else "ipc")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="reads Linux /proc")
+def test_a_failed_runs_processes_are_killed_and_no_other_runs():
+    """After a failed layout, the benchmark kills the processes that carry its run's marker
+    (Ray's daemons and workers inherit it) and leaves another run's alone."""
+    import os
+    import subprocess
+
+    bench = _script("benchlib")
+    mine, other = bench.new_run_marker(), bench.new_run_marker()
+    wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]  # runs until stdin closes
+    procs = {
+        m: subprocess.Popen(wait, stdin=subprocess.PIPE, env={**os.environ, bench.RUN_MARKER: m})
+        for m in (mine, other)
+    }
+    try:
+        assert bench.marked_pids(mine) == [procs[mine].pid]
+        assert bench.kill_marked(mine) == [procs[mine].pid]
+        assert procs[mine].wait(timeout=60) == -9
+        assert procs[other].poll() is None and bench.marked_pids(other) == [procs[other].pid]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=60)
