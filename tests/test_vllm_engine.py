@@ -36,8 +36,12 @@ def _cfg() -> RunConfig:
 
 @pytest.fixture(scope="module")
 def engine():
+    from rltrain.rollout.vllm_core import start_core_server
     from rltrain.rollout.vllm_engine import VLLMEngine
 
+    # As in a replica's actor: the engine core is forked from this process's server (every
+    # test of this module then checks an engine whose core started that way).
+    start_core_server("cpu")
     # vLLM's CPU worker replaces torch.set_num_threads and lowers the thread count for the
     # whole process (harmless in a replica's actor); give later tests of this session both back.
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -490,6 +494,19 @@ def test_sampled_logprobs_read_vllms_flat_and_dict_forms():
     assert all(math.isnan(x) for x in sampled_logprobs(ids, None))
     with pytest.raises(RuntimeError, match="logprobs for 3 positions, 2 tokens"):
         sampled_logprobs(ids[:2], flat)
+
+
+def test_the_engine_core_is_forked_from_the_replicas_server(engine):
+    """The engine core (the process that holds the model) is a child of the server the
+    replica started, not of the replica: its imports were done there ahead of the build."""
+    import multiprocessing.forkserver
+
+    import psutil
+
+    server_pid = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    assert server_pid is not None
+    (core,) = engine.llm.engine_core.resources.engine_manager.processes
+    assert psutil.Process(core.pid).ppid() == server_pid != os.getpid()
 
 
 def test_the_model_class_is_inspected_in_the_replicas_process():

@@ -23,7 +23,6 @@ takes their results.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import queue
 import threading
@@ -116,14 +115,6 @@ class WorkerHost:
         from rltrain.logging.gpu_memory import process_gpu_memory
 
         return process_gpu_memory()
-
-    def preload(self, modules: tuple[str, ...]) -> float:
-        """Import ``modules`` ahead of :meth:`build` (start-up overlaps them with other roles'
-        builds); returns the seconds it took."""
-        t0 = time.perf_counter()
-        for name in modules:
-            importlib.import_module(name)
-        return time.perf_counter() - t0
 
     def probe(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in this process, before any worker is built (a question only this
@@ -326,9 +317,6 @@ class Actor(Generic[W]):
         """The hosting process's GPU memory (:meth:`WorkerHost.gpu_memory`)."""
         return Pending(self.handle.gpu_memory.remote(), self.name)
 
-    def preload(self, modules: tuple[str, ...]) -> Pending[float]:
-        return Pending(self.handle.preload.remote(modules), self.name)
-
     def probe(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Pending[R]:
         """``fn(*args)`` in the actor's process, before its worker is built
         (:meth:`WorkerHost.probe`)."""
@@ -490,9 +478,6 @@ class LocalActor(Actor[W]):
 
     def gpu_memory(self) -> Pending[dict[str, float]]:
         return self._run(self.host.gpu_memory)
-
-    def preload(self, modules: tuple[str, ...]) -> Pending[float]:
-        return self._run(self.host.preload, modules)
 
     def kill(self) -> None:
         self.host.worker = None

@@ -30,7 +30,7 @@ from rltrain.config.resolved import reference_on_critic
 from rltrain.config.schema import RunConfig
 from rltrain.plan import RunPlan
 from rltrain.refit.base import RefitGroup, RefitStats
-from rltrain.rollout import ENGINE_PRELOAD, engine_class, sizes_from_free_memory
+from rltrain.rollout import engine_class, preload_engine, sizes_from_free_memory
 from rltrain.rollout.base import Engine
 from rltrain.train.distributed import DistEnv
 from rltrain.train.policy_worker import PolicyWorker
@@ -229,7 +229,7 @@ class Workers:
             )
             if mismatch is not None:
                 raise WorkerError(f"start-up: {mismatch}")
-        preload = [a.preload(ENGINE_PRELOAD[cfg.rollout.engine]) for a in rollout_actors]
+        preload = [a.probe(preload_engine, cfg.rollout.engine, plan.device) for a in rollout_actors]
         t0 = time.perf_counter()
         host, port = wait_all([policy_actors[0].endpoint()], self.timeout, "start-up")[0]
         collective_s = cfg.cluster.collective_timeout_s

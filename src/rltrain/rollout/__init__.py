@@ -16,6 +16,25 @@ ENGINE_PRELOAD: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm", "rltrain.rollout.vllm_engine"),
 }
 
+
+def preload_engine(name: str, device: str) -> float:
+    """In a rollout actor, ahead of building its engine: a vLLM replica starts the server
+    its engine core will be forked from (:mod:`rltrain.rollout.vllm_core`: the core's
+    imports run there meanwhile), then the engine's modules are imported here. Returns the
+    seconds it took."""
+    import importlib
+    import time
+
+    t0 = time.perf_counter()
+    if name == "vllm":
+        from rltrain.rollout.vllm_core import start_core_server
+
+        start_core_server(device)
+    for module in ENGINE_PRELOAD[name]:
+        importlib.import_module(module)
+    return time.perf_counter() - t0
+
+
 EngineClass = Callable[["RunConfig", str, int, int], "Engine"]
 
 

@@ -66,6 +66,7 @@ from rltrain.models.lora import peft_adapter_config
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
+from rltrain.rollout.vllm_core import cores_from_server
 from rltrain.rollout.vllm_settings import (
     colocated_kv_cache_bytes,
     compilation_config,
@@ -282,7 +283,7 @@ class VLLMEngine(VLLMTurns):
         # The batch defaults of vLLM's offline LLM class (H100/H200: up to 1024 sequences and
         # 16384 tokens a step), not those of an engine behind a server (128 sequences): a
         # step's 256 rows otherwise decode in two waves, half as fast.
-        with model_inspection_in_process():
+        with model_inspection_in_process(), cores_from_server():
             return AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
             )

@@ -1,0 +1,49 @@
+"""The engine core's process forked from a server (``rollout/vllm_core.py``): it runs with
+the starting process's environment of the moment it starts, and vLLM's own way comes
+back after the build."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+
+from rltrain.rollout import vllm_core
+
+
+def _report(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(f"{os.environ.get('RLTRAIN_TEST_CORE_VAR', '')} {os.getppid()}")
+
+
+def test_a_core_gets_the_environment_of_its_start_and_is_forked_by_the_server(
+    tmp_path, monkeypatch
+):
+    multiprocessing.forkserver.ensure_running()
+    server_pid = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    out = tmp_path / "core.txt"
+    proc = vllm_core._CoreProcess(target=_report, args=(str(out),))
+    # set after the server started and after the process object was made: vLLM sets
+    # variables for its core between the two, and the core must see them
+    monkeypatch.setenv("RLTRAIN_TEST_CORE_VAR", "set-late")
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    var, parent = out.read_text().split()
+    assert var == "set-late"
+    assert int(parent) == server_pid != os.getpid()
+
+
+def test_vllms_way_is_back_after_the_build(monkeypatch):
+    from vllm.v1.engine import utils
+
+    original = utils.get_mp_context
+    monkeypatch.setattr(vllm_core, "_started", False)
+    with vllm_core.cores_from_server():  # no server in this process: vLLM's own way
+        assert utils.get_mp_context is original
+    monkeypatch.setattr(vllm_core, "_started", True)
+    with vllm_core.cores_from_server():
+        ctx = utils.get_mp_context()
+        assert ctx.Process is vllm_core._CoreProcess
+        assert ctx.Queue is not None  # the rest as the forkserver context has it
+    assert utils.get_mp_context is original
