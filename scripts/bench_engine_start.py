@@ -57,7 +57,31 @@ COMPARES = {
 }
 
 
-def build_once(mode: str, device: str, model_dir: str | None) -> None:
+def decode_tokens_per_s(
+    engine, rows: int, new_tokens: int, prompt_len: int, calls: int = 2
+) -> float:
+    """Tokens per second of the engine's last of ``calls`` generate calls: ``rows`` prompts
+    of ``prompt_len`` random token ids each, ``new_tokens`` sampled per row (the first
+    call warms)."""
+    import random
+
+    from rltrain.rollout.base import SamplingParams
+
+    rng = random.Random(0)
+    vocab = min(len(engine.tokenizer), 20_000)
+    low = min(100, vocab // 2)  # past the special tokens of a real vocabulary
+    prompts = [[rng.randrange(low, vocab) for _ in range(prompt_len)] for _ in range(rows)]
+    rate = 0.0
+    for call in range(calls):
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=call))
+        rate = sum(map(len, out.response_ids)) / (time.perf_counter() - t0)
+    return rate
+
+
+def build_once(
+    mode: str, device: str, model_dir: str | None, rows: int = 0, new_tokens: int = 0
+) -> None:
     """In this (fresh) process: build one engine and print its build seconds (and, for the
     core's start, the seconds from the replica's preload to the built engine)."""
     import contextlib
@@ -88,8 +112,14 @@ def build_once(mode: str, device: str, model_dir: str | None) -> None:
     engine = vllm_engine.VLLMEngine(cfg, device=device)
     built = time.perf_counter() - t0
     ready = time.perf_counter() - t_ready
+    run: dict[str, object] = {"mode": mode, "build_s": built, "ready_s": ready}
+    if rows:
+        # 100-token prompts (GSM8K's are 100-200); the embedded model holds 64 positions
+        run["tokens_per_s"] = decode_tokens_per_s(
+            engine, rows, new_tokens, 100 if model_dir else 16
+        )
     engine.shutdown()
-    print("BUILD " + json.dumps({"mode": mode, "build_s": built, "ready_s": ready}), flush=True)
+    print("BUILD " + json.dumps(run), flush=True)
 
 
 def main() -> None:
@@ -98,36 +128,55 @@ def main() -> None:
     p.add_argument("--model-dir", default=None, help="model folder (default: the embedded model)")
     p.add_argument("--compare", choices=sorted(COMPARES), default="inspection")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--warmup", type=int, default=0, help="builds first, not counted (a fresh host's caches)"
+    )
+    p.add_argument(
+        "--generate-rows",
+        type=int,
+        default=0,
+        help="after each build, decode this many rows and record tokens/s (0: off)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--build", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.build:
-        build_once(args.build, args.device, args.model_dir)
+        build_once(args.build, args.device, args.model_dir, args.generate_rows, args.max_new_tokens)
         return
     modes, result_name, figure = COMPARES[args.compare]
     runs = []
-    for r in range(args.rounds):
-        for mode in modes if r % 2 == 0 else modes[::-1]:
-            with tempfile.TemporaryDirectory(prefix="bench-engine-start-") as cache:
-                cmd = [sys.executable, __file__, "--build", mode, "--device", args.device]
-                cmd += ["--model-dir", args.model_dir] if args.model_dir else []
-                t0 = time.perf_counter()
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, env=child_env(VLLM_CACHE_ROOT=cache)
-                )
-                wall = time.perf_counter() - t0
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("BUILD ")), None)
-            if proc.returncode != 0 or line is None:
-                sys.exit(
-                    f"error: the {mode} build failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
-                )
-            run = {**json.loads(line[len("BUILD ") :]), "process_wall_s": wall, "round": r}
-            print(json.dumps(run), flush=True)
-            runs.append(run)
-    med = {m: median(x[figure] for x in runs if x["mode"] == m) for m in modes}
+    # (round, mode): warm-up builds (round -1, not counted), then the modes alternating
+    schedule = [(-1, modes[1])] * args.warmup + [
+        (r, mode) for r in range(args.rounds) for mode in (modes if r % 2 == 0 else modes[::-1])
+    ]
+    for r, mode in schedule:
+        with tempfile.TemporaryDirectory(prefix="bench-engine-start-") as cache:
+            cmd = [sys.executable, __file__, "--build", mode, "--device", args.device]
+            cmd += ["--model-dir", args.model_dir] if args.model_dir else []
+            cmd += ["--generate-rows", str(args.generate_rows)]
+            cmd += ["--max-new-tokens", str(args.max_new_tokens)]
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, env=child_env(VLLM_CACHE_ROOT=cache)
+            )
+            wall = time.perf_counter() - t0
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("BUILD ")), None)
+        if proc.returncode != 0 or line is None:
+            sys.exit(f"error: the {mode} build failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        run = {**json.loads(line[len("BUILD ") :]), "process_wall_s": wall, "round": r}
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+    counted = [x for x in runs if x["round"] >= 0]
+    med = {m: median(x[figure] for x in counted if x["mode"] == m) for m in modes}
     assert all(v is not None for v in med.values())
     summary = {f"{figure}_{m}": med[m] for m in modes}
     summary["saved_s"] = med[modes[0]] - med[modes[1]]  # type: ignore[operator]
+    if args.generate_rows:  # the engine's decoding after each way of starting
+        for m in modes:
+            summary[f"tokens_per_s_{m}"] = median(
+                x["tokens_per_s"] for x in counted if x["mode"] == m
+            )
     device, name = (cpu_slug(), cpu_description()) if args.device == "cpu" else device_slug()
     result = result_doc("scripts/bench_engine_start.py", device, name, args, runs=runs)
     result["summary"] = summary
