@@ -149,7 +149,7 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--min-run-s", type=float, default=None, help="skip a layout with less left")
     g.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, torch engine")
     g.add_argument(
-        "--no-ray-stop",
+        "--keep-failed-processes",
         action="store_true",
         help="leave what a failed run started running (its Ray processes and engines)",
     )

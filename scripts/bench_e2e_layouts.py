@@ -394,7 +394,7 @@ def run_two_gpu_layout(
         entry["error"] = ("CUDA out of memory: " if oom else "") + tail[-4000:]
     else:
         entry["status"] = "ok"
-    if entry["status"] != "ok" and not args.no_ray_stop:
+    if entry["status"] != "ok" and not args.keep_failed_processes:
         # what the failed run left behind (Ray's processes, engines) holds its GPUs; other
         # runs on the machine (a benchmark beside this one) carry other markers
         entry["killed_after_failure"] = len(kill_marked(marker))
