@@ -87,6 +87,12 @@ def build_once(
     import contextlib
 
     t_ready = time.perf_counter()
+    from rltrain.config.compose import compose
+
+    overrides = ["rollout=vllm", f"cluster.device={device}", "rollout.colocated=false"]
+    if model_dir:
+        overrides += ["model=qwen2.5-1.5b-instruct", f"model.path={model_dir}"]
+    cfg, _ = compose(overrides, algorithm="grpo")
     if mode == "core_spawn":  # what vLLM does in a Ray actor; the replica's imports alone
         import importlib
 
@@ -98,16 +104,11 @@ def build_once(
     elif mode == "core_forkserver":  # the replica's preload: the server, then the imports
         from rltrain.rollout import preload_engine
 
-        preload_engine("vllm", device)
+        preload_engine(cfg, device)
     import rltrain.rollout.vllm_engine as vllm_engine
-    from rltrain.config.compose import compose
 
     if mode == "inspect_subprocess":  # vLLM's own way: a fresh interpreter inspects
         vllm_engine.model_inspection_in_process = contextlib.nullcontext  # type: ignore[assignment]
-    overrides = ["rollout=vllm", f"cluster.device={device}", "rollout.colocated=false"]
-    if model_dir:
-        overrides += ["model=qwen2.5-1.5b-instruct", f"model.path={model_dir}"]
-    cfg, _ = compose(overrides, algorithm="grpo")
     t0 = time.perf_counter()
     engine = vllm_engine.VLLMEngine(cfg, device=device)
     built = time.perf_counter() - t0

@@ -47,3 +47,23 @@ def test_vllms_way_is_back_after_the_build(monkeypatch):
         assert ctx.Process is vllm_core._CoreProcess
         assert ctx.Queue is not None  # the rest as the forkserver context has it
     assert utils.get_mp_context is original
+
+
+def test_a_replica_of_one_gpu_starts_the_server_and_tensor_parallel_keeps_vllms_way(
+    monkeypatch,
+):
+    import rltrain.rollout as rollout
+    from rltrain.config.schema import RunConfig
+
+    started: list[str] = []
+    monkeypatch.setattr(vllm_core, "start_core_server", started.append)
+    monkeypatch.setitem(rollout.ENGINE_PRELOAD, "vllm", ())
+    cfg = RunConfig()
+    cfg.rollout.engine = "vllm"
+    rollout.preload_engine(cfg, "cuda")
+    assert started == ["cuda"]
+    cfg.rollout.tp = 2  # the core starts workers of its own: vLLM's own start
+    rollout.preload_engine(cfg, "cuda")
+    cfg.rollout.tp, cfg.rollout.engine = 1, "torch"
+    rollout.preload_engine(cfg, "cpu")
+    assert started == ["cuda"]

@@ -229,7 +229,7 @@ class Workers:
             )
             if mismatch is not None:
                 raise WorkerError(f"start-up: {mismatch}")
-        preload = [a.probe(preload_engine, cfg.rollout.engine, plan.device) for a in rollout_actors]
+        preload = [a.probe(preload_engine, cfg, plan.device) for a in rollout_actors]
         t0 = time.perf_counter()
         host, port = wait_all([policy_actors[0].endpoint()], self.timeout, "start-up")[0]
         collective_s = cfg.cluster.collective_timeout_s

@@ -17,16 +17,20 @@ ENGINE_PRELOAD: dict[str, tuple[str, ...]] = {
 }
 
 
-def preload_engine(name: str, device: str) -> float:
-    """In a rollout actor, ahead of building its engine: a vLLM replica starts the server
-    its engine core will be forked from (:mod:`rltrain.rollout.vllm_core`: the core's
-    imports run there meanwhile), then the engine's modules are imported here. Returns the
-    seconds it took."""
+def preload_engine(cfg: RunConfig, device: str) -> float:
+    """In a rollout actor, ahead of building its engine: a vLLM replica of one GPU starts
+    the server its engine core will be forked from (:mod:`rltrain.rollout.vllm_core`: the
+    core's imports run there meanwhile), then the engine's modules are imported here.
+    Returns the seconds it took.
+
+    With ``rollout.tp`` > 1 vLLM's engine core starts workers of its own, one per GPU; that
+    layout keeps vLLM's own start (a fork of the core there is not measured on GPUs)."""
     import importlib
     import time
 
     t0 = time.perf_counter()
-    if name == "vllm":
+    name = cfg.rollout.engine
+    if name == "vllm" and cfg.rollout.tp == 1:
         from rltrain.rollout.vllm_core import start_core_server
 
         start_core_server(device)
