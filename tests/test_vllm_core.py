@@ -1,52 +1,88 @@
 """The engine core's process forked from a server (``rollout/vllm_core.py``): it runs with
-the starting process's environment of the moment it starts, and vLLM's own way comes
-back after the build."""
+the server's imports and the starting process's environment of the moment it starts, and
+vLLM's own way comes back after the build or when the server has ended."""
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import sys
+
+import pytest
 
 from rltrain.rollout import vllm_core
 
+SWAP_ME = "own"  # an attribute for vllm_attr_swapped to swap
+
 
 def _report(path: str) -> None:
+    import huggingface_hub.constants as hub
+
     with open(path, "w") as f:
-        f.write(f"{os.environ.get('RLTRAIN_TEST_CORE_VAR', '')} {os.getppid()}")
+        f.write(
+            f"{os.environ.get('RLTRAIN_TEST_CORE_VAR', '')} {os.getppid()} "
+            f"{'vllm.v1.engine.core' in sys.modules} {hub.HF_HUB_OFFLINE}"
+        )
 
 
-def test_a_core_gets_the_environment_of_its_start_and_is_forked_by_the_server(
+def test_a_core_is_forked_by_the_server_with_its_imports_and_the_environment_of_its_start(
     tmp_path, monkeypatch
 ):
-    multiprocessing.forkserver.ensure_running()
+    vllm_core.start_core_server("cpu")
     server_pid = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     out = tmp_path / "core.txt"
     proc = vllm_core._CoreProcess(target=_report, args=(str(out),))
-    # set after the server started and after the process object was made: vLLM sets
-    # variables for its core between the two, and the core must see them
+    # Set after the server started and after the process object was made: vLLM sets
+    # variables for its core between the two, and the core must see them; the hub's
+    # offline mode is also read once at import, which the server did.
+    offline_at_start = os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     monkeypatch.setenv("RLTRAIN_TEST_CORE_VAR", "set-late")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0" if offline_at_start else "1")
     proc.start()
-    proc.join(60)
+    proc.join(120)
     assert proc.exitcode == 0
-    var, parent = out.read_text().split()
+    var, parent, preloaded, offline = out.read_text().split()
     assert var == "set-late"
     assert int(parent) == server_pid != os.getpid()
+    assert preloaded == "True"  # imported by the server before the fork
+    assert offline == str(not offline_at_start)
 
 
-def test_vllms_way_is_back_after_the_build(monkeypatch):
+def test_vllms_way_is_back_after_the_build_and_without_a_live_server(monkeypatch):
     from vllm.v1.engine import utils
 
     original = utils.get_mp_context
-    monkeypatch.setattr(vllm_core, "_started", False)
-    with vllm_core.cores_from_server():  # no server in this process: vLLM's own way
-        assert utils.get_mp_context is original
-    monkeypatch.setattr(vllm_core, "_started", True)
+    vllm_core.start_core_server("cpu")
     with vllm_core.cores_from_server():
         ctx = utils.get_mp_context()
         assert ctx.Process is vllm_core._CoreProcess
         assert ctx.Queue is not None  # the rest as the forkserver context has it
     assert utils.get_mp_context is original
+    monkeypatch.setattr(vllm_core, "_server_alive", lambda: False)
+    with vllm_core.cores_from_server():  # the server ended: vLLM's own way
+        assert utils.get_mp_context is original
+    monkeypatch.setattr(vllm_core, "_started", False)
+    with vllm_core.cores_from_server():  # no server in this process
+        assert utils.get_mp_context is original
+
+
+def test_overlapping_swaps_restore_the_attribute_once_the_last_ends():
+
+    me = sys.modules[__name__]
+    first = vllm_core.vllm_attr_swapped(__name__, "SWAP_ME", "swapped")
+    second = vllm_core.vllm_attr_swapped(__name__, "SWAP_ME", "swapped")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first build ends while the second runs
+    assert me.SWAP_ME == "swapped"
+    second.__exit__(None, None, None)
+    assert me.SWAP_ME == "own"
+    with pytest.raises(RuntimeError), vllm_core.vllm_attr_swapped(__name__, "SWAP_ME", "x"):
+        raise RuntimeError("a failed build")
+    assert me.SWAP_ME == "own"
+    with vllm_core.vllm_attr_swapped(__name__, "NOT_THERE", "x"):  # nothing to swap
+        assert not hasattr(me, "NOT_THERE")
 
 
 def test_a_replica_of_one_gpu_starts_the_server_and_tensor_parallel_keeps_vllms_way(

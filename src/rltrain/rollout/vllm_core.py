@@ -11,30 +11,36 @@ imports the engine core's modules while the replica imports vLLM, reads its toke
 builds vLLM's config; the engine core is then forked from it (:func:`cores_from_server`)
 with its imports done. The server never touches CUDA, so the fork is safe, and it is not a
 Ray worker: the core it forks is the same process vLLM's ``spawn`` would have made, minus
-the imports.
+the imports. Should the server die (an import of its preload failing with anything but an
+ImportError ends it), engines start their core vLLM's own way.
 
 A forkserver's children inherit the server's environment, not the replica's: the replica
 sets variables for the engine core after the server started (``env.VLLM_PICKLE_RPC``, the
 LoRA stream, the hub's offline mode), so each core takes the replica's environment as it
-was when vLLM started it (:class:`_CoreProcess`).
+was when vLLM started it, and the one value the server's imports read from it at import
+time (huggingface_hub's offline mode) is read again (:func:`_run_with_env`).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["core_modules", "cores_from_server", "server_started", "start_core_server"]
+__all__ = ["core_modules", "cores_from_server", "start_core_server", "vllm_attr_swapped"]
 
-# What the engine core imports before it can build a model, per device: the main module
-# (which a child of a forkserver or of spawn runs again unless the server has it: a Ray
-# worker's entry point), vLLM's engine core and executor, and the platform's worker.
+log = logging.getLogger(__name__)
+
+# What the engine core imports before it can build a model, per device: vLLM's engine core
+# and executor, and the platform's worker (torch comes with them).
 _CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor")
 _WORKER_MODULES = {"cuda": "vllm.v1.worker.gpu_worker", "cpu": "vllm.v1.worker.cpu_worker"}
 
@@ -43,9 +49,8 @@ _started = False
 
 
 def core_modules(device: str) -> list[str]:
-    """The modules the server imports ahead of the engine core on ``device`` (``__main__``:
-    multiprocessing's name for the main module, guarded by its ``__name__`` check)."""
-    return ["__main__", "torch", *_CORE_MODULES, _WORKER_MODULES[device]]
+    """The modules the server imports ahead of the engine core on ``device``."""
+    return ["torch", *_CORE_MODULES, _WORKER_MODULES[device]]
 
 
 def start_core_server(device: str) -> float:
@@ -64,16 +69,29 @@ def start_core_server(device: str) -> float:
     return time.perf_counter() - t0
 
 
-def server_started() -> bool:
-    """Whether :func:`start_core_server` ran in this process."""
-    return _started
+def _server_alive() -> bool:
+    """Whether this process's forkserver still runs (it ends if an import of its preload
+    raises anything but an ImportError)."""
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return False
+    try:
+        ended, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return ended == 0
 
 
-def _run_with_env(env: dict[str, str], target: Callable[..., Any], args: tuple, **kwargs: Any):
+def _run_with_env(env: dict[str, str], target: Callable[..., Any], args: tuple, /, **kwargs: Any):
     """In the forked core: the replica's environment of the moment it started the core,
     then vLLM's own entry point."""
     os.environ.clear()
     os.environ.update(env)
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:  # read once when the server imported it
+        offline = env.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+        hub.HF_HUB_OFFLINE = offline  # type: ignore[attr-defined]
     return target(*args, **kwargs)
 
 
@@ -100,11 +118,55 @@ class _CoreContext:
         return getattr(multiprocessing.get_context("forkserver"), name)
 
 
+# (module, attribute) -> [vLLM's own value, how many blocks swapped it in]
+_swapped: dict[tuple[str, str], list[Any]] = {}
+
+
+@contextmanager
+def vllm_attr_swapped(module: str, name: str, value: Any) -> Iterator[None]:
+    """While the block runs, ``module.name`` (an attribute of a vLLM module) is ``value``;
+    vLLM's own comes back when the last of the blocks that swapped it in (engines built by
+    several threads at once) ends. Where vLLM lacks the module or the attribute nothing
+    changes."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        yield
+        return
+    key = (module, name)
+    with _lock:
+        if key not in _swapped:
+            original = getattr(mod, name, None)
+            if original is not None:
+                _swapped[key] = [original, 0]
+                setattr(mod, name, value)
+        swapped = key in _swapped
+        if swapped:
+            _swapped[key][1] += 1
+    if not swapped:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with _lock:
+            _swapped[key][1] -= 1
+            if _swapped[key][1] == 0:
+                setattr(mod, name, _swapped.pop(key)[0])
+
+
 @contextmanager
 def cores_from_server() -> Iterator[None]:
     """While an engine is built: its engine core is forked from this process's server, when
-    :func:`start_core_server` started one (else vLLM starts it its own way)."""
+    :func:`start_core_server` started one and it runs (else vLLM starts it its own way)."""
     if not _started:
+        yield
+        return
+    if not _server_alive():
+        log.warning(
+            "the replica's engine-core server has ended (an import of its preload failed: "
+            "its log is this actor's); vLLM starts the engine core its own way (spawn)"
+        )
         yield
         return
     try:
@@ -112,12 +174,12 @@ def cores_from_server() -> Iterator[None]:
     except ImportError:
         yield
         return
-    original = getattr(utils, "get_mp_context", None)
-    if original is None:  # a vLLM that starts its core some other way: nothing to change
+    own = getattr(utils, "get_mp_context", None)
+
+    def from_server() -> _CoreContext:
+        if own is not None:
+            own()  # vLLM's side effects (the variables it sets for its processes)
+        return _CoreContext()
+
+    with vllm_attr_swapped("vllm.v1.engine.utils", "get_mp_context", from_server):
         yield
-        return
-    utils.get_mp_context = _CoreContext  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        utils.get_mp_context = original  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ import torch
 from rltrain.config.schema import RunConfig
 from rltrain.models.shapes import ModelShape, shape_from_config_json
 from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
+from rltrain.rollout.vllm_core import vllm_attr_swapped
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -135,20 +136,8 @@ def model_inspection_in_process() -> Iterator[None]:
     this one has touched CUDA), so the class is imported and inspected here. Where vLLM
     has no such hook this changes nothing.
     """
-    try:
-        from vllm.model_executor.models import registry
-    except ImportError:
+    with vllm_attr_swapped("vllm.model_executor.models.registry", "_run_in_subprocess", _call):
         yield
-        return
-    original = getattr(registry, "_run_in_subprocess", None)
-    if original is None:
-        yield
-        return
-    registry._run_in_subprocess = _call  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        registry._run_in_subprocess = original  # type: ignore[attr-defined]
 
 
 def _call(fn: Callable[[], Any]) -> Any:
