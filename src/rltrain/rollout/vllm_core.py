@@ -178,7 +178,10 @@ def cores_from_server() -> Iterator[None]:
 
     def from_server() -> _CoreContext:
         if own is not None:
-            own()  # vLLM's side effects (the variables it sets for its processes)
+            # vLLM's side effects: the variables it sets for the processes it starts. In a
+            # Ray actor it logs that it must use spawn: that holds for processes its core
+            # starts (none with one GPU), not for the core, forked here.
+            own()
         return _CoreContext()
 
     with vllm_attr_swapped("vllm.v1.engine.utils", "get_mp_context", from_server):
