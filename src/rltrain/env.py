@@ -96,6 +96,25 @@ def unset(*variables: EnvVar) -> None:
         os.environ.pop(v.name, None)
 
 
+def snapshot() -> dict[str, str]:
+    """This process's whole environment as it is now (for a child that is forked from
+    another process: :mod:`rltrain.rollout.vllm_core`)."""
+    return dict(os.environ)
+
+
+def restore(environ: Mapping[str, str]) -> None:
+    """Make this process's environment exactly ``environ`` (a :func:`snapshot`)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def is_on(variable: EnvVar, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``variable`` reads as on in ``environ`` (this process's by default), as
+    libraries read a yes/no variable: 1, on, yes or true."""
+    value = (os.environ if environ is None else environ).get(variable.name, "")
+    return value.upper() in {"1", "ON", "YES", "TRUE"}
+
+
 def child_env(*variables: EnvVar, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment (or ``base``) plus ``variables``, for a child process."""
     return {**(os.environ if base is None else base), **{v.name: v.value for v in variables}}

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from rltrain import env as rl_env
+
 __all__ = ["core_modules", "cores_from_server", "start_core_server", "vllm_attr_swapped"]
 
 log = logging.getLogger(__name__)
@@ -86,12 +88,10 @@ def _server_alive() -> bool:
 def _run_with_env(env: dict[str, str], target: Callable[..., Any], args: tuple, /, **kwargs: Any):
     """In the forked core: the replica's environment of the moment it started the core,
     then vLLM's own entry point."""
-    os.environ.clear()
-    os.environ.update(env)
+    rl_env.restore(env)
     hub = sys.modules.get("huggingface_hub.constants")
     if hub is not None:  # read once when the server imported it
-        offline = env.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-        hub.HF_HUB_OFFLINE = offline  # type: ignore[attr-defined]
+        hub.HF_HUB_OFFLINE = rl_env.is_on(rl_env.HUB_OFFLINE, env)  # type: ignore[attr-defined]
     return target(*args, **kwargs)
 
 
@@ -103,7 +103,7 @@ class _CoreProcess(multiprocessing.context.ForkServerProcess):
     def start(self) -> None:
         # BaseProcess keeps the target and its arguments as _target / _args until start()
         target, args = getattr(self, "_target"), tuple(getattr(self, "_args"))  # noqa: B009
-        self._args = (dict(os.environ), target, args)
+        self._args = (rl_env.snapshot(), target, args)
         self._target = _run_with_env
         super().start()
 
