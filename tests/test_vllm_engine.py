@@ -601,3 +601,43 @@ def test_an_engine_from_a_model_folder_builds_while_its_tokenizer_loads(tmp_path
         eng.shutdown()
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+def test_the_kernel_warmup_samples_with_the_runs_settings(engine, monkeypatch):
+    """``rollout.vllm.warmup=run``: vLLM's warm-up (in the engine's worker process, forked
+    from the replica's server) samples with what the engine's requests ask for, not with
+    every feature vLLM has; ``all`` leaves vLLM's own."""
+    import json
+    from dataclasses import replace
+
+    from vllm.sampling_params import SamplingParams as VLLMSamplingParams
+
+    from rltrain import env
+    from rltrain.rollout.vllm_settings import warmup_sampling
+    from rltrain.rollout.vllm_worker import from_wire
+
+    cfg = engine.cfg
+    (seen,) = [from_wire(b) for b in engine._rpc("rltrain_warmup_sampling")]
+    request = engine._vllm_sampling(SamplingParams(temperature=cfg.rollout.temperature), 5, 4)
+    for key in ("temperature", "top_p", "top_k", "logprobs", "prompt_logprobs", "min_p"):
+        assert seen[key] == getattr(request, key), key
+    assert (seen["seed"] is None) == (request.seed is None)  # seeded where requests are
+
+    hot = replace(cfg, rollout=replace(cfg.rollout, temperature=0.7, top_k=5))
+    assert warmup_sampling(hot, "cuda") == {
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 5,
+        "logprobs": 0,
+    }  # GPUs: the engine's seeded generator, no seed per request
+    vllm_all = replace(hot.rollout.vllm, warmup="all")
+    assert (
+        warmup_sampling(replace(hot, rollout=replace(hot.rollout, vllm=vllm_all)), "cuda") is None
+    )
+
+    # In this process (the module is imported here too): the variable is read at each call.
+    monkeypatch.setenv(env.VLLM_WARMUP_SAMPLING.name, json.dumps(warmup_sampling(hot, "cuda")))
+    assert VLLMSamplingParams.for_sampler_warmup().top_k == 5
+    monkeypatch.delenv(env.VLLM_WARMUP_SAMPLING.name)
+    own = VLLMSamplingParams.for_sampler_warmup()  # vLLM's: every sampling feature
+    assert own.logprobs == 5 and own.min_p > 0 and own.repetition_penalty != 1.0

@@ -52,6 +52,15 @@ VLLM_LORA_DUAL_STREAM = EnvVar(
     "after, runs each layer's LoRA kernels on a second CUDA stream beside the base GEMM; "
     "removed there with the key off (vLLM's default: one stream)",
 )
+VLLM_WARMUP_SAMPLING = EnvVar(
+    "RLTRAIN_VLLM_WARMUP_SAMPLING",
+    "<the run's sampling settings as JSON>",
+    "set in a vLLM rollout replica's process before its engine starts, with "
+    "rollout.vllm.warmup=run (the default); read in vLLM's worker process "
+    "(rltrain.rollout.vllm_worker), where the engine's kernel warm-up then samples with the "
+    "run's settings instead of every sampling feature vLLM has; removed there with "
+    "rollout.vllm.warmup=all",
+)
 TRIAL_UNBUFFERED = EnvVar(
     "PYTHONUNBUFFERED",
     "1",
@@ -80,6 +89,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     HUB_OFFLINE,
     TRITON_FP32_IEEE,
     VLLM_LORA_DUAL_STREAM,
+    VLLM_WARMUP_SAMPLING,
     TRIAL_UNBUFFERED,
     *SANDBOX_ENV,
 )
@@ -88,6 +98,12 @@ REGISTRY: tuple[EnvVar, ...] = (
 def apply(*variables: EnvVar) -> None:
     """Set ``variables`` in this process's environment."""
     os.environ.update({v.name: v.value for v in variables})
+
+
+def apply_value(variable: EnvVar, value: str) -> None:
+    """Set ``variable`` to ``value``, for a variable whose value the run decides (its
+    ``value`` says what it holds)."""
+    os.environ[variable.name] = value
 
 
 def unset(*variables: EnvVar) -> None:

@@ -11,6 +11,8 @@ from rltrain.config.schema import ISLevel, RunConfig
 ENGINE_LOGPROBS = ("all", "sample", "auto")
 # rollout.engine_logprobs=sample: rows 0, n, 2n, ... of a generate call carry logprobs.
 ENGINE_LOGPROB_SAMPLE = 8
+# rollout.vllm.warmup: the run's own sampling, or vLLM's warm-up of every sampling feature.
+VLLM_WARMUPS = ("run", "all")
 
 
 def engine_logprob_stride(cfg: RunConfig, device: str) -> int:

@@ -61,6 +61,12 @@ class VLLMEngineConfig:
     # the base layers' GEMMs (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM), so that a decode step's
     # small adapter kernels overlap the base's. null = auto: on for LoRA on GPUs.
     lora_dual_stream: bool | None = None
+    # vLLM's kernel warm-up at engine start (GPUs, its V2 model runner): run = one pass with
+    # the run's own sampling (rollout.temperature, top_p, top_k, the sampled token's logprob),
+    # so that start-up compiles only the Triton kernels the run samples with; all = vLLM's
+    # own, every sampling feature it has (penalties, min_p, logit bias, bad words, top-5 and
+    # prompt logprobs), each kernel compiled on a host without Triton's cache.
+    warmup: str = "run"
 
 
 @dataclass

@@ -22,6 +22,7 @@ from rltrain.config.objective_checks import validate_objective, validate_ppo
 from rltrain.config.resolved import (
     ENGINE_LOGPROB_SAMPLE,
     ENGINE_LOGPROBS,
+    VLLM_WARMUPS,
     engine_logprob_stride,
     logprobs_while_generating,
 )
@@ -363,6 +364,7 @@ def _validate_vllm(cfg: RunConfig) -> None:
             f"rollout.temperature={cfg.rollout.temperature} is above 2, the most vLLM samples at; "
             "lower it or use rollout=torch."
         )
+    check_choice("rollout.vllm.warmup", v.warmup, VLLM_WARMUPS)
     if v.cpu_kv_cache_gib <= 0:
         raise ConfigError(f"rollout.vllm.cpu_kv_cache_gib={v.cpu_kv_cache_gib} must be > 0.")
     if v.kv_cache_gib is not None and not v.kv_cache_gib > 0:

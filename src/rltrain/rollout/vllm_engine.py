@@ -49,6 +49,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import json
 import tempfile
 import threading
 import time
@@ -76,6 +77,7 @@ from rltrain.rollout.vllm_settings import (
     request_seeds,
     seeds_per_request,
     vllm_lora_rank,
+    warmup_sampling,
 )
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
 from rltrain.rollout.vllm_worker import from_wire, lora_id, to_wire
@@ -251,6 +253,12 @@ class VLLMEngine(VLLMTurns):
         compilation = compilation_config(self.cfg, self.device)
         if compilation is not None:
             kwargs["compilation_config"] = compilation
+        # Read by vLLM's worker process, started below (rltrain.rollout.vllm_worker).
+        warmup = warmup_sampling(self.cfg, self.device)
+        if warmup is None:
+            env.unset(env.VLLM_WARMUP_SAMPLING)
+        else:
+            env.apply_value(env.VLLM_WARMUP_SAMPLING, json.dumps(warmup))
         if self._blocked:
             from rltrain.rollout.vllm_blocked import CONFIG_KEY
 

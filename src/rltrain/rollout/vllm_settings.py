@@ -93,6 +93,26 @@ def seeds_per_request(cfg: RunConfig, device: str) -> bool:
     return device != "cuda" if v is None else v
 
 
+def warmup_sampling(cfg: RunConfig, device: str) -> dict[str, Any] | None:
+    """The sampling settings vLLM's kernel warm-up runs with (``rollout.vllm.warmup``):
+    with ``run``, the run's own, as :meth:`VLLMEngine._vllm_sampling` asks for them (the
+    sampled token's logprob, a seed per request where the run seeds them); None with
+    ``all`` (vLLM's own: every sampling feature, each its own Triton kernels to compile on a
+    host's first run)."""
+    if cfg.rollout.vllm.warmup != "run":
+        return None
+    ro = cfg.rollout
+    params: dict[str, Any] = {
+        "temperature": ro.temperature,
+        "top_p": ro.top_p,
+        "top_k": ro.top_k,
+        "logprobs": 0,
+    }
+    if seeds_per_request(cfg, device):
+        params["seed"] = cfg.seed
+    return params
+
+
 def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:
     """vLLM's ``compilation_config`` from ``rollout.vllm``: None = vLLM's own (eager, or its
     compile pipeline with piecewise CUDA graphs); without ``torch_compile`` (the default)

@@ -11,11 +11,14 @@ With one tensor-parallel rank every received bucket lands straight in vLLM's
 parameters with one fused copy (``vllm_landing.py``); otherwise (CPU, where vLLM
 repacks weights after loading, or layouts the landing does not map) the tensors go
 through the model runner's ``reload_weights`` while later buckets still arrive.
-Nothing here imports vLLM at module level: ``self`` is vLLM's worker.
+``self`` is vLLM's worker; of vLLM, only its sampling parameters are imported at module level.
 
 With LoRA (``train.lora.rank > 0``) every refit is an adapter: its tensors are received
 here and become vLLM's one LoRA adapter, built in memory (``LoRAModel.from_lora_tensors``,
 never a file), with a new id per weight version; the base weights never change.
+
+On import (vLLM imports it into the worker's process) it sets what vLLM's kernel warm-up
+samples with: the run's own settings (:func:`install_warmup_sampling`).
 
 Arguments and results cross as pickles (:func:`to_wire` / :func:`from_wire`): vLLM's
 message encoding turns dataclasses into plain dicts on the way.
@@ -23,6 +26,8 @@ message encoding turns dataclasses into plain dicts on the way.
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import time
 from collections.abc import Iterator
@@ -30,6 +35,7 @@ from typing import Any, cast
 
 import torch
 
+from rltrain import env
 from rltrain.models.lora import PEFT_PREFIX
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats, bucket_checksum, unpack_bucket
@@ -252,8 +258,44 @@ class RefitWorkerExtension:
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora.id)
 
+    def rltrain_warmup_sampling(self) -> bytes:
+        """What vLLM's kernel warm-up samples with in this process (its
+        ``for_sampler_warmup()``), as a dict through :func:`to_wire` (tests)."""
+        from vllm.sampling_params import SamplingParams
+
+        p = SamplingParams.for_sampler_warmup()
+        keys = ("temperature", "top_p", "top_k", "min_p", "logprobs", "prompt_logprobs", "seed")
+        return to_wire({k: getattr(p, k) for k in keys})
+
     def rltrain_named_parameters(self) -> bytes:
         """A CPU copy of every parameter of vLLM's model by vLLM's names, through
         :func:`to_wire` (tests compare them with the trainer's)."""
         model = self._rltrain_model()
         return to_wire({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+
+
+def install_warmup_sampling() -> None:
+    """vLLM's kernel warm-up (its V2 model runner on GPUs, in this process) samples once
+    with ``SamplingParams.for_sampler_warmup()``: every sampling feature vLLM has, each with
+    Triton kernels that a host's first run compiles (seconds each). From here on that
+    returns the run's own settings when the replica set them
+    (``env.VLLM_WARMUP_SAMPLING``, ``rollout.vllm.warmup=run``), read at each call; vLLM's
+    own otherwise. Hand-written: vLLM has no option for what its warm-up samples with."""
+    try:
+        from vllm.sampling_params import SamplingParams
+    except ImportError:
+        return
+    own = SamplingParams.__dict__.get("for_sampler_warmup")
+    if not isinstance(own, staticmethod) or getattr(own.__func__, "_rltrain", False):
+        return  # a vLLM without it, or installed already
+
+    def for_sampler_warmup() -> Any:
+        spec = os.environ.get(env.VLLM_WARMUP_SAMPLING.name)
+        return SamplingParams(**json.loads(spec)) if spec else own.__func__()
+
+    for_sampler_warmup._rltrain = True  # type: ignore[attr-defined]
+    SamplingParams.for_sampler_warmup = staticmethod(for_sampler_warmup)  # type: ignore[method-assign]
+
+
+# This module is what vLLM imports into its worker process (worker_extension_cls).
+install_warmup_sampling()
