@@ -507,6 +507,8 @@ def test_the_engine_core_is_forked_from_the_replicas_server(engine):
     assert server_pid is not None
     (core,) = engine.llm.engine_core.resources.engine_manager.processes
     assert psutil.Process(core.pid).ppid() == server_pid != os.getpid()
+    # how long the core's start waited for the server's imports, among the start-up phases
+    assert 0 <= engine.startup_phases["core_fork_wait_s"] < engine.startup_phases["async_llm_s"]
 
 
 def test_the_model_class_is_inspected_in_the_replicas_process():

@@ -31,6 +31,7 @@ import multiprocessing.forkserver
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +49,8 @@ _WORKER_MODULES = {"cuda": "vllm.v1.worker.gpu_worker", "cpu": "vllm.v1.worker.c
 
 _lock = threading.Lock()
 _started = False
+# Seconds the last core's start waited for the server (the rest of its imports, then the fork).
+last_fork_wait_s: float | None = None
 
 
 def core_modules(device: str) -> list[str]:
@@ -60,8 +63,6 @@ def start_core_server(device: str) -> float:
     background (idempotent); returns the seconds this call took (the server's imports run
     on after it returns)."""
     global _started
-    import time
-
     t0 = time.perf_counter()
     with _lock:
         if not _started:
@@ -101,11 +102,14 @@ class _CoreProcess(multiprocessing.context.ForkServerProcess):
     starting it)."""
 
     def start(self) -> None:
+        global last_fork_wait_s
         # BaseProcess keeps the target and its arguments as _target / _args until start()
         target, args = getattr(self, "_target"), tuple(getattr(self, "_args"))  # noqa: B009
         self._args = (rl_env.snapshot(), target, args)
         self._target = _run_with_env
-        super().start()
+        t0 = time.perf_counter()
+        super().start()  # returns once the server forked: after its own imports are done
+        last_fork_wait_s = time.perf_counter() - t0
 
 
 class _CoreContext:

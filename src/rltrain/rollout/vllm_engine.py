@@ -66,6 +66,7 @@ from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import peft_adapter_config
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
+from rltrain.rollout import vllm_core
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_core import cores_from_server
 from rltrain.rollout.vllm_settings import (
@@ -185,6 +186,8 @@ class VLLMEngine(VLLMTurns):
             building = self._loop.submit(self._build_llm(model_path))
         self.llm: Any = building.result()
         self.startup_phases["async_llm_s"] = time.perf_counter() - t_build
+        if vllm_core.last_fork_wait_s is not None:  # the core came from the replica's server
+            self.startup_phases["core_fork_wait_s"] = vllm_core.last_fork_wait_s
         self._tie = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self._version = 0
         self._calls = 0
@@ -240,6 +243,10 @@ class VLLMEngine(VLLMTurns):
             "max_model_len": v.max_model_len,
             "disable_log_stats": True,
             "worker_extension_cls": "rltrain.rollout.vllm_worker.RefitWorkerExtension",
+            # Token ids in and out (this class holds the run's tokenizer): vLLM then loads
+            # none, neither here nor in its engine core (2 s there on an H100 host, after
+            # the model's warm-up and before the engine answers).
+            "skip_tokenizer_init": True,
         }
         lo = self.cfg.train.lora
         if lo.rank > 0:
