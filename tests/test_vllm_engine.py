@@ -615,12 +615,14 @@ def test_the_kernel_warmup_samples_with_the_runs_settings(engine, monkeypatch):
     from vllm.sampling_params import SamplingParams as VLLMSamplingParams
 
     from rltrain import env
-    from rltrain.rollout.vllm_settings import warmup_sampling
+    from rltrain.loops.collect import sampling_params
+    from rltrain.rollout.vllm_settings import set_warmup_env, warmup_sampling
     from rltrain.rollout.vllm_worker import from_wire
 
     cfg = engine.cfg
     (seen,) = [from_wire(b) for b in engine._rpc("rltrain_warmup_sampling")]
-    request = engine._vllm_sampling(SamplingParams(temperature=cfg.rollout.temperature), 5, 4)
+    # what a step's rows ask for: the run's sampling settings, as the loop builds them
+    request = engine._vllm_sampling(sampling_params(cfg), 5, 4)
     for key in ("temperature", "top_p", "top_k", "logprobs", "prompt_logprobs", "min_p"):
         assert seen[key] == getattr(request, key), key
     assert (seen["seed"] is None) == (request.seed is None)  # seeded where requests are
@@ -637,9 +639,24 @@ def test_the_kernel_warmup_samples_with_the_runs_settings(engine, monkeypatch):
         warmup_sampling(replace(hot, rollout=replace(hot.rollout, vllm=vllm_all)), "cuda") is None
     )
 
-    # In this process (the module is imported here too): the variable is read at each call.
-    monkeypatch.setenv(env.VLLM_WARMUP_SAMPLING.name, json.dumps(warmup_sampling(hot, "cuda")))
+    # In this process too (the replica imports the module): what an engine built next would
+    # pass its core, read at each call. run: the run's settings; all: vLLM's own.
+    monkeypatch.setenv(env.VLLM_WARMUP_SAMPLING.name, "{}")  # restored after the test
+    set_warmup_env(hot, "cuda")
+    assert json.loads(os.environ[env.VLLM_WARMUP_SAMPLING.name]) == warmup_sampling(hot, "cuda")
     assert VLLMSamplingParams.for_sampler_warmup().top_k == 5
-    monkeypatch.delenv(env.VLLM_WARMUP_SAMPLING.name)
+    set_warmup_env(replace(hot, rollout=replace(hot.rollout, vllm=vllm_all)), "cuda")
+    assert env.VLLM_WARMUP_SAMPLING.name not in os.environ
     own = VLLMSamplingParams.for_sampler_warmup()  # vLLM's: every sampling feature
     assert own.logprobs == 5 and own.min_p > 0 and own.repetition_penalty != 1.0
+
+
+def test_a_prompt_id_outside_the_vocabulary_fails_its_call_not_the_engine(engine):
+    """vLLM checks no prompt ids without a tokenizer of its own: the engine refuses a row
+    holding an id past the model's vocabulary, names it, and serves the next call."""
+    vocab = engine.llm.model_config.get_vocab_size()
+    (ids,) = _encode(engine, ["a="])
+    with pytest.raises(ValueError, match=f"prompt row 1 holds token id {vocab}, outside"):
+        engine.generate([ids, [*ids, vocab]], SamplingParams(max_new_tokens=2, seed=1))
+    out = engine.generate([ids], SamplingParams(max_new_tokens=2, seed=1))
+    assert 1 <= len(out.response_ids[0]) <= 2

@@ -49,8 +49,9 @@ _WORKER_MODULES = {"cuda": "vllm.v1.worker.gpu_worker", "cpu": "vllm.v1.worker.c
 
 _lock = threading.Lock()
 _started = False
-# Seconds the last core's start waited for the server (the rest of its imports, then the fork).
-last_fork_wait_s: float | None = None
+# The build on this thread (an engine's build runs on its own loop's thread, and vLLM starts
+# the core there): what its core's start recorded (cores_from_server yields it).
+_build = threading.local()
 
 
 def core_modules(device: str) -> list[str]:
@@ -102,14 +103,16 @@ class _CoreProcess(multiprocessing.context.ForkServerProcess):
     starting it)."""
 
     def start(self) -> None:
-        global last_fork_wait_s
         # BaseProcess keeps the target and its arguments as _target / _args until start()
         target, args = getattr(self, "_target"), tuple(getattr(self, "_args"))  # noqa: B009
         self._args = (rl_env.snapshot(), target, args)
         self._target = _run_with_env
         t0 = time.perf_counter()
         super().start()  # returns once the server forked: after its own imports are done
-        last_fork_wait_s = time.perf_counter() - t0
+        record = getattr(_build, "record", None)
+        if record is not None:
+            # the request's pickling (vLLM's config), the server's imports left, the fork
+            record["fork_wait_s"] = time.perf_counter() - t0
 
 
 class _CoreContext:
@@ -160,23 +163,26 @@ def vllm_attr_swapped(module: str, name: str, value: Any) -> Iterator[None]:
 
 
 @contextmanager
-def cores_from_server() -> Iterator[None]:
-    """While an engine is built: its engine core is forked from this process's server, when
-    :func:`start_core_server` started one and it runs (else vLLM starts it its own way)."""
+def cores_from_server() -> Iterator[dict[str, float]]:
+    """While an engine is built (on the calling thread): its engine core is forked from this
+    process's server, when :func:`start_core_server` started one and it runs (else vLLM
+    starts it its own way). Yields the build's record: ``fork_wait_s``, the seconds the
+    core's start took, once a core came from the server (empty otherwise)."""
+    record: dict[str, float] = {}
     if not _started:
-        yield
+        yield record
         return
     if not _server_alive():
         log.warning(
             "the replica's engine-core server has ended (an import of its preload failed: "
             "its log is this actor's); vLLM starts the engine core its own way (spawn)"
         )
-        yield
+        yield record
         return
     try:
         from vllm.v1.engine import utils
     except ImportError:
-        yield
+        yield record
         return
     own = getattr(utils, "get_mp_context", None)
 
@@ -188,5 +194,9 @@ def cores_from_server() -> Iterator[None]:
             own()
         return _CoreContext()
 
-    with vllm_attr_swapped("vllm.v1.engine.utils", "get_mp_context", from_server):
-        yield
+    _build.record = record
+    try:
+        with vllm_attr_swapped("vllm.v1.engine.utils", "get_mp_context", from_server):
+            yield record
+    finally:
+        _build.record = None

@@ -49,7 +49,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
-import json
 import tempfile
 import threading
 import time
@@ -66,7 +65,6 @@ from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
 from rltrain.models.lora import peft_adapter_config
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
-from rltrain.rollout import vllm_core
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_core import cores_from_server
 from rltrain.rollout.vllm_settings import (
@@ -77,8 +75,8 @@ from rltrain.rollout.vllm_settings import (
     model_inspection_in_process,
     request_seeds,
     seeds_per_request,
+    set_warmup_env,
     vllm_lora_rank,
-    warmup_sampling,
 )
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
 from rltrain.rollout.vllm_worker import from_wire, lora_id, to_wire
@@ -151,6 +149,8 @@ class VLLMEngine(VLLMTurns):
         self._model_dir: tempfile.TemporaryDirectory | None = None
         self._loop = _EventLoop(f"vllm-replica-{replica_index}")
         self.startup_phases: dict[str, float] = {}
+        # What the engine core's start recorded (vllm_core.cores_from_server), set by the build.
+        self._core_start: dict[str, float] = {}
         # A model folder without blocked tokens: vLLM's engine starts building on its loop
         # while this thread reads the tokenizer (nothing the build is given needs it).
         early = cfg.model.path is not None and not cfg.model.blocked_tokens
@@ -186,8 +186,8 @@ class VLLMEngine(VLLMTurns):
             building = self._loop.submit(self._build_llm(model_path))
         self.llm: Any = building.result()
         self.startup_phases["async_llm_s"] = time.perf_counter() - t_build
-        if vllm_core.last_fork_wait_s is not None:  # the core came from the replica's server
-            self.startup_phases["core_fork_wait_s"] = vllm_core.last_fork_wait_s
+        if "fork_wait_s" in self._core_start:  # the core came from the replica's server
+            self.startup_phases["core_fork_wait_s"] = self._core_start["fork_wait_s"]
         self._tie = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self._version = 0
         self._calls = 0
@@ -261,11 +261,9 @@ class VLLMEngine(VLLMTurns):
         if compilation is not None:
             kwargs["compilation_config"] = compilation
         # Read by vLLM's worker process, started below (rltrain.rollout.vllm_worker).
-        warmup = warmup_sampling(self.cfg, self.device)
-        if warmup is None:
-            env.unset(env.VLLM_WARMUP_SAMPLING)
-        else:
-            env.apply_value(env.VLLM_WARMUP_SAMPLING, json.dumps(warmup))
+        # (Engines built at once by one process share its environment, as they do vLLM's own
+        # variables: each core reads it when it starts.)
+        set_warmup_env(self.cfg, self.device)
         if self._blocked:
             from rltrain.rollout.vllm_blocked import CONFIG_KEY
 
@@ -298,7 +296,7 @@ class VLLMEngine(VLLMTurns):
         # The batch defaults of vLLM's offline LLM class (H100/H200: up to 1024 sequences and
         # 16384 tokens a step), not those of an engine behind a server (128 sequences): a
         # step's 256 rows otherwise decode in two waves, half as fast.
-        with model_inspection_in_process(), cores_from_server():
+        with model_inspection_in_process(), cores_from_server() as self._core_start:
             return AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
             )
@@ -348,8 +346,6 @@ class VLLMEngine(VLLMTurns):
     async def _generate(
         self, prompt_ids: list[list[int]], sampling: SamplingParams, base: int, on_row: OnRow | None
     ) -> list[_Row]:
-        from vllm.inputs import TokensPrompt
-
         def params(i: int, seed: int) -> Any:
             p = self._vllm_sampling(sampling, seed, sampling.max_new_tokens)
             if i % self._logprob_stride:
@@ -377,7 +373,7 @@ class VLLMEngine(VLLMTurns):
                 for i, (rid, prompt, seed) in enumerate(
                     zip(request_ids, prompt_ids, seeds, strict=True)
                 ):
-                    prompt_in = TokensPrompt(prompt_token_ids=list(prompt))
+                    prompt_in = self._tokens_prompt(prompt, f"prompt row {i}")
                     collectors.append(
                         await self.llm.add_request(
                             rid, prompt_in, params(i, seed), lora_request=self._lora_request

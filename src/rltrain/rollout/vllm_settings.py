@@ -5,12 +5,14 @@ builds the engine from them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from rltrain import env
 from rltrain.config.schema import RunConfig
 from rltrain.models.shapes import ModelShape, shape_from_config_json
 from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
@@ -111,6 +113,16 @@ def warmup_sampling(cfg: RunConfig, device: str) -> dict[str, Any] | None:
     if seeds_per_request(cfg, device):
         params["seed"] = cfg.seed
     return params
+
+
+def set_warmup_env(cfg: RunConfig, device: str) -> None:
+    """Before an engine starts: pass :func:`warmup_sampling` to vLLM's worker process through
+    ``env.VLLM_WARMUP_SAMPLING`` (removed with ``rollout.vllm.warmup=all``)."""
+    warmup = warmup_sampling(cfg, device)
+    if warmup is None:
+        env.unset(env.VLLM_WARMUP_SAMPLING)
+    else:
+        env.apply_value(env.VLLM_WARMUP_SAMPLING, json.dumps(warmup))
 
 
 def compilation_config(cfg: RunConfig, device: str) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,23 @@ class VLLMTurns:
 
     def _check_awake(self) -> None:
         raise NotImplementedError
+
+    def _tokens_prompt(self, prompt_ids: Iterable[int], what: str) -> Any:
+        """vLLM's prompt of ``prompt_ids``, refused if an id is outside the model's vocabulary:
+        vLLM loads no tokenizer here (``skip_tokenizer_init``), so it checks no ids, and on a GPU
+        an id past the embedding fails the engine core itself, not the one request."""
+        from vllm.inputs import TokensPrompt
+
+        ids = list(prompt_ids)
+        vocab = self.llm.model_config.get_vocab_size()
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(
+                f"rollout replica {self.replica_index}: {what} holds token id {bad}, outside the "
+                f"model's vocabulary ({vocab} ids); the tokenizer (model.tokenizer) or the "
+                "environment that built it does not match the model (model.path)"
+            )
+        return TokensPrompt(prompt_token_ids=ids)
 
     def _vllm_sampling(self, sampling: SamplingParams, seed: int | None, max_tokens: int) -> Any:
         """vLLM's sampling parameters for one request (one row, or one turn of an episode)."""
@@ -180,8 +197,6 @@ class VLLMTurns:
         on_row: OnTurn,
     ) -> tuple[int, int, int]:
         """(turns, prompt tokens, of which cached) of one session, on the engine's loop."""
-        from vllm.inputs import TokensPrompt
-
         request_ids: list[str] = []
         tasks: set[asyncio.Task[None]] = set()
         counts = [0, 0, 0]
@@ -207,7 +222,7 @@ class VLLMTurns:
                     params = self._vllm_sampling(sampling, req.seed, req.max_new_tokens)
                     if req.key % self._logprob_stride:
                         params.logprobs = None  # outside the logprob sample: NaN logprobs
-                    prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+                    prompt = self._tokens_prompt(req.prompt_ids, f"turn {req.key}'s prompt")
                     # LoRA: every turn runs with the adapter of the last refit.
                     collector = await self.llm.add_request(
                         rid, prompt, params, lora_request=self._lora_request

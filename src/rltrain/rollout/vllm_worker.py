@@ -297,5 +297,6 @@ def install_warmup_sampling() -> None:
     SamplingParams.for_sampler_warmup = staticmethod(for_sampler_warmup)  # type: ignore[method-assign]
 
 
-# This module is what vLLM imports into its worker process (worker_extension_cls).
+# vLLM imports this module into its worker process (worker_extension_cls), where the warm-up
+# runs; the replica imports it too (harmless there: it runs no warm-up).
 install_warmup_sampling()
