@@ -21,6 +21,8 @@ refit's receiving end lives there too (``vllm_worker.py``, called through
 How it stays on-policy with the trainer:
 
 * token ids in (``TokensPrompt``), token ids and one logprob per sampled token out;
+  vLLM loads no tokenizer of its own (``skip_tokenizer_init``), so the engine checks
+  prompt ids against the model's vocabulary itself;
 * ``logprobs_mode="processed_logprobs"``: logprobs after temperature and the
   blocked-token mask, i.e. the distribution ``algorithms/logprobs.py`` scores
   (vLLM's default, raw logprobs, ignores the temperature); blocked tokens are
