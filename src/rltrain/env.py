@@ -124,6 +124,11 @@ def restore(environ: Mapping[str, str]) -> None:
     os.environ.update(environ)
 
 
+def value(variable: EnvVar) -> str | None:
+    """``variable``'s value in this process's environment (None when unset)."""
+    return os.environ.get(variable.name)
+
+
 def is_on(variable: EnvVar, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``variable`` reads as on in ``environ`` (this process's by default), as
     libraries read a yes/no variable: 1, on, yes or true."""

@@ -187,6 +187,7 @@ class VLLMEngine(VLLMTurns):
             t_build = time.perf_counter()
             building = self._loop.submit(self._build_llm(model_path))
         self.llm: Any = building.result()
+        self.vocab_size = self.llm.model_config.get_vocab_size()
         self.startup_phases["async_llm_s"] = time.perf_counter() - t_build
         if "fork_wait_s" in self._core_start:  # the core came from the replica's server
             self.startup_phases["core_fork_wait_s"] = self._core_start["fork_wait_s"]

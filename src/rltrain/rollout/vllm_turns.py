@@ -64,6 +64,7 @@ class VLLMTurns:
 
     # Owned by VLLMEngine.
     llm: Any
+    vocab_size: int  # the model's, read once the engine is built
     _loop: Any  # the engine's _EventLoop
     _partial: bool
     _request_seeds: bool  # each request carries its seed (rollout.vllm.request_seeds)
@@ -88,7 +89,7 @@ class VLLMTurns:
         from vllm.inputs import TokensPrompt
 
         ids = list(prompt_ids)
-        vocab = self.llm.model_config.get_vocab_size()
+        vocab = self.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(

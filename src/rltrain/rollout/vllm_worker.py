@@ -27,7 +27,6 @@ message encoding turns dataclasses into plain dicts on the way.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import time
 from collections.abc import Iterator
@@ -290,7 +289,7 @@ def install_warmup_sampling() -> None:
         return  # a vLLM without it, or installed already
 
     def for_sampler_warmup() -> Any:
-        spec = os.environ.get(env.VLLM_WARMUP_SAMPLING.name)
+        spec = env.value(env.VLLM_WARMUP_SAMPLING)
         return SamplingParams(**json.loads(spec)) if spec else own.__func__()
 
     for_sampler_warmup._rltrain = True  # type: ignore[attr-defined]
