@@ -249,6 +249,9 @@ def exposed_parts(steady: list[dict]) -> dict:
         # the policy ranks' own time in logprob passes (policy rank 0, GPU-synced), and
         # what the controller waited on top of it (transfer, queueing, gathering)
         "passes_worker_s": med("time/passes_worker"),
+        # the critic ranks' own time in passes (values, its copy of the reference), those
+        # that ran while the engines generated included
+        "critic_passes_worker_s": med("time/value_passes_worker"),
         "logprobs_wait_over_worker_s": median(
             [
                 r["time/logprobs"] - r["time/passes_worker"]

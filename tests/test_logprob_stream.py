@@ -357,8 +357,10 @@ def test_the_last_rows_reference_is_shared_when_the_policy_also_runs_its_old_log
     for i in (5, 0, 3, 1, 4, 2):
         stream.add(i, prompts[i], responses[i])
     stream.caught_up()
-    assert [c.rows for c in stream.chunks] == [[5, 0, 3], [1, 4, 2]]
-    assert critic.calls == [(3, False), (3, True), (3, False)]  # values + reference, values
+    # the values of every row, then the reference split: the critic's half now, the
+    # policy's once generation ended
+    assert [c.rows for c in stream.chunks] == [[5, 0, 3, 1, 4, 2], [5, 0, 3], [1, 4, 2]]
+    assert critic.calls == [(6, False), (3, True)]
     assert policy.calls == []
     rollout = RolloutBatch(prompts, responses, [[0.0] * 2] * 6, [True] * 6, 0)
     batch = build_train_batch(rollout, 0)
@@ -374,3 +376,101 @@ def test_the_last_rows_reference_is_shared_when_the_policy_also_runs_its_old_log
     want_kl = kl_estimate(got.old_logprobs_BT, ref, cfg.algorithm.kl_estimator) * mask
     assert torch.equal(got.kl_BT, want_kl)
     assert torch.equal(stream.finish(batch, ("values",))["values"], _Policy._pass(batch, "values"))
+
+
+class _BusyCritic(_Policy):
+    """A critic whose calls stay unanswered (:meth:`Later.ready` false) until ``answer``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+        self.names: list[tuple[int, tuple[str, ...]]] = []  # (rows, names) per call
+
+    def submit_passes(self, batch, names) -> Later[list[torch.Tensor]]:
+        done = super().submit_passes(batch, names)
+        call = self.submits
+        self.names.append((batch.size, tuple(names)))
+        return Later(done.result, lambda: self.answered >= call)
+
+    def answer(self) -> None:
+        self.answered = self.submits
+
+
+def test_a_busy_critic_gets_the_reference_of_later_rows_only_as_far_as_the_two_gpus_even_out():
+    """PPO with the KL penalty in the reward: a chunk whose rows come while the critic is
+    still on an earlier call sends it only their values; their reference pass is held back,
+    and goes to it once it has answered. At the end the held rows and the last ones are
+    split so that the critic (its calls not yet answered, the last values, its share) and
+    the policy (its old logprobs on every row, the rest) have the same tokens to go. The
+    passes assemble to the whole batch's."""
+    from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.step import logprob_stream, old_and_reference_logprobs
+    from rltrain.train.batch import build_train_batch
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        rollout="vllm",
+        **{
+            "algorithm.name": "ppo",
+            "algorithm.adv_estimator": "gae",
+            "algorithm.kl_coef": 0.01,
+            "algorithm.kl_in_reward": True,
+            "algorithm.prompts_per_step": 16,
+            "algorithm.samples_per_prompt": 1,
+        },
+    )
+
+    def run(answer_before_last: bool):
+        ctx, policy, _ = _critic_apart_ctx(cfg)
+        critic = _BusyCritic()
+        ctx.value = critic
+        stream = logprob_stream(ctx, need_old=True)  # type: ignore[arg-type]
+        assert stream is not None and stream.share_last and stream.chunk_rows == 2
+        prompts = [[3, 4]] * 16
+        responses = [[5 + i % 3, 6] for i in range(16)]  # 4 tokens a row, 64 in the step
+        for i in (0, 1):  # the critic is idle: values and reference in one call
+            stream.add(i, prompts[i], responses[i])
+        stream.caught_up()
+        for i in (2, 3):  # busy: the values alone, the reference held back
+            stream.add(i, prompts[i], responses[i])
+        stream.caught_up()
+        assert critic.names == [(2, ("values", "reference")), (2, ("values",))]
+        assert [r for r, _, _ in stream.held] == [2, 3]
+        critic.answer()
+        for i in (4, 5):  # idle again: the held rows' reference, then the new rows' passes
+            stream.add(i, prompts[i], responses[i])
+        stream.caught_up()
+        assert critic.names[2:] == [(2, ("reference",)), (2, ("values", "reference"))]
+        assert stream.held == []
+        for i in (6, 7):
+            stream.add(i, prompts[i], responses[i])
+        stream.caught_up()  # held: rows 6 and 7
+        if answer_before_last:
+            critic.answer()
+        for i in range(8, 16):  # the last rows, together when generation ends
+            stream.add(i, prompts[i], responses[i])
+        stream.caught_up()
+        rollout = RolloutBatch(prompts, responses, [[0.0] * 2] * 16, [True] * 16, 0)
+        batch = build_train_batch(rollout, 0)
+        mask = batch.response_mask_BT
+        got = old_and_reference_logprobs(ctx, batch, mask, True, StageTimer(), stream)  # type: ignore[arg-type]
+        critic.answer()
+        assert torch.equal(got.old_logprobs_BT, _Policy._pass(batch, "logprobs"))
+        every = stream.finish(batch)
+        for name in ("values", "reference"):
+            assert torch.equal(every[name], _Policy._pass(batch, name))
+        assert stream.streamed_rows == 16
+        return critic, policy
+
+    # Answered before the end: the critic has the last 8 rows' values (32 tokens) to go;
+    # the policy 64 (old logprobs) + the pool (rows 6-15, 40 tokens) - x: x = 36 tokens,
+    # the first 9 rows of the pool to the critic, the last one to the policy.
+    critic, policy = run(answer_before_last=True)
+    assert critic.names[-2:] == [(8, ("values",)), (9, ("reference",))]
+    assert policy.calls == [(16, False), (1, True)]
+    # Still busy at the end: rows 2-3's reference (8 tokens), rows 4-5's values and
+    # reference (16), rows 6-7's values (8) and the last values (32) are unanswered, 64
+    # tokens: x = (64 + 40 - 64) / 2 = 20, 5 rows.
+    critic, policy = run(answer_before_last=False)
+    assert critic.names[-2:] == [(8, ("values",)), (5, ("reference",))]
+    assert policy.calls == [(16, False), (5, True)]

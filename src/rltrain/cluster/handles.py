@@ -16,7 +16,7 @@ from typing import Generic, NamedTuple, TypeVar, cast
 
 import torch
 
-from rltrain.cluster.actors import Actor, Pending, WorkerError, wait_all
+from rltrain.cluster.actors import Actor, Pending, WorkerError, ready, wait_all
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult, ValueBatch
 from rltrain.train.fsdp import Accumulated, FSDPTrainer
 from rltrain.train.packing import balance_by_tokens, row_lengths
@@ -68,12 +68,18 @@ class Streamed(NamedTuple):
 class Later(Generic[R]):
     """A gang's call in flight (its ranks already working); :meth:`result` waits for it and
     puts the ranks' answers together (once: later calls give the same answer). Lets the
-    controller run another gang meanwhile."""
+    controller run another gang meanwhile. ``ready`` (None: a call that ran already) tells,
+    without waiting, whether every rank has answered."""
 
-    def __init__(self, finish: Callable[[], R]) -> None:
+    def __init__(self, finish: Callable[[], R], ready: Callable[[], bool] | None = None) -> None:
         self.finish = finish
+        self._ready = ready
         self._done = False
         self._value: R | None = None
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return without waiting on the ranks."""
+        return self._done or self._ready is None or self._ready()
 
     def result(self) -> R:
         if not self._done:
@@ -184,7 +190,7 @@ class TrainerGang(Generic[T]):
                 for k in range(len(names))
             ]
 
-        return Later(gather)
+        return Later(gather, lambda: len(ready(pending, 0.0)) == len(pending))
 
     def export_hf(self, path: str, metadata: dict) -> str:
         """The model as an HF folder at ``path`` (rank 0 writes it); returns the path."""

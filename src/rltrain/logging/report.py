@@ -28,6 +28,7 @@ NESTED_TIMERS = frozenset(
         "time/generate_engine",
         "time/train_worker",
         "time/passes_worker",
+        "time/value_passes_worker",
         "time/engine_sleep_wait",
         "time/step",
     }

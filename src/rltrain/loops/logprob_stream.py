@@ -30,7 +30,7 @@ attend only to themselves), up to the kernels' rounding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -69,6 +69,8 @@ class _Chunk:
     batch: TrainBatch | None  # kept while a target waits for the end of generation
     # per target: its passes' names and, once submitted, their results (in that order)
     parts: list[tuple[PassTarget, Later[list[torch.Tensor]] | None]]
+    # rows whose other passes went out in an earlier chunk (a shared pass held back)
+    shared_only: bool = False
 
 
 @dataclass
@@ -84,13 +86,21 @@ class LogprobStream:
     GPUs share what is left after generation.
 
     ``share_last``: the policy also runs a pass of its own over every row once generation
-    ends (the old logprobs, where the policy's GPU holds the engine). The last chunk then
-    splits in two: its first rows, up to half the step's tokens, go to ``targets`` (the
-    critic's reference pass beside its values), the rest to ``last_targets``. A pass costs
-    about the same per token on either model, so the critic (values on the last rows + the
-    reference on half the step's tokens) and the policy (the old logprobs on every row +
-    the reference on the rest) end together: where every row ends with generation (the
-    last chunk is the step), each GPU runs 1.5 passes' worth instead of 1 and 2."""
+    ends (the old logprobs, where the policy's GPU holds the engine), and a pass that
+    ``targets`` give one gang (the critic's copy of the reference) is the policy's in the
+    last chunk (``after_generation``): a shared pass. Its rows are then placed so that the
+    two GPUs end together once generation is over:
+
+    - while the engines generate, a chunk's shared pass goes to the critic only when the
+      critic has answered every call it was given (:meth:`Later.ready`); rows that come
+      while it is busy are held back (its values still go at once), and go to it as soon as
+      it is idle again;
+    - the step's last rows and whatever is still held form the pool of the end. The critic
+      takes its first rows, as many tokens as make its work (the calls it has not answered,
+      the last rows' values, these rows) equal to the policy's (the own pass on every row,
+      the rest of the pool), the policy the rest. A pass costs about the same per token on
+      either model. Where every row ends with generation (the last chunk is the step), each
+      GPU runs 1.5 passes' worth instead of 1 and 2."""
 
     targets: tuple[PassTarget, ...]
     pad_id: int
@@ -102,6 +112,8 @@ class LogprobStream:
     share_last: bool = False
     added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # rows whose shared pass waits for the critic to be idle (``share_last``)
+    held: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
     # Controller seconds spent building and submitting the chunks (inside the generate stage).
     submit_s: float = 0.0
@@ -137,7 +149,7 @@ class LogprobStream:
     @property
     def streamed_rows(self) -> int:
         """Rows whose passes were submitted before :meth:`finish`."""
-        return sum(len(c.rows) for c in self.chunks)
+        return sum(len(c.rows) for c in self.chunks if not c.shared_only)
 
     def add(self, row: int, prompt_ids: list[int], response_ids: list[int]) -> None:
         """Row ``row`` of the step (its index in the rollout) has finished."""
@@ -152,31 +164,111 @@ class LogprobStream:
         last = self.expected_rows > 0 and self.added >= self.expected_rows
         if self.active and self.pending and (len(self.pending) >= self.chunk_rows or last):
             self._submit(last)
+        elif self.held:  # rows held back for a busy critic: out once it is idle
+            shared = self._shared()
+            if shared is not None and self._idle(shared[0].gang):
+                t0 = time.perf_counter()
+                self._release(shared[0])
+                self.submit_s += time.perf_counter() - t0
 
     def _submit(self, last: bool) -> None:
         t0 = time.perf_counter()
         rows, self.pending = self.pending, []
-        if last and self.share_last:
-            # the step's tokens: the chunks out so far and these rows
-            step_tokens = sum(sum(c.lengths) for c in self.chunks)
-            step_tokens += sum(len(p) + len(r) for _, p, r in rows)
-            room, cut = step_tokens / 2, 0
-            while cut < len(rows) and len(rows[cut][1]) + len(rows[cut][2]) <= room:
-                room -= len(rows[cut][1]) + len(rows[cut][2])
-                cut += 1
-            if cut:
-                self._send(rows[:cut], self.targets)
-            if cut < len(rows):
-                self._send(rows[cut:], self.last_targets)
-        else:
+        shared = self._shared() if self.share_last else None
+        if shared is None:
             self._send(rows, self.last_targets if last else self.targets)
+        elif last:
+            self._end(rows, *shared)
+        elif self._idle(shared[0].gang):
+            self._release(shared[0])
+            self._send(rows, self.targets)  # every pass, one call per gang
+        else:  # the critic is busy: its other passes now, the shared one held back
+            self._send(rows, self._without(self.targets, shared[0].names))
+            self.held += rows
         self.submit_s += time.perf_counter() - t0
 
+    @staticmethod
+    def _without(
+        targets: tuple[PassTarget, ...] | None, names: tuple[str, ...]
+    ) -> tuple[PassTarget, ...]:
+        """``targets`` without the passes ``names``."""
+        assert targets is not None
+        return tuple(replace(t, names=tuple(n for n in t.names if n not in names)) for t in targets)
+
+    def _release(self, own: PassTarget) -> None:
+        """The held rows' shared pass out to ``own`` (the critic, idle again)."""
+        held, self.held = self.held, []
+        self._send(held, (own,), shared_only=True)
+
+    def _shared(self) -> tuple[PassTarget, PassTarget] | None:
+        """(the target that streams the shared pass, the one that takes it after generation):
+        a name that ``targets`` give one gang and the last chunk another, deferred."""
+        assert self.last_targets is not None
+        for late in self.last_targets:
+            if not late.after_generation:
+                continue
+            for name in late.names:
+                own = next(t for t in self.targets if name in t.names)
+                if own.gang is not late.gang and not own.after_generation:
+                    return replace(own, names=(name,)), replace(late, names=(name,))
+        return None
+
+    def _idle(self, gang: PassGang) -> bool:
+        """Whether ``gang`` has answered every call the stream gave it."""
+        return all(
+            later is None or later.ready()
+            for c in self.chunks
+            for t, later in c.parts
+            if t.gang is gang
+        )
+
+    def _end(
+        self, rows: list[tuple[int, list[int], list[int]]], own: PassTarget, late: PassTarget
+    ) -> None:
+        """The step's last ``rows``: every pass but the shared one as the last chunk does; the
+        shared pass on them and on the held rows split between ``own`` (the critic, now) and
+        ``late`` (the policy, after generation) so that the two end together."""
+        # what the critic was given and has not answered, in tokens times passes
+        busy = sum(
+            sum(c.lengths) * len(t.names)
+            for c in self.chunks
+            for t, later in c.parts
+            if t.gang is own.gang and later is not None and not later.ready()
+        )
+        rest = self._without(self.last_targets, own.names)
+        self._send(rows, rest)
+        # ... and now the last rows' other passes (its values)
+        busy += sum(len(p) + len(r) for _, p, r in rows) * sum(
+            len(t.names) for t in rest if t.gang is own.gang
+        )
+        pool, self.held = self.held + rows, []
+        if not pool:
+            return
+        tokens = [len(p) + len(r) for _, p, r in pool]
+        # every row once: the chunks that carried its other passes
+        step_tokens = sum(sum(c.lengths) for c in self.chunks if not c.shared_only)
+        # the critic: busy + x; the policy: its own pass on every row + the pool's rest - x
+        room = (step_tokens + sum(tokens) - busy) / 2
+        cut = 0
+        while cut < len(pool) and tokens[cut] <= room:
+            room -= tokens[cut]
+            cut += 1
+        self._send(pool[:cut], (own,), shared_only=True)
+        self._send(pool[cut:], (late,), shared_only=True)
+
     def _send(
-        self, rows: list[tuple[int, list[int], list[int]]], targets: tuple[PassTarget, ...] | None
+        self,
+        rows: list[tuple[int, list[int], list[int]]],
+        targets: tuple[PassTarget, ...] | None,
+        shared_only: bool = False,
     ) -> None:
         """One chunk of ``rows`` out to ``targets`` (those that wait for the end of
-        generation: kept for :meth:`finish`)."""
+        generation: kept for :meth:`finish`). ``shared_only``: rows that went out before
+        with their other passes."""
+        assert targets is not None
+        targets = tuple(t for t in targets if t.names)
+        if not rows or not targets:
+            return
         rollout = RolloutBatch(
             prompt_ids=[p for _, p, _ in rows],
             response_ids=[r for _, _, r in rows],
@@ -185,7 +277,6 @@ class LogprobStream:
             weight_version=0,
         )
         batch = build_train_batch(rollout, self.pad_id)
-        assert targets is not None
         parts: list[tuple[PassTarget, Later[list[torch.Tensor]] | None]] = [
             (t, None if t.after_generation else t.gang.submit_passes(batch, t.names))
             for t in targets
@@ -197,6 +288,7 @@ class LogprobStream:
                 [len(p) + len(r) for _, p, r in rows],
                 batch if deferred else None,
                 parts,
+                shared_only,
             )
         )
 
@@ -207,7 +299,7 @@ class LogprobStream:
         and generation ended; submits what waited for that, then waits for the passes still
         running (``names``: only for those). A pass is assembled once: later calls give the
         same tensors."""
-        if self.pending:
+        if self.pending or self.held:
             self._submit(True)
         for chunk in self.chunks:
             if chunk.batch is not None:
@@ -222,18 +314,27 @@ class LogprobStream:
             if name in self._finished or name not in self.names:
                 continue
             full = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+            covered: list[int] = []
             for chunk in self.chunks:
-                target, later = next((t, x) for t, x in chunk.parts if name in t.names)
-                assert later is not None
-                part = later.result()[target.names.index(name)]
-                for r, (i, n) in enumerate(zip(chunk.rows, chunk.lengths, strict=True)):
-                    full[i, :n] = part[r, :n]
+                for target, later in chunk.parts:
+                    if name not in target.names:
+                        continue
+                    assert later is not None
+                    part = later.result()[target.names.index(name)]
+                    for r, (i, n) in enumerate(zip(chunk.rows, chunk.lengths, strict=True)):
+                        full[i, :n] = part[r, :n]
+                    covered += chunk.rows
+            if sorted(covered) != list(range(batch.size)):
+                raise RuntimeError(
+                    f"the stream's {name} pass covers rows {sorted(covered)[:8]}... "
+                    f"({len(covered)}), not each of the step's {batch.size} rows once"
+                )
             self._finished[name] = full
         wanted = self.names if names is None else names
         return {n: self._finished[n] for n in wanted if n in self._finished}
 
     def _check_rows(self, batch: TrainBatch) -> None:
-        got = sorted(i for c in self.chunks for i in c.rows)
+        got = sorted({i for c in self.chunks for i in c.rows})
         if got != list(range(batch.size)):
             raise RuntimeError(
                 f"the pass stream holds rows {got[:8]}... of {len(got)}, not the step's "
