@@ -314,6 +314,14 @@ def test_async_run_learns_and_never_trains_past_the_bound(tmp_path, partial):
     assert sum(r["async/staleness_mean"] for r in rows) > 0  # really asynchronous
     assert all(r["async/buffer_groups"] <= 64 for r in rows)
     assert sum(r["async/overlap_fraction"] for r in rows) / len(rows) > 0.2
+    # Each step times the generate calls that returned in it: the engine's own seconds, and
+    # the waits before and after it, none negative.
+    timed = [r for r in rows if "async/generate_engine_s" in r]
+    assert len(timed) >= steps // 2
+    assert all(r["async/generate_engine_s"] > 0 for r in timed)
+    assert all(
+        r["async/generate_queue_s"] >= 0 and r["async/generate_return_s"] >= 0 for r in timed
+    )
     # It learns: some 10 steps in a row reach an exact match of 0.8; and it keeps it: the
     # last 50 steps hold 0.6 on average. (A partial-rollouts run on the 2-core CI machine
     # reached 0.94 over steps 250-350, then its last 10 steps dipped to 0.47.)

@@ -68,6 +68,10 @@ class AsyncState:
     resubmit: list[tuple[int, list[PromptItem]]] = field(default_factory=list)
     # Engine busy intervals (time.time()) of calls that returned since the last step's end.
     gen_intervals: list[tuple[float, float]] = field(default_factory=list)
+    # Per call that returned since the last :meth:`AsyncController.call_timings`: seconds
+    # from its submission to the engine's start, the engine's own, from its end to the
+    # controller's scoring of it.
+    call_times: list[tuple[float, float, float]] = field(default_factory=list)
 
     def dump(self, in_flight: list[Call]) -> dict[str, Any]:
         """The buffer, counters and the prompts of ``in_flight`` calls, as plain values."""
@@ -308,6 +312,13 @@ class AsyncController:
                 exact = torch.tensor([s.exact_match for s in scored])
             end = rollout.started_at + rollout.engine_seconds
             self.state.gen_intervals.append((rollout.started_at, end))
+            self.state.call_times.append(
+                (
+                    max(0.0, rollout.started_at - call.submitted_wall),
+                    rollout.engine_seconds,
+                    max(0.0, time.time() - end),
+                )
+            )
             self.last_end[call.replica] = max(self.last_end[call.replica], end)
             self.state.waiting += split_groups(rollout, rewards, exact, self.G, call.index, metrics)
         return len(calls)
@@ -338,6 +349,21 @@ class AsyncController:
             if submitted:
                 out.append((max(min(submitted), self.last_end[r], start), end))
         return [(s, e) for s, e in out if e > s]
+
+    def call_timings(self) -> dict[str, float]:
+        """Means over the generate calls that returned since the last call of this:
+        ``async/generate_queue_s`` (submission to the engine's start: a refit or another call
+        ahead of it on the replica), ``async/generate_engine_s`` (the engine's own seconds),
+        ``async/generate_return_s`` (the engine's end to the controller's scoring)."""
+        times, self.state.call_times = self.state.call_times, []
+        if not times:
+            return {}
+        n = len(times)
+        return {
+            "async/generate_queue_s": sum(t[0] for t in times) / n,
+            "async/generate_engine_s": sum(t[1] for t in times) / n,
+            "async/generate_return_s": sum(t[2] for t in times) / n,
+        }
 
     def drain(self) -> None:
         """Wait for every call in flight (its groups join the buffer)."""

@@ -251,6 +251,7 @@ def _step(
         "async/buffer_waiting_groups": float(len(gen.state.waiting)),
         "async/overlap_fraction": both / step_s if step_s > 0 else 0.0,
         "async/train_busy_fraction": train_s / step_s if step_s > 0 else 0.0,
+        **gen.call_timings(),
         "time/step": step_s,
         "throughput/steps_per_s": 1.0 / step_s,
         "throughput/tokens_per_s": n_tokens / step_s,
