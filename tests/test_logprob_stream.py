@@ -474,3 +474,43 @@ def test_a_busy_critic_gets_the_reference_of_later_rows_only_as_far_as_the_two_g
     critic, policy = run(answer_before_last=False)
     assert critic.names[-2:] == [(8, ("values",)), (5, ("reference",))]
     assert policy.calls == [(16, False), (5, True)]
+
+
+def test_the_split_weighs_the_values_by_their_cost_per_token():
+    """PPO's values pass skips the output layer over the vocabulary, so a values token costs
+    the critic less than a logprob token costs the policy (0.85 at Qwen2.5-1.5B shapes,
+    from the two models' sizes): the critic's copy takes more of the shared reference."""
+    from rltrain.loops.logprob_stream import LogprobStream, PassTarget
+    from rltrain.loops.step import pass_costs
+    from tests.conftest import tiny_config
+
+    ppo = {"algorithm.name": "ppo", "algorithm.adv_estimator": "gae"}
+    cost = pass_costs(tiny_config(**ppo, **{"model.path": "Qwen/Qwen2.5-1.5B-Instruct"}))
+    assert set(cost) == {"values"} and 0.84 < cost["values"] < 0.86
+    assert pass_costs(tiny_config(**{"model.path": "Qwen/Qwen2.5-1.5B-Instruct"})) == {}  # GRPO
+
+    def split(costs: dict[str, float]) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+        policy, critic = _Policy(), _Policy()
+        stream = LogprobStream(
+            (PassTarget(critic, ("values", "reference")),),
+            0,
+            2,
+            expected_rows=6,
+            last_targets=(
+                PassTarget(critic, ("values",)),
+                PassTarget(policy, ("reference",), after_generation=True),
+            ),
+            share_last=True,
+            pass_costs=costs,
+        )
+        for i in range(6):  # 6 rows of 4 tokens, every one when generation ends
+            stream.add(i, [3, 4], [5, 6])
+        stream.caught_up()
+        return critic.calls, [c for c in stream.chunks if c.parts[0][1] is None][0].rows
+
+    # the same cost: the critic 24 (values) + x, the policy 24 (old logprobs) + 24 - x: 12
+    calls, policy_rows = split({})
+    assert calls == [(6, False), (3, True)] and len(policy_rows) == 3
+    # values at half the cost: 12 + x = 24 + 24 - x, x = 18 tokens: 4 rows to the critic
+    calls, policy_rows = split({"values": 0.5})
+    assert calls == [(6, False), (4, True)] and len(policy_rows) == 2

@@ -98,9 +98,10 @@ class LogprobStream:
     - the step's last rows and whatever is still held form the pool of the end. The critic
       takes its first rows, as many tokens as make its work (the calls it has not answered,
       the last rows' values, these rows) equal to the policy's (the own pass on every row,
-      the rest of the pool), the policy the rest. A pass costs about the same per token on
-      either model. Where every row ends with generation (the last chunk is the step), each
-      GPU runs 1.5 passes' worth instead of 1 and 2."""
+      the rest of the pool), the policy the rest. Work is tokens times each pass's cost
+      per token (``pass_costs``: a logprob pass 1, the values less). Where every row ends
+      with generation (the last chunk is the step) and a values token costs as much as a
+      logprob token, each GPU runs 1.5 passes' worth instead of 1 and 2."""
 
     targets: tuple[PassTarget, ...]
     pad_id: int
@@ -110,6 +111,9 @@ class LogprobStream:
     expected_rows: int = 0
     last_targets: tuple[PassTarget, ...] | None = None
     share_last: bool = False
+    # a pass's cost per token against a logprob pass's (1.0 where not given): PPO's values
+    # skip the output layer over the vocabulary (:func:`pass_costs`)
+    pass_costs: dict[str, float] = field(default_factory=dict)
     added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # rows whose shared pass waits for the critic to be idle (``share_last``)
@@ -213,6 +217,10 @@ class LogprobStream:
                     return replace(own, names=(name,)), replace(late, names=(name,))
         return None
 
+    def _cost(self, names: tuple[str, ...]) -> float:
+        """The passes ``names``' cost per token, in logprob passes."""
+        return sum(self.pass_costs.get(n, 1.0) for n in names)
+
     def _idle(self, gang: PassGang) -> bool:
         """Whether ``gang`` has answered every call the stream gave it."""
         return all(
@@ -228,9 +236,9 @@ class LogprobStream:
         """The step's last ``rows``: every pass but the shared one as the last chunk does; the
         shared pass on them and on the held rows split between ``own`` (the critic, now) and
         ``late`` (the policy, after generation) so that the two end together."""
-        # what the critic was given and has not answered, in tokens times passes
+        # what the critic was given and has not answered, in tokens times each pass's cost
         busy = sum(
-            sum(c.lengths) * len(t.names)
+            sum(c.lengths) * self._cost(t.names)
             for c in self.chunks
             for t, later in c.parts
             if t.gang is own.gang and later is not None and not later.ready()
@@ -239,7 +247,7 @@ class LogprobStream:
         self._send(rows, rest)
         # ... and now the last rows' other passes (its values)
         busy += sum(len(p) + len(r) for _, p, r in rows) * sum(
-            len(t.names) for t in rest if t.gang is own.gang
+            self._cost(t.names) for t in rest if t.gang is own.gang
         )
         pool, self.held = self.held + rows, []
         if not pool:
@@ -247,8 +255,12 @@ class LogprobStream:
         tokens = [len(p) + len(r) for _, p, r in pool]
         # every row once: the chunks that carried its other passes
         step_tokens = sum(sum(c.lengths) for c in self.chunks if not c.shared_only)
-        # the critic: busy + x; the policy: its own pass on every row + the pool's rest - x
-        room = (step_tokens + sum(tokens) - busy) / 2
+        # the critic: busy + x * shared; the policy: its own pass on every row + the
+        # pool's rest, (pool - x) * shared
+        shared = self._cost(own.names)
+        room = (step_tokens * self._cost(("logprobs",)) + sum(tokens) * shared - busy) / (
+            2 * shared
+        )
         cut = 0
         while cut < len(pool) and tokens[cut] <= room:
             room -= tokens[cut]

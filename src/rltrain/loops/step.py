@@ -16,12 +16,13 @@ from rltrain.config.resolved import (
     logprobs_while_generating,
     reference_on_critic,
 )
-from rltrain.config.schema import KLEstimator
+from rltrain.config.schema import KLEstimator, RunConfig, value_run_config
 from rltrain.logging.metrics import StageTimer
 from rltrain.logging.profile import ControllerProfile, StepProfile, profile_folder
 from rltrain.loops.context import RunContext
 from rltrain.loops.evaluate import evaluate
 from rltrain.loops.logprob_stream import LogprobStream, PassTarget
+from rltrain.plan.sizes import model_shape
 from rltrain.refit.base import RefitStats
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 
@@ -69,6 +70,23 @@ def policy_pass_names(old: bool, reference: bool) -> tuple[str, ...]:
     return (("logprobs",) if old else ()) + (("reference",) if reference else ())
 
 
+def pass_costs(cfg: RunConfig) -> dict[str, float]:
+    """The critic's values pass per token against a logprob pass of the policy (and of its
+    reference, the same shape), from the two models' sizes: the decoder blocks of each,
+    and the policy's output layer over the vocabulary, which the values do without. {}
+    (every pass the same) where a size is not known. At Qwen2.5-1.5B shapes 0.85; 0.83
+    measured on an H100."""
+    if cfg.algorithm.name != "ppo":
+        return {}
+    policy = model_shape(cfg)
+    critic = model_shape(value_run_config(cfg))
+    if policy is None or critic is None:
+        return {}
+    blocks = policy.num_layers * policy.layer_params
+    head = policy.vocab_size * policy.hidden_size
+    return {"values": critic.num_layers * critic.layer_params / (blocks + head)}
+
+
 def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     """The step's :class:`LogprobStream` when any of its passes run while the engines
     generate, else None: the policy's (``train.logprobs_while_generating``) and, in PPO,
@@ -110,6 +128,7 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
         # the policy runs its old logprobs on every row after generation: the critic's
         # copy of the reference takes part of the last rows' reference pass
         share_last=ref_on_critic and need_old and not policy_streams,
+        pass_costs=pass_costs(cfg),
     )
 
 
