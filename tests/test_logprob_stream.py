@@ -75,7 +75,7 @@ def _critic_apart_ctx(cfg) -> tuple[SimpleNamespace, _Policy, _Policy]:
     """A PPO step's context with the engine on the policy's GPU (the policy does not
     stream) and the critic on a GPU of its own; its policy and critic stand-ins."""
     policy, critic = _Policy(), _Policy()
-    policy.dp = 1
+    policy.dp = critic.dp = 1  # a GPU each
     ctx = SimpleNamespace(
         cfg=cfg,
         policy=policy,
@@ -381,6 +381,8 @@ def test_the_last_rows_reference_is_shared_when_the_policy_also_runs_its_old_log
 class _BusyCritic(_Policy):
     """A critic whose calls stay unanswered (:meth:`Later.ready` false) until ``answer``."""
 
+    dp = 1
+
     def __init__(self) -> None:
         super().__init__()
         self.answered = 0
@@ -390,7 +392,12 @@ class _BusyCritic(_Policy):
         done = super().submit_passes(batch, names)
         call = self.submits
         self.names.append((batch.size, tuple(names)))
-        return Later(done.result, lambda: self.answered >= call)
+
+        def result() -> list[torch.Tensor]:
+            assert self.answered >= call, "waited on a call the critic has not answered"
+            return done.result()
+
+        return Later(result, lambda: self.answered >= call)
 
     def answer(self) -> None:
         self.answered = self.submits
@@ -452,9 +459,9 @@ def test_a_busy_critic_gets_the_reference_of_later_rows_only_as_far_as_the_two_g
         stream.caught_up()
         rollout = RolloutBatch(prompts, responses, [[0.0] * 2] * 16, [True] * 16, 0)
         batch = build_train_batch(rollout, 0)
+        critic.answer()  # the split was made above; now the passes can be gathered
         mask = batch.response_mask_BT
         got = old_and_reference_logprobs(ctx, batch, mask, True, StageTimer(), stream)  # type: ignore[arg-type]
-        critic.answer()
         assert torch.equal(got.old_logprobs_BT, _Policy._pass(batch, "logprobs"))
         every = stream.finish(batch)
         for name in ("values", "reference"):
@@ -514,3 +521,47 @@ def test_the_split_weighs_the_values_by_their_cost_per_token():
     # values at half the cost: 12 + x = 24 + 24 - x, x = 18 tokens: 4 rows to the critic
     calls, policy_rows = split({"values": 0.5})
     assert calls == [(6, False), (4, True)] and len(policy_rows) == 2
+
+
+def test_held_rows_go_to_the_critic_with_the_first_report_that_finds_it_idle():
+    """Rows held back while the critic was busy go to it when the next row report finds it
+    idle, though too few rows came for a chunk of their own; a critic with two dp groups
+    takes its share of the end's rows at twice the rate."""
+    from rltrain.loops.logprob_stream import LogprobStream, PassTarget
+
+    def stream_of(critic, policy, rows: int) -> LogprobStream:
+        return LogprobStream(
+            (PassTarget(critic, ("values", "reference")),),
+            0,
+            2,
+            expected_rows=rows,
+            last_targets=(
+                PassTarget(critic, ("values",)),
+                PassTarget(policy, ("reference",), after_generation=True),
+            ),
+            share_last=True,
+        )
+
+    policy, critic = _Policy(), _BusyCritic()
+    policy.dp = 1
+    stream = stream_of(critic, policy, 8)
+    for i in (0, 1, 2, 3):  # a chunk for the idle critic, then one held back
+        stream.add(i, [3, 4], [5, 6])
+        stream.caught_up()
+    assert [r for r, _, _ in stream.held] == [2, 3]
+    critic.answer()
+    stream.add(4, [3, 4], [5, 6])  # one row: no chunk yet, but the critic is idle
+    stream.caught_up()
+    assert stream.held == [] and critic.names[-1] == (2, ("reference",))
+    assert [r for r, _, _ in stream.pending] == [4]
+
+    # Every row at the end, the critic on two dp groups: per rank, the critic's
+    # (24 values + x) / 2 against the policy's 24 + 24 - x: x = 24, every row.
+    policy, critic = _Policy(), _BusyCritic()
+    policy.dp, critic.dp = 1, 2
+    stream = stream_of(critic, policy, 6)
+    for i in range(6):
+        stream.add(i, [3, 4], [5, 6])
+    stream.caught_up()
+    assert critic.names == [(6, ("values",)), (6, ("reference",))]
+    assert all(c.parts[0][1] is not None for c in stream.chunks)  # nothing for the policy

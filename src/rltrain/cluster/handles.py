@@ -68,8 +68,8 @@ class Streamed(NamedTuple):
 class Later(Generic[R]):
     """A gang's call in flight (its ranks already working); :meth:`result` waits for it and
     puts the ranks' answers together (once: later calls give the same answer). Lets the
-    controller run another gang meanwhile. ``ready`` (None: a call that ran already) tells,
-    without waiting, whether every rank has answered."""
+    controller run another gang meanwhile. ``ready`` tells, without waiting, whether every
+    rank has answered (None: only for a call that ran already)."""
 
     def __init__(self, finish: Callable[[], R], ready: Callable[[], bool] | None = None) -> None:
         self.finish = finish
@@ -78,8 +78,11 @@ class Later(Generic[R]):
         self._value: R | None = None
 
     def ready(self) -> bool:
-        """Whether :meth:`result` would return without waiting on the ranks."""
-        return self._done or self._ready is None or self._ready()
+        """Whether :meth:`result` would return without waiting on the ranks (once true, it
+        stays true without asking them again)."""
+        if not self._done and self._ready is not None and self._ready():
+            self._ready = None
+        return self._done or self._ready is None
 
     def result(self) -> R:
         if not self._done:
@@ -338,7 +341,7 @@ class ValueGang(TrainerGang[ValueWorker]):
     def submit_values(self, batch: TrainBatch) -> Later[torch.Tensor]:
         """:meth:`values`, submitted: the critic's ranks start at once; ``result()`` waits."""
         later = self.submit_passes(batch, ("values",))
-        return Later(lambda: later.result()[0])
+        return Later(lambda: later.result()[0], later.ready)
 
     def submit_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> Later[list[torch.Tensor]]:
         """The passes ``names`` ("values"; "reference" where the critic hosts the reference
@@ -365,4 +368,7 @@ class ValueGang(TrainerGang[ValueWorker]):
             a.call(ValueWorker.train, s, c)
             for a, s, c in zip(self.actors, shards.batches, shards.counts, strict=True)
         ]
-        return Later(lambda: self.calls.wait(pending, "value train")[0])
+        return Later(
+            lambda: self.calls.wait(pending, "value train")[0],
+            lambda: len(ready(pending, 0.0)) == len(pending),
+        )

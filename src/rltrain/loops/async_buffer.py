@@ -70,7 +70,7 @@ class AsyncState:
     gen_intervals: list[tuple[float, float]] = field(default_factory=list)
     # Per call that returned since the last :meth:`AsyncController.call_timings`: seconds
     # from its submission to the engine's start, the engine's own, from its end to the
-    # controller's scoring of it.
+    # controller's receipt of it.
     call_times: list[tuple[float, float, float]] = field(default_factory=list)
 
     def dump(self, in_flight: list[Call]) -> dict[str, Any]:
@@ -293,6 +293,7 @@ class AsyncController:
         results = cast(
             list[RolloutBatch | Episodes], wait_all([c.pending for c in calls], None, "generate")
         )
+        returned = time.time()
         for call, result in zip(calls, results, strict=True):
             metrics: dict[str, float] = {}
             if isinstance(result, Episodes):  # rewarded by the environment
@@ -312,13 +313,14 @@ class AsyncController:
                 exact = torch.tensor([s.exact_match for s in scored])
             end = rollout.started_at + rollout.engine_seconds
             self.state.gen_intervals.append((rollout.started_at, end))
-            self.state.call_times.append(
-                (
-                    max(0.0, rollout.started_at - call.submitted_wall),
-                    rollout.engine_seconds,
-                    max(0.0, time.time() - end),
+            if rollout.started_at > 0:  # an episode call without turns has no start
+                self.state.call_times.append(
+                    (
+                        max(0.0, rollout.started_at - call.submitted_wall),
+                        rollout.engine_seconds,
+                        max(0.0, returned - end),
+                    )
                 )
-            )
             self.last_end[call.replica] = max(self.last_end[call.replica], end)
             self.state.waiting += split_groups(rollout, rewards, exact, self.G, call.index, metrics)
         return len(calls)
@@ -354,7 +356,8 @@ class AsyncController:
         """Means over the generate calls that returned since the last call of this:
         ``async/generate_queue_s`` (submission to the engine's start: a refit or another call
         ahead of it on the replica), ``async/generate_engine_s`` (the engine's own seconds),
-        ``async/generate_return_s`` (the engine's end to the controller's scoring)."""
+        ``async/generate_return_s`` (the engine's end to the controller's receipt, before it
+        scores the call)."""
         times, self.state.call_times = self.state.call_times, []
         if not times:
             return {}

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     from rltrain.cluster.handles import Later
 
 
+def _ranks(gang: object) -> int:
+    """The dp groups a gang's rows are split over (each runs its share at once)."""
+    return max(1, int(getattr(gang, "dp", 1)))
+
+
 class PassGang(Protocol):
     """A gang that runs named passes on a batch (:class:`rltrain.cluster.handles.PolicyGang`,
     :class:`~rltrain.cluster.handles.ValueGang`)."""
@@ -93,13 +98,14 @@ class LogprobStream:
 
     - while the engines generate, a chunk's shared pass goes to the critic only when the
       critic has answered every call it was given (:meth:`Later.ready`); rows that come
-      while it is busy are held back (its values still go at once), and go to it as soon as
-      it is idle again;
+      while it is busy are held back (its values still go at once), and go to it with the
+      first report of rows that finds it idle again;
     - the step's last rows and whatever is still held form the pool of the end. The critic
       takes its first rows, as many tokens as make its work (the calls it has not answered,
       the last rows' values, these rows) equal to the policy's (the own pass on every row,
       the rest of the pool), the policy the rest. Work is tokens times each pass's cost
-      per token (``pass_costs``: a logprob pass 1, the values less). Where every row ends
+      per token (``pass_costs``: a logprob pass 1, the values less), over the gang's dp
+      groups (each runs its part of a call at once). Where every row ends
       with generation (the last chunk is the step) and a values token costs as much as a
       logprob token, each GPU runs 1.5 passes' worth instead of 1 and 2."""
 
@@ -255,14 +261,15 @@ class LogprobStream:
         tokens = [len(p) + len(r) for _, p, r in pool]
         # every row once: the chunks that carried its other passes
         step_tokens = sum(sum(c.lengths) for c in self.chunks if not c.shared_only)
-        # the critic: busy + x * shared; the policy: its own pass on every row + the
-        # pool's rest, (pool - x) * shared
+        # per rank: the critic (busy + x * shared) / its ranks; the policy (its own pass on
+        # every row + (pool - x) * shared) / its ranks
         shared = self._cost(own.names)
-        room = (step_tokens * self._cost(("logprobs",)) + sum(tokens) * shared - busy) / (
-            2 * shared
-        )
-        cut = 0
-        while cut < len(pool) and tokens[cut] <= room:
+        own_ranks, late_ranks = _ranks(own.gang), _ranks(late.gang)
+        policy = step_tokens * self._cost(("logprobs",)) + sum(tokens) * shared
+        x = (policy / late_ranks - busy / own_ranks) / (shared / own_ranks + shared / late_ranks)
+        cut, room = 0, x
+        # a row goes to the critic while more than half of it fits
+        while cut < len(pool) and tokens[cut] < 2 * room:
             room -= tokens[cut]
             cut += 1
         self._send(pool[:cut], (own,), shared_only=True)

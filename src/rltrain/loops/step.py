@@ -94,8 +94,9 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     reference logprobs (:func:`rltrain.config.resolved.critic_passes_while_generating`).
     The step's last chunk then gets its reference logprobs from the policy's own copy once
     generation ends, beside the critic's values; where the policy then also runs its old
-    logprobs on every row, the critic's copy takes the last chunk's first rows, up to half
-    the step's tokens (:class:`LogprobStream`'s ``share_last``)."""
+    logprobs on every row, the reference pass of the last rows (and of rows held back
+    while the critic was busy) is split between the two copies so that both GPUs end
+    together (:class:`LogprobStream`'s ``share_last``, weighed by :func:`pass_costs`)."""
     cfg = ctx.cfg
     layout = ctx.plan.gpu_layout
     colocated = None if layout is None else layout.rollout_colocated
