@@ -71,6 +71,24 @@ def _stream(gang, need_old: bool, need_ref: bool, chunk_rows: int, expected_rows
     return LogprobStream((PassTarget(gang, names),), 0, chunk_rows, expected_rows)
 
 
+def _ppo_kl_in_reward(rows: int):
+    """A PPO config with the KL penalty in the reward (so the policy runs its old logprobs
+    on every row after generation) and ``rows`` rows a step."""
+    from tests.conftest import tiny_config
+
+    return tiny_config(
+        rollout="vllm",
+        **{
+            "algorithm.name": "ppo",
+            "algorithm.adv_estimator": "gae",
+            "algorithm.kl_coef": 0.01,
+            "algorithm.kl_in_reward": True,
+            "algorithm.prompts_per_step": rows,
+            "algorithm.samples_per_prompt": 1,
+        },
+    )
+
+
 def _critic_apart_ctx(cfg) -> tuple[SimpleNamespace, _Policy, _Policy]:
     """A PPO step's context with the engine on the policy's GPU (the policy does not
     stream) and the critic on a GPU of its own; its policy and critic stand-ins."""
@@ -328,24 +346,15 @@ def test_logprobs_while_generating_resolves_and_refuses_what_cannot_stream():
 def test_the_last_rows_reference_is_shared_when_the_policy_also_runs_its_old_logprobs():
     """PPO with the KL penalty in the reward: the policy (its GPU holding the engine) runs
     the old logprobs on every row once generation ends, so the last chunk's reference pass
-    is split: its first rows, up to half the step's tokens, go to the critic's copy beside
-    their values, the rest to the policy's. Every pass assembles to the passes' values."""
+    is split: the critic's copy takes the first rows, as many tokens as leave both GPUs
+    the same to run (the critic the last values and these rows, the policy its old
+    logprobs and the rest), the policy's the rest. Every pass assembles to the passes'
+    values."""
     from rltrain.logging.metrics import StageTimer
     from rltrain.loops.step import logprob_stream, old_and_reference_logprobs
     from rltrain.train.batch import build_train_batch
-    from tests.conftest import tiny_config
 
-    cfg = tiny_config(
-        rollout="vllm",
-        **{
-            "algorithm.name": "ppo",
-            "algorithm.adv_estimator": "gae",
-            "algorithm.kl_coef": 0.01,
-            "algorithm.kl_in_reward": True,
-            "algorithm.prompts_per_step": 6,
-            "algorithm.samples_per_prompt": 1,
-        },
-    )
+    cfg = _ppo_kl_in_reward(6)
     ctx, policy, critic = _critic_apart_ctx(cfg)
     stream = logprob_stream(ctx, need_old=True)  # type: ignore[arg-type]
     assert stream is not None and stream.share_last
@@ -413,19 +422,8 @@ def test_a_busy_critic_gets_the_reference_of_later_rows_only_as_far_as_the_two_g
     from rltrain.logging.metrics import StageTimer
     from rltrain.loops.step import logprob_stream, old_and_reference_logprobs
     from rltrain.train.batch import build_train_batch
-    from tests.conftest import tiny_config
 
-    cfg = tiny_config(
-        rollout="vllm",
-        **{
-            "algorithm.name": "ppo",
-            "algorithm.adv_estimator": "gae",
-            "algorithm.kl_coef": 0.01,
-            "algorithm.kl_in_reward": True,
-            "algorithm.prompts_per_step": 16,
-            "algorithm.samples_per_prompt": 1,
-        },
-    )
+    cfg = _ppo_kl_in_reward(16)
 
     def run(answer_before_last: bool):
         ctx, policy, _ = _critic_apart_ctx(cfg)
