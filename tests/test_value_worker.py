@@ -120,9 +120,12 @@ def _bf16_head(port: int, out_dir: str) -> None:
 
     worker.model.value_head.register_forward_hook(hook("head"))
     worker.model.model.layers[0].self_attn.q_proj.register_forward_hook(hook("q_proj"))
-    batch = _batch(worker.values(_batch()))
+    # the values as the controller asks for them: a named pass, timed on the rank
+    (values,) = worker.compute_passes(_batch(), ("values",))
+    batch = _batch(values)
     metrics = worker.train(batch)
-    torch.save({"seen": seen, "metrics": metrics}, os.path.join(out_dir, "bf16.pt"))
+    again = worker.train(batch)  # no pass since the last train()
+    torch.save({"seen": seen, "metrics": metrics, "again": again}, os.path.join(out_dir, "bf16.pt"))
     worker.shutdown()
 
 
@@ -180,3 +183,6 @@ def test_value_worker_dp2_parity_explained_variance_and_fp32_head(tmp_path):
     assert bf16["seen"]["q_proj"][1] == torch.bfloat16
     assert bf16["seen"]["head"] == (torch.float32, torch.float32, torch.float32)
     assert bf16["metrics"]["value/grad_norm"] > 0
+    # the rank's own seconds in its passes since the last update, then none
+    assert bf16["metrics"]["time/value_passes_worker"] > 0
+    assert "time/value_passes_worker" not in bf16["again"]
