@@ -10,6 +10,7 @@ the runner itself).
 
     python scripts/gpu_tests.py --out $OUT                  # the whole tier
     python scripts/gpu_tests.py --out $OUT -- -k "not e2e"  # pytest arguments after --
+    python scripts/gpu_tests.py --out $OUT -- tests/gpu/test_vllm_cuda.py  # these files only
     python scripts/gpu_tests.py --out $OUT --merge -- -k e2e  # add to an earlier run's file
 
 On the GPU machines, source .gpu/base/setup.sh first (Ray, Hydra, vLLM: see
@@ -115,6 +116,11 @@ def summarize(tests: dict[str, dict]) -> dict[str, int]:
     return out
 
 
+def _names_paths(pytest_args: list[str]) -> bool:
+    """Whether ``pytest_args`` name test files or folders (``path`` or ``path::test``)."""
+    return any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in pytest_args)
+
+
 def main() -> int:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -152,7 +158,8 @@ def main() -> int:
         "-p",
         "gpu_tests",
         "-q",
-        *args.paths,
+        # test paths among the pytest arguments replace the default ones
+        *([] if _names_paths(extra) else args.paths),
         *extra,
     ]
     header = {"script": "scripts/gpu_tests.py", **info, "command": command[1:]}
