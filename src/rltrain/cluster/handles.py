@@ -10,6 +10,7 @@ ranks), calls the worker class's own method on every actor through
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar, cast
@@ -63,6 +64,11 @@ class Streamed(NamedTuple):
 
     metrics: dict[str, float] | None
     old_logprobs_BT: torch.Tensor
+
+
+def answered(pending: Sequence[Pending[object]]) -> bool:
+    """Whether every call of ``pending`` has finished (asks without waiting)."""
+    return len(ready(pending, 0.0)) == len(pending)
 
 
 class Later(Generic[R]):
@@ -193,7 +199,7 @@ class TrainerGang(Generic[T]):
                 for k in range(len(names))
             ]
 
-        return Later(gather, lambda: len(ready(pending, 0.0)) == len(pending))
+        return Later(gather, functools.partial(answered, pending))
 
     def export_hf(self, path: str, metadata: dict) -> str:
         """The model as an HF folder at ``path`` (rank 0 writes it); returns the path."""
@@ -370,5 +376,5 @@ class ValueGang(TrainerGang[ValueWorker]):
         ]
         return Later(
             lambda: self.calls.wait(pending, "value train")[0],
-            lambda: len(ready(pending, 0.0)) == len(pending),
+            functools.partial(answered, pending),
         )

@@ -129,6 +129,9 @@ class LogprobStream:
     submit_s: float = 0.0
     _finished: dict[str, torch.Tensor] = field(default_factory=dict)
     _checked: bool = False
+    # (the target streaming the shared pass, the one taking it after generation), from
+    # ``share_last`` and the targets (:meth:`_shared`)
+    _share: tuple[PassTarget, PassTarget] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:
@@ -142,6 +145,7 @@ class LogprobStream:
                 raise ValueError(f"a pass runs on one gang only, not {names}")
         if set(self._names(self.targets)) != set(self._names(self.last_targets)):
             raise ValueError("the last chunk must get the same passes as the others")
+        self._share = self._shared() if self.share_last else None
 
     @staticmethod
     def _names(targets: tuple[PassTarget, ...]) -> tuple[str, ...]:
@@ -175,7 +179,7 @@ class LogprobStream:
         if self.active and self.pending and (len(self.pending) >= self.chunk_rows or last):
             self._submit(last)
         elif self.held:  # rows held back for a busy critic: out once it is idle
-            shared = self._shared()
+            shared = self._share
             if shared is not None and self._idle(shared[0].gang):
                 t0 = time.perf_counter()
                 self._release(shared[0])
@@ -184,7 +188,7 @@ class LogprobStream:
     def _submit(self, last: bool) -> None:
         t0 = time.perf_counter()
         rows, self.pending = self.pending, []
-        shared = self._shared() if self.share_last else None
+        shared = self._share
         if shared is None:
             self._send(rows, self.last_targets if last else self.targets)
         elif last:

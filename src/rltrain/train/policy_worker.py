@@ -44,9 +44,6 @@ class PolicyWorker(FSDPTrainer):
         self.needs_engine_logprobs = (
             self.objective.is_level is not None or rc.mask_bound is not None
         )
-        # seconds this rank spent in logprob passes since the last train() (its metric
-        # time/passes_worker: the passes' own time, against what the controller waited)
-        self.passes_s = 0.0
         self.manifest: RefitManifest | None = None
         self.sender: RefitSender | None = None
         self.gatherer: BucketGatherer | None = None
@@ -75,14 +72,12 @@ class PolicyWorker(FSDPTrainer):
         in one call: the controller submits a step's passes on a batch once per rank, its
         fields narrowed for the trip (:meth:`TrainBatch.for_pass`)."""
         check_pass_names(names, ("logprobs", "reference"), "policy")
-        t0 = time.perf_counter()
         batch = batch.widened()
         out = []
-        for name in names:
-            with span(f"pass.{name}"):
-                out.append(self.compute_logprobs(batch, name == "reference"))
-        self.settle_device()
-        self.passes_s += time.perf_counter() - t0
+        with self.timed_passes():
+            for name in names:
+                with span(f"pass.{name}"):
+                    out.append(self.compute_logprobs(batch, name == "reference"))
         return out
 
     # -- training -----------------------------------------------------------------------
@@ -176,8 +171,7 @@ class PolicyWorker(FSDPTrainer):
         metrics.update(self.compile_metrics())  # since the last train(): logprob passes too
         self.settle_device()
         metrics["time/train_worker"] = time.perf_counter() - t0
-        if self.passes_s > 0:  # a step whose logprob passes ran on this rank
-            metrics["time/passes_worker"], self.passes_s = self.passes_s, 0.0
+        self.take_pass_seconds(metrics, "time/passes_worker")
         old = fused if fused is not None else batch.old_logprobs_BT
         assert old is not None
         return TrainResult(metrics, old)

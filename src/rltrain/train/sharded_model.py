@@ -11,8 +11,10 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -78,6 +80,8 @@ class ShardedModel:
         self.env = env
         # Seconds of each part of the build (the run's start-up phases report rank 0's).
         self.startup_phases: dict[str, float] = {}
+        # seconds this rank spent in passes since the last update (:meth:`timed_passes`)
+        self.passes_s = 0.0
         t0 = time.perf_counter()
         self.device = init_distributed(env)
         d = cfg.dtensor
@@ -382,6 +386,21 @@ class ShardedModel:
         not a tail that the next call (a refit's send) would wait for. No-op on CPU."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def timed_passes(self) -> Iterator[None]:
+        """Count the block's seconds, its GPU work included, as pass time (reported by
+        :meth:`take_pass_seconds`)."""
+        t0 = time.perf_counter()
+        yield
+        self.settle_device()
+        self.passes_s += time.perf_counter() - t0
+
+    def take_pass_seconds(self, metrics: dict[str, float], key: str) -> None:
+        """``metrics[key]``: this rank's pass seconds since the last call, where it ran any
+        (the passes' own time, against what the controller waited)."""
+        if self.passes_s > 0:
+            metrics[key], self.passes_s = self.passes_s, 0.0
 
     def profile_start(self, stem: str) -> None:
         """Profile what this rank runs from now until :meth:`profile_stop` (torch's

@@ -95,8 +95,6 @@ class ValueWorker(FSDPTrainer):
             t0 = time.perf_counter()
             self.reference = self.load_sharded_model(causal_lm_of=cfg).eval()
             self.startup_phases["reference_s"] = time.perf_counter() - t0
-        # seconds in passes since the last train() (time/value_passes_worker)
-        self.passes_s = 0.0
 
     # -- set-up -----------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -153,22 +151,20 @@ class ValueWorker(FSDPTrainer):
         these ranks host it) on ``batch``, in one call. The rows may come narrowed for the
         trip (:meth:`TrainBatch.for_pass`)."""
         check_pass_names(names, ("values", "reference"), "critic")
-        t0 = time.perf_counter()
         out = []
-        for name in names:
-            if name == "values":
-                with span("pass.values"):
-                    out.append(self.values(batch))
-                continue
-            if self.reference is None:
-                raise RuntimeError(
-                    "reference logprobs asked of the critic, which hosts no reference model "
-                    "(value.hosts_reference resolved false)"
-                )
-            with span("pass.reference"):
-                out.append(batch_logprobs(self, self.reference, batch.widened()))
-        self.settle_device()
-        self.passes_s += time.perf_counter() - t0
+        with self.timed_passes():
+            for name in names:
+                if name == "values":
+                    with span("pass.values"):
+                        out.append(self.values(batch))
+                    continue
+                if self.reference is None:
+                    raise RuntimeError(
+                        "reference logprobs asked of the critic, which hosts no reference model "
+                        "(value.hosts_reference resolved false)"
+                    )
+                with span("pass.reference"):
+                    out.append(batch_logprobs(self, self.reference, batch.widened()))
         return out
 
     # -- training -------------------------------------------------------------------------
@@ -235,8 +231,7 @@ class ValueWorker(FSDPTrainer):
         metrics.update(self.compile_metrics("value/"))  # since the last train(): values too
         self.settle_device()
         metrics["time/value_worker"] = time.perf_counter() - t0
-        if self.passes_s > 0:  # its passes since the last train() (values, reference)
-            metrics["time/value_passes_worker"], self.passes_s = self.passes_s, 0.0
+        self.take_pass_seconds(metrics, "time/value_passes_worker")
         return metrics
 
 
