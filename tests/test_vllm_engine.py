@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -660,3 +661,17 @@ def test_a_prompt_id_outside_the_vocabulary_fails_its_call_not_the_engine(engine
         engine.generate([ids, [*ids, vocab]], SamplingParams(max_new_tokens=2, seed=1))
     out = engine.generate([ids], SamplingParams(max_new_tokens=2, seed=1))
     assert 1 <= len(out.response_ids[0]) <= 2
+
+
+def test_worker_logprobs_fall_back_to_vllms_own_where_its_runner_cannot_keep_them(engine):
+    """vLLM's CPU worker runs its V1 model runner, which the worker cannot wrap: the replica
+    keeps vLLM's own logprobs and says why (GPUs: tests/gpu/test_vllm_cuda.py)."""
+    from rltrain.rollout.base import SamplingParams
+
+    assert engine._capture is False  # null resolves to off on CPU: nothing was tried
+    engine._install_capture()  # as on a GPU whose runner is vLLM's V1 (null: fall back)
+    assert engine._capture is False
+    assert "is not its V2 runner" in engine.logprobs_note, engine.logprobs_note
+    out = engine.generate(_encode(engine, PROMPTS[:2]), SamplingParams(max_new_tokens=4, seed=1))
+    assert all(len(lp) == len(ids) and not any(math.isnan(x) for x in lp)
+               for ids, lp in zip(out.response_ids, out.response_logprobs, strict=True))  # fmt: skip

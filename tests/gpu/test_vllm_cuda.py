@@ -116,6 +116,81 @@ def _engine_checks(rank: int) -> dict:
     return out
 
 
+# The logprobs kept in vLLM's worker (rollout.vllm.worker_logprobs, vllm_capture.py): a KV
+# cache of a few sequences, so that vLLM preempts rows and resumes them in other slots.
+CAPTURE_KV_TOKENS = 4 * 192
+CAPTURE_NEW_TOKENS = 40
+
+
+def _capture_cfg(keep: bool):
+    cfg = _cfg()
+    # no blocked tokens: vLLM's custom logits processor would send it to its V1 model runner
+    cfg.model.blocked_tokens = []
+    cfg.rollout.colocated = False
+    cfg.rollout.vllm.worker_logprobs = keep
+    t = cfg.model.tiny
+    # a padded vocabulary: the random model then rarely samples EOS, and rows run long
+    t.vocab_size = 2048
+    per_token = 2 * t.num_layers * t.num_kv_heads * (t.hidden_size // t.num_heads) * 4  # fp32
+    cfg.rollout.vllm.kv_cache_gib = CAPTURE_KV_TOKENS * per_token / 2**30
+    return cfg
+
+
+def _capture_checks(rank: int) -> dict:
+    """Runs in a spawned process: the same seeded call with the logprobs kept in vLLM's
+    worker and with vLLM's own, one engine after the other; the kept ones scored by the
+    trainer's forward."""
+    import torch
+
+    from rltrain.models.loader import load_model
+    from rltrain.rollout.base import SamplingParams
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    out: dict = {}
+    for keep in (True, False):
+        cfg = _capture_cfg(keep)
+        engine = VLLMEngine(cfg, device="cuda")
+        prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS] * 8
+        sampling = SamplingParams(temperature=0.7, max_new_tokens=CAPTURE_NEW_TOKENS, seed=3)
+        batch = engine.generate(prompts, sampling)
+        out[keep] = {"batch": batch, "note": engine.logprobs_note, "kept": engine._capture}
+        if keep:
+            (out["counts"],) = engine._rpc("rltrain_capture_counts")
+        engine.shutdown()
+    model = load_model(_capture_cfg(True), "float32").cuda().eval()
+    out["score"] = _score(model, None, out[True]["batch"], 0.7)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory) -> dict:
+    (result,) = run_ranks(_capture_checks, 1, (), tmp_path_factory.mktemp("vllm_capture"), 800)
+    return result
+
+
+def test_logprobs_kept_in_the_worker_equal_vllms_own_and_the_trainers(captured):
+    kept, own = captured[True], captured[False]
+    assert kept["kept"] and "kept in vLLM's worker" in kept["note"], kept["note"]
+    assert not own["kept"]
+    a, b = kept["batch"], own["batch"]
+    # the same seeded rows (a seed per request), preempted and resumed alike
+    assert a.response_ids == b.response_ids
+    worst = max(
+        abs(x - y)
+        for ra, rb in zip(a.response_logprobs, b.response_logprobs, strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
+    assert worst <= 1e-6, worst  # vLLM's own kernel over the same processed logits
+    # vLLM preempted rows (a small KV cache) and their kept rows came back with them;
+    # whatever the call took is freed (nothing kept for nobody)
+    counts = captured["counts"]
+    assert counts["resumed"] > 0 and counts["kept"] == 0, counts
+    score = captured["score"]
+    assert score["tokens"] > 1000
+    assert score["max_abs"] < MAX_ABS_LOGPROB, score
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     (result,) = run_ranks(_engine_checks, 1, (), tmp_path_factory.mktemp("vllm_cuda"), 800)

@@ -44,11 +44,17 @@ def model_head_dim(cfg: RunConfig) -> int | None:
 
 
 def _check_vllm_on_cpu(cfg: RunConfig) -> None:
-    """The vLLM engine on CPU: one process per replica, head_dim >= 32."""
+    """The vLLM engine on CPU: one process per replica, vLLM's own logprobs, head_dim >= 32."""
     ro = cfg.rollout
     if ro.tp > 1:
         raise ConfigError(
             f"rollout.tp={ro.tp} needs GPUs (vLLM tensor parallelism); on CPU set rollout.tp=1."
+        )
+    if ro.vllm.worker_logprobs:
+        raise ConfigError(
+            "rollout.vllm.worker_logprobs=true keeps logprobs in vLLM's V2 model runner, which "
+            "runs on GPUs only (it needs Triton), but this run's engines are on CPU; set "
+            "rollout.vllm.worker_logprobs=null or false."
         )
     head_dim = model_head_dim(cfg)
     if head_dim is not None and head_dim < 32:

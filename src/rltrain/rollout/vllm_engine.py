@@ -68,6 +68,7 @@ from rltrain.models.lora import peft_adapter_config
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
+from rltrain.rollout.vllm_capture import MARK
 from rltrain.rollout.vllm_core import cores_from_server
 from rltrain.rollout.vllm_settings import (
     colocated_kv_cache_bytes,
@@ -79,6 +80,7 @@ from rltrain.rollout.vllm_settings import (
     seeds_per_request,
     set_warmup_env,
     vllm_lora_rank,
+    worker_logprobs,
 )
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
 from rltrain.rollout.vllm_worker import from_wire, lora_id, to_wire
@@ -209,6 +211,12 @@ class VLLMEngine(VLLMTurns):
         self._lora_request: Any = None
         # Called on the engine's loop each time tokens stream in (partial rollouts; tests).
         self.on_tokens: Callable[[], None] | None = None
+        # The sampled tokens' logprobs kept in vLLM's worker, taken once per generate call
+        # (rollout.vllm.worker_logprobs; vllm_capture.py), or vLLM's own with each step.
+        self._capture = False
+        self.logprobs_note = "vLLM's own, with each decode step's output"
+        if worker_logprobs(cfg, device):
+            self._install_capture()
 
     # -- construction ------------------------------------------------------
     def _save_tiny_model(self) -> str:
@@ -304,6 +312,38 @@ class VLLMEngine(VLLMTurns):
                 AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS
             )
 
+    def _install_capture(self) -> None:
+        why = "; ".join(w for w in self._rpc("rltrain_capture_logprobs") if w)
+        if not why:
+            # Every row of a generate call then carries logprobs (turns keep vLLM's own).
+            self._capture = True
+            self.logprobs_note = "kept in vLLM's worker, taken once per generate call"
+        elif self.cfg.rollout.vllm.worker_logprobs:
+            self.shutdown()
+            raise RuntimeError(
+                f"rollout replica {self.replica_index}: rollout.vllm.worker_logprobs=true, but "
+                f"{why}; set rollout.vllm.worker_logprobs=null to use vLLM's own logprobs there"
+            )
+        else:
+            self.logprobs_note = f"vLLM's own, with each decode step's output: {why}"
+
+    async def _take_logprobs(
+        self, collectors: list[Any], prompt_ids: list[list[int]], rows: list[_Row]
+    ) -> None:
+        """Every row's logprobs from vLLM's worker, in one RPC (``_capture``)."""
+        wanted = [
+            (c.request_id, len(p), len(r.ids))
+            for c, p, r in zip(collectors, prompt_ids, rows, strict=True)
+        ]
+        got = await self.llm.collective_rpc(
+            "rltrain_take_logprobs", timeout=self._rpc_timeout(), args=(to_wire(wanted),)
+        )
+        flat = cast(torch.Tensor, from_wire(got[0])).tolist()
+        k = 0
+        for r in rows:
+            r.logprobs = flat[k : k + len(r.ids)]
+            k += len(r.ids)
+
     def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """``method`` of :class:`~rltrain.rollout.vllm_worker.RefitWorkerExtension` on every
         worker of this replica; one result per worker."""
@@ -351,8 +391,9 @@ class VLLMEngine(VLLMTurns):
     ) -> list[_Row]:
         def params(i: int, seed: int) -> Any:
             p = self._vllm_sampling(sampling, seed, sampling.max_new_tokens)
-            if i % self._logprob_stride:
-                p.logprobs = None  # a row outside the logprob sample: NaN logprobs
+            if self._capture or i % self._logprob_stride:
+                # kept in vLLM's worker instead, or a row outside the logprob sample (NaN)
+                p.logprobs = None
             return p
 
         async def row(i: int, collector: Any) -> _Row:
@@ -362,7 +403,8 @@ class VLLMEngine(VLLMTurns):
             return out
 
         seeds = request_seeds(base, len(prompt_ids))
-        request_ids = [f"{self.replica_index}-{next(self._request_ids)}" for _ in prompt_ids]
+        mark = MARK if self._capture else ""  # the worker keeps these requests' logprobs
+        request_ids = [f"{mark}{self.replica_index}-{next(self._request_ids)}" for _ in prompt_ids]
         # Every request is added while the scheduler holds still, so that the first step
         # schedules them all: added one by one into a running engine, the last ones start
         # steps after the first and the call ends that much later. A refit beside the call
@@ -385,13 +427,19 @@ class VLLMEngine(VLLMTurns):
             finally:
                 if hold:
                     await self.llm.resume_generation()
-            rows = await asyncio.gather(*(row(i, c) for i, c in enumerate(collectors)))
+            rows = list(await asyncio.gather(*(row(i, c) for i, c in enumerate(collectors))))
+            if self._capture:
+                await self._take_logprobs(collectors, prompt_ids, rows)
         except BaseException:
             # A failed or cancelled call leaves nothing running in the engine.
             await self.llm.abort(request_ids)
+            if self._capture:  # nor rows kept in the worker
+                with contextlib.suppress(Exception):
+                    ids = [c.request_id for c in collectors]
+                    await self.llm.collective_rpc("rltrain_drop_logprobs", args=(to_wire(ids),))
             raise
         self._prefix_cache_used = True
-        return list(rows)
+        return rows
 
     def _check_awake(self) -> None:
         if self._asleep:

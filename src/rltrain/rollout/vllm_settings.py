@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rltrain import env
+from rltrain.config.resolved import engine_logprob_stride
 from rltrain.config.schema import RunConfig
 from rltrain.models.shapes import ModelShape, shape_from_config_json
 from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
@@ -85,6 +86,16 @@ def lora_dual_stream(cfg: RunConfig, device: str) -> bool | None:
         return None
     v = cfg.rollout.vllm.lora_dual_stream
     return True if v is None else v
+
+
+def worker_logprobs(cfg: RunConfig, device: str) -> bool:
+    """``rollout.vllm.worker_logprobs`` resolved: null = on GPUs where every row of a call
+    carries logprobs (``rollout.engine_logprobs``); the engine still falls back to vLLM's
+    own where its model runner cannot keep them (``vllm_capture.install`` says why)."""
+    v = cfg.rollout.vllm.worker_logprobs
+    if v is None:
+        return device == "cuda" and engine_logprob_stride(cfg, device) == 1
+    return v
 
 
 def seeds_per_request(cfg: RunConfig, device: str) -> bool:

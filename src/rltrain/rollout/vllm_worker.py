@@ -17,6 +17,9 @@ With LoRA (``train.lora.rank > 0``) every refit is an adapter: its tensors are r
 here and become vLLM's one LoRA adapter, built in memory (``LoRAModel.from_lora_tensors``,
 never a file), with a new id per weight version; the base weights never change.
 
+Where every row's logprobs are wanted on GPUs, the sampled tokens' logprobs stay in this
+process and the replica takes a call's rows at once (``vllm_capture.py``).
+
 On import (vLLM imports it into the worker's process) it sets what vLLM's kernel warm-up
 samples with: the run's own settings (:func:`install_warmup_sampling`).
 
@@ -38,6 +41,7 @@ from rltrain import env
 from rltrain.models.lora import PEFT_PREFIX
 from rltrain.refit import RefitReceiver, join_refit_group
 from rltrain.refit.base import RefitGroup, RefitStats, bucket_checksum, unpack_bucket
+from rltrain.rollout.vllm_capture import LogprobCapture
 from rltrain.rollout.vllm_landing import VllmLanding, build_landing
 
 
@@ -89,6 +93,8 @@ class RefitWorkerExtension:
     # LoRA: the adapter's PEFT config (adapter_config.json's fields); each refit then
     # carries adapter tensors, loaded into vLLM's LoRA manager from memory.
     _rltrain_lora: dict | None = None
+    # Every sampled token's logprob, kept here and taken once per generate call.
+    _rltrain_capture: LogprobCapture | None = None
 
     def _rltrain_model(self) -> torch.nn.Module:
         runner: Any = self.model_runner  # type: ignore[attr-defined]
@@ -256,6 +262,40 @@ class RefitWorkerExtension:
             manager.remove_adapter(old)
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora.id)
+
+    def rltrain_capture_logprobs(self) -> str:
+        """Keep every sampled token's logprob in this worker (``vllm_capture.py``): "" once
+        installed, else why this model runner cannot."""
+        from rltrain.rollout.vllm_capture import install
+
+        if self._rltrain_capture is not None:
+            return ""
+        got = install(self.model_runner)  # type: ignore[attr-defined]
+        if isinstance(got, str):
+            return got
+        self._rltrain_capture = got
+        return ""
+
+    def rltrain_take_logprobs(self, wanted_wire: bytes) -> bytes:
+        """The kept logprobs of ``wanted_wire`` (a list of (request id, first response
+        position, tokens) through :func:`to_wire`): one fp32 tensor, rows joined."""
+        capture = self._rltrain_capture
+        if capture is None:
+            raise RuntimeError("rltrain_take_logprobs before rltrain_capture_logprobs")
+        states: Any = self.model_runner.req_states  # type: ignore[attr-defined]
+        return to_wire(capture.take(from_wire(wanted_wire), states.req_id_to_index.get))
+
+    def rltrain_capture_counts(self) -> dict[str, int]:
+        """Rows kept, rows taken live and not yet freed, preempted rows resumed (tests)."""
+        c = self._rltrain_capture
+        if c is None:
+            return {}
+        return {"kept": len(c.kept), "taken": len(c.taken), "resumed": c.resumed}
+
+    def rltrain_drop_logprobs(self, req_ids_wire: bytes) -> None:
+        """Forget the kept logprobs of a failed call's requests."""
+        if self._rltrain_capture is not None:
+            self._rltrain_capture.drop(from_wire(req_ids_wire))
 
     def rltrain_warmup_sampling(self) -> bytes:
         """What vLLM's kernel warm-up samples with in this process (its
