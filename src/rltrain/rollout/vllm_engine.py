@@ -20,7 +20,9 @@ refit's receiving end lives there too (``vllm_worker.py``, called through
 
 How it stays on-policy with the trainer:
 
-* token ids in (``TokensPrompt``), token ids and one logprob per sampled token out;
+* token ids in (``TokensPrompt``), token ids and one logprob per sampled token out (where
+  every row's are wanted on GPUs, kept in vLLM's worker and taken once per call:
+  ``vllm_capture.py``);
   vLLM loads no tokenizer of its own (``skip_tokenizer_init``), so the engine checks
   prompt ids against the model's vocabulary itself;
 * ``logprobs_mode="processed_logprobs"``: logprobs after temperature and the
