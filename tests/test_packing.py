@@ -54,6 +54,12 @@ def test_pack_unpack_round_trip_is_exact(layout):
         row_multiple=8 if layout == "one_row" else 1,
         row_tokens=longest if layout == "rows_of_longest" else None,
     )
+    # the head's positions: exactly those whose next token is a response token
+    R, S = micro.input_ids_RS.shape
+    flat = micro.response_mask_RS.reshape(-1)
+    assert flat[micro.predicting + 1].eq(1).all()
+    assert micro.predicting.numel() == int(micro.response_mask_RS[:, 1:].sum())
+    assert (micro.predicting % S != S - 1).all()  # never a row's last position
     if packed:
         R, S = micro.input_ids_RS.shape
         if layout == "one_row":
@@ -98,6 +104,7 @@ def test_empty_micro_batch_is_neutral():
     micro = pack(mixed_batch(), [], packed=True, pad_id=0)
     assert micro.input_ids_RS.shape == (1, 2)
     assert micro.num_sequences == 0 and float(micro.response_mask_RS.sum()) == 0.0
+    assert micro.predicting.tolist() == [0]  # the head still runs once (a real backward)
 
 
 def test_micro_batch_plan_and_dp_balance():
@@ -135,7 +142,10 @@ def test_chunked_logprobs_match_full_logits(compiled):
     ref_lp, ref_ent = token_logprobs(hidden @ weight.T, ids, 0.7, blocked, mask, with_entropy=True)
     (ref_lp * cotangent).sum().backward()
     ref_grads = hidden.grad.clone(), weight.grad.clone()
-    for chunk in (4, 7, 1000):
+    # the head at the positions before masked-in tokens only (MicroBatch.predicting)
+    before = mask[:, 1:].nonzero()
+    at = before[:, 0] * T + before[:, 1]
+    for chunk, predicting in ((4, None), (7, None), (1000, None), (4, at), (1000, at)):
         hidden.grad = weight.grad = None
         lp, ent = chunked_token_logprobs(
             hidden,
@@ -147,11 +157,15 @@ def test_chunked_logprobs_match_full_logits(compiled):
             with_entropy=True,
             chunk_tokens=chunk,
             compiled=compiled,
+            predicting=predicting,
         )
         torch.testing.assert_close(
             lp, ref_lp, atol=1e-6, rtol=1e-6
         )  # logprobs near -13: fp32 spacing ~1e-6
-        torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+        if predicting is None:
+            torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+        else:  # entropy where the head ran, 0 elsewhere
+            torch.testing.assert_close(ent, ref_ent * mask, atol=1e-6, rtol=0)
         (lp * cotangent).sum().backward()
         # gradients: the same math as softmax's in a different order (fp32 rounding; sums of
         # ~40 products whose rounding depends on the machine's kernels)

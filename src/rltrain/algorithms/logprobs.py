@@ -155,6 +155,7 @@ def chunked_token_logprobs(
     chunk_tokens: int = 1024,
     compiled: bool = False,
     backend: str = "inductor",
+    predicting: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` from final hidden states, never holding full-vocab fp32 logits.
 
@@ -165,11 +166,22 @@ def chunked_token_logprobs(
     per-chunk softmax math through ``torch.compile`` (fused kernels; ``backend``:
     inductor, CPU tests use aot_eager). Same alignment, masking and values as
     :func:`token_logprobs` on ``lm_head(hidden)``.
+
+    ``predicting`` (flat indices into [B, T], on the CPU or the hidden states' device): the
+    only positions whose next token's logprob is wanted (those before a response token,
+    :attr:`~rltrain.train.packing.MicroBatch.predicting`); the head then runs on them alone
+    (a prompt's positions cost nothing), and every other position's output is 0.
     """
     B, T, H = hidden_BTH.shape
-    hidden = hidden_BTH[:, :-1].reshape(-1, H)
-    # contiguous: compiled chunk functions guard on strides (a [B, 1] slice reshapes to stride B)
-    targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device).contiguous()
+    if predicting is not None:
+        at = predicting.to(hidden_BTH.device)
+        hidden = hidden_BTH.reshape(-1, H).index_select(0, at)
+        targets = input_ids_BT.reshape(-1).to(hidden.device).index_select(0, at + 1)
+    else:
+        hidden = hidden_BTH[:, :-1].reshape(-1, H)
+        # contiguous: compiled chunk functions guard on strides (a [B, 1] slice reshapes
+        # to stride B)
+        targets = input_ids_BT[:, 1:].reshape(-1).to(hidden.device).contiguous()
     blocked = None
     if blocked_ids is not None and blocked_ids.numel():
         blocked = torch.zeros(weight_VH.shape[0], dtype=torch.bool, device=hidden.device)
@@ -187,13 +199,19 @@ def chunked_token_logprobs(
         lps.append(lp[: end - start])
         ents.append(ent[: end - start])
     lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
-    logprobs_BT = torch.nn.functional.pad(lp.view(B, T - 1), (1, 0))
+
+    def aligned(values: torch.Tensor) -> torch.Tensor:  # position t: token t's value
+        if predicting is None:
+            return torch.nn.functional.pad(values.view(B, T - 1), (1, 0))
+        return values.new_zeros(B * T).index_copy(0, at + 1, values).view(B, T)
+
+    logprobs_BT = aligned(lp)
     if mask_BT is not None:
         logprobs_BT = torch.where(mask_BT.bool(), logprobs_BT, torch.zeros_like(logprobs_BT))
     entropy_BT = None
     if with_entropy:
         ent = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
-        entropy_BT = torch.nn.functional.pad(ent.view(B, T - 1), (1, 0))
+        entropy_BT = aligned(ent)
     return logprobs_BT, entropy_BT
 
 

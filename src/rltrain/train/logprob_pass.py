@@ -34,7 +34,8 @@ def token_logprobs(
 
     Formed from the final hidden states chunk by chunk (``train.logprob_chunk_tokens``
     positions at a time), at the rollout's temperature with the blocked tokens masked, 0
-    outside the response.
+    outside the response; the head runs at the positions before response tokens only
+    (``micro.predicting``).
     """
     hidden = trainer.forward_hidden(model, micro)
     return chunked_token_logprobs(
@@ -48,6 +49,7 @@ def token_logprobs(
         chunk_tokens=trainer.cfg.train.logprob_chunk_tokens,
         compiled=bool(trainer.compiled),
         backend=trainer.compile_backend,
+        predicting=micro.predicting,
     )
 
 

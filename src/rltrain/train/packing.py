@@ -59,6 +59,10 @@ class MicroBatch:
     returns_RS: torch.Tensor | None = None
     old_values_RS: torch.Tensor | None = None
     engine_logprobs_RS: torch.Tensor | None = None
+    # Flat indices into [R, S] of the positions whose next token is a response token: the
+    # logprob head runs there alone (at least one position, so that an empty micro batch
+    # still reaches the head). Built on the CPU with the layout: no host sync on the GPU.
+    predicting: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -214,11 +218,15 @@ def pack(
         # Two padding tokens in one causal "sequence": one predicted position, so the
         # backward reaches every parameter (with zero gradients) like a real micro batch.
         seq_id[0, :2] = 0
+    response = cast(torch.Tensor, layout(batch.response_mask_BT))
+    before_response = response[:, 1:].reshape(R, S - 1).nonzero()
+    predicting = before_response[:, 0] * S + before_response[:, 1]
     return MicroBatch(
         input_ids_RS=ids,
         position_ids_RS=pos,
         seq_id_RS=seq_id,
-        response_mask_RS=cast(torch.Tensor, layout(batch.response_mask_BT)),
+        response_mask_RS=response,
+        predicting=predicting if predicting.numel() else torch.zeros(1, dtype=torch.long),
         advantages_RS=None if policy is None else layout(policy.advantages_BT),
         old_logprobs_RS=None if policy is None else layout(policy.old_logprobs_BT),
         ref_logprobs_RS=None if policy is None else layout(policy.ref_logprobs_BT),
