@@ -58,6 +58,15 @@ def _score(model, blocked, batch, temperature: float) -> dict[str, float]:
     return {"max_abs": worst, "mult": mult / n, "tokens": float(n)}
 
 
+def _max_logprob_gap(a, b) -> float:
+    """Max |a - b| over every response token of two rollouts of the same tokens."""
+    return max(
+        abs(x - y)
+        for ra, rb in zip(a.response_logprobs, b.response_logprobs, strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
+
+
 def _engine_checks(rank: int) -> dict:
     """Runs in a spawned process: build the engine, generate, score, sleep and wake."""
     import torch
@@ -176,11 +185,7 @@ def test_logprobs_kept_in_the_worker_equal_vllms_own_and_the_trainers(captured):
     a, b = kept["batch"], own["batch"]
     # the same seeded rows (a seed per request), preempted and resumed alike
     assert a.response_ids == b.response_ids
-    worst = max(
-        abs(x - y)
-        for ra, rb in zip(a.response_logprobs, b.response_logprobs, strict=True)
-        for x, y in zip(ra, rb, strict=True)
-    )
+    worst = _max_logprob_gap(a, b)
     assert worst <= 1e-6, worst  # vLLM's own kernel over the same processed logits
     # vLLM preempted rows (a small KV cache) and their kept rows came back with them;
     # whatever the call took is freed (nothing kept for nobody)
@@ -229,9 +234,5 @@ def test_sleep_frees_memory_and_wake_samples_as_before(measured):
     assert "asleep" in measured["generate_while_asleep"]
     before, after = measured["before_sleep"], measured["after_wake"]
     assert after.response_ids == before.response_ids
-    worst = max(
-        abs(a - b)
-        for ra, rb in zip(after.response_logprobs, before.response_logprobs, strict=True)
-        for a, b in zip(ra, rb, strict=True)
-    )
+    worst = _max_logprob_gap(after, before)
     assert worst < 1e-5, worst
