@@ -194,8 +194,33 @@ def test_a_row_never_seen_or_too_long_is_an_error_and_drop_forgets():
         cap.take([("rlc-missing", 0, 1)], runner.req_states.req_id_to_index.get)
     with pytest.raises(RuntimeError, match="asked for 2..7"):
         cap.take([(r.req_id, 2, 5)], runner.req_states.req_id_to_index.get)
-    cap.drop([r.req_id])
+    cap.drop([r.req_id], runner.req_states.req_id_to_index.get)
     assert cap.kept == {}
+    # a failed call's requests dropped before vLLM frees their slots are not kept then
+    q = _req(MARK + "q", 2, 3)
+    runner.add(q)
+    runner.step()
+    cap.drop([q.req_id], runner.req_states.req_id_to_index.get)
+    runner._remove_request(q.req_id)
+    assert cap.kept == {} and cap.dropped == set()
+
+
+def test_a_resumed_request_taken_live_reads_its_slot_not_its_copy_at_preemption():
+    runner = FakeRunner()
+    cap = _installed(runner)
+    r = _req(MARK + "r", 2, 6)
+    runner.add(r)
+    for _ in range(3):
+        runner.step()
+    runner.preempt(r)
+    runner.add(r)
+    assert cap.kept == {}  # the copy went back into the slot
+    while not runner.finished(r):
+        runner.step()
+    got = cap.take([(r.req_id, r.prompt_len, len(r.out))], runner.req_states.req_id_to_index.get)
+    torch.testing.assert_close(got, torch.tensor(r.want), rtol=0, atol=1e-6)
+    runner._remove_request(r.req_id)
+    assert cap.kept == {} and cap.taken == set()
 
 
 def test_install_says_why_a_runner_cannot_keep_logprobs():

@@ -54,6 +54,7 @@ class LogprobCapture:
         self.buf = torch.full((slots, width), math.nan, dtype=torch.float32, device=device)
         self.kept: dict[str, torch.Tensor] = {}  # rows copied out of freed slots
         self.taken: set[str] = set()  # read from a live slot: not to be kept when freed
+        self.dropped: set[str] = set()  # a failed call's: not to be kept when freed
         self.resumed = 0  # preempted requests whose rows came back with them
 
     def record(
@@ -80,17 +81,22 @@ class LogprobCapture:
         (the first ``length`` positions) until taken."""
         if not req_id.startswith(MARK):
             return
-        if req_id in self.taken:
+        if req_id in self.taken or req_id in self.dropped:
             self.taken.discard(req_id)
+            self.dropped.discard(req_id)
             return
         self.kept[req_id] = self.buf[slot, : min(length, self.width)].clone()
 
     def resume(self, req_id: str, slot: int) -> None:
-        """A preempted request is back in ``slot``: its row so far returns with it."""
-        row = self.kept.get(req_id)
+        """A request is added in ``slot``: a preempted one gets its row so far back (and is
+        live again: a take reads the slot); a new one starts from NaN, so that a position
+        never written shows as such, not as an earlier request's value."""
+        row = self.kept.pop(req_id, None)
         if row is not None:
             self.buf[slot, : row.numel()] = row
             self.resumed += 1
+        elif req_id.startswith(MARK):
+            self.buf[slot].fill_(math.nan)
 
     def take(
         self, wanted: list[tuple[str, int, int]], live_slot: Callable[[str], int | None]
@@ -119,11 +125,14 @@ class LogprobCapture:
             return torch.zeros(0)
         return torch.cat(parts).cpu()  # waits for the writes before it on this stream
 
-    def drop(self, req_ids: list[str]) -> None:
-        """Forget the rows of ``req_ids`` (a failed call's requests)."""
+    def drop(self, req_ids: list[str], live_slot: Callable[[str], int | None]) -> None:
+        """Forget the rows of ``req_ids`` (a failed call's requests), kept or still in a slot
+        (vLLM frees an aborted request's slot at its next step, after this)."""
         for req_id in req_ids:
-            self.kept.pop(req_id, None)
             self.taken.discard(req_id)
+            self.kept.pop(req_id, None)
+            if live_slot(req_id) is not None:
+                self.dropped.add(req_id)
 
 
 def _vllm_token_logprobs() -> TokenLogprobs:

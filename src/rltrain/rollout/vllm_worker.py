@@ -295,7 +295,8 @@ class RefitWorkerExtension:
     def rltrain_drop_logprobs(self, req_ids_wire: bytes) -> None:
         """Forget the kept logprobs of a failed call's requests."""
         if self._rltrain_capture is not None:
-            self._rltrain_capture.drop(from_wire(req_ids_wire))
+            states: Any = self.model_runner.req_states  # type: ignore[attr-defined]
+            self._rltrain_capture.drop(from_wire(req_ids_wire), states.req_id_to_index.get)
 
     def rltrain_warmup_sampling(self) -> bytes:
         """What vLLM's kernel warm-up samples with in this process (its
