@@ -174,12 +174,15 @@ def trainer_parts(
     if n_lora:
         # LoRA: the frozen base in the compute dtype; fp32 adapters with their gradients
         # and AdamW moments; the reference is the base (no second model).
+        # On one data-parallel rank (no CPU offload) the base is left out of FSDP2 and
+        # read in place (ShardedModel._shard): no gathered copy of it.
+        in_place = dp == 1 and on_gpu
         lora_shard = -(-n_lora // (dp * tp))
         parts = {
             "weights": (cb * shard + 4 * lora_shard) * on_gpu,
             "gradients": rb * n_lora // tp if grad_sync == "step" else 4 * lora_shard * on_gpu,
             "optimizer": 8 * lora_shard * on_gpu,
-            "gathered": cb * (gathered + n_lora) // tp,
+            "gathered": cb * ((0 if in_place else gathered) + n_lora) // tp,
         }
     else:
         parts = {

@@ -235,6 +235,11 @@ class ShardedModel:
         kwargs: dict[str, Any] = {"mesh": self.mesh["dp"], "mp_policy": mp}
         if d.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        elif trainable and self.dp == 1:
+            # A frozen base (LoRA) on one data-parallel rank: FSDP2 would shard nothing and
+            # still keep a gathered copy of it from the first forward to the last backward
+            # (a second copy of the base). Left out of FSDP2, the layers read it in place.
+            kwargs["ignored_params"] = {p for p in model.parameters() if not p.requires_grad}
         # A frozen model runs forwards only: each block's gathered copy is freed after it.
         reshard = self.reshard_after_forward or not trainable
         for layer in decoder_layers(model):
