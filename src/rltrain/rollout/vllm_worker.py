@@ -157,10 +157,11 @@ class RefitWorkerExtension:
             tensors = {}
             for sent_version, bucket, flat in receiver.receive_buckets():
                 versions.add(sent_version)
-                # one host copy of the whole bucket (the receive buffer is reused for the
-                # next one), not one synchronous copy per adapter tensor
-                host = flat[: bucket.numel].detach().to("cpu", copy=True)
-                for name, tensor in unpack_bucket(bucket, host):
+                # one copy of the whole bucket where it arrived (the receive buffer is reused
+                # for the next one): on a GPU the adapter is built there and vLLM's slots
+                # fill from it device to device, with no host copy and no pinning per tensor
+                kept = flat[: bucket.numel].detach().clone()
+                for name, tensor in unpack_bucket(bucket, kept):
                     tensors[PEFT_PREFIX + name] = tensor
             (version,) = versions
             t_land = time.perf_counter()
@@ -251,7 +252,7 @@ class RefitWorkerExtension:
             "lora_model_id": lora_id(version),
             "tensors": tensors,
             "peft_helper": helper,
-            "device": "cpu",
+            "device": str(next(iter(tensors.values())).device) if tensors else "cpu",
             "dtype": manager.lora_config.lora_dtype,
             "model_vocab_size": getattr(manager, "vocab_size", None),
             "weights_mapper": mapper,
