@@ -63,6 +63,13 @@ def parse_args() -> argparse.Namespace:
         help="train.max_tokens_per_micro_batch of both runs (default: the project's auto, "
         "the largest size whose plan fits the GPU)",
     )
+    p.add_argument(
+        "--lora-micro-tokens",
+        type=int,
+        default=None,
+        help="also a third loop: LoRA at this train.max_tokens_per_micro_batch (e.g. full "
+        "fine-tuning's own size); its ratios to the full run go under summary.lora_micro",
+    )
     p.add_argument("--timeout", type=float, default=1500.0, help="bound on each loop (s)")
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
@@ -306,7 +313,17 @@ def main() -> None:
     if parts:
         result["model"] = benchlib.ensure_qwen_model(model_dir, args.smoke)
     runs = result.get("runs", {})
-    loops = (("full", []), ("lora", [f"train.lora.rank={args.rank}"]))
+    loops = [("full", []), ("lora", [f"train.lora.rank={args.rank}"])]
+    if args.lora_micro_tokens:
+        loops.append(
+            (
+                "lora_micro",
+                [
+                    f"train.lora.rank={args.rank}",
+                    f"train.max_tokens_per_micro_batch={args.lora_micro_tokens}",
+                ],
+            )
+        )
     for mode, extra in loops if "loops" in parts else ():
         run_dir = work / mode
         overrides = [*e2e.run_overrides(args, model_dir, run_dir), *extra]
@@ -336,26 +353,43 @@ def main() -> None:
             result["errors"]["parity_vllm_bf16"] = result["parity_vllm_bf16"]["error"]
         save()
     parity, vllm_bf16 = result.get("parity", {}), result.get("parity_vllm_bf16", {})
-    empty = dict.fromkeys(("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes"))
+    empty = dict.fromkeys(
+        ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_s", "refit_bytes")
+    )
     full, lora = runs.get("full", empty), runs.get("lora", empty)
+
+    def over_full(run: dict) -> dict:
+        return {
+            "peak_mem_over_full": ratio(
+                run["trainer_peak_allocated_gib"], full["trainer_peak_allocated_gib"]
+            ),
+            "train_s_over_full": ratio(run["train_s"], full["train_s"]),
+            "step_s_over_full": ratio(run["step_s"], full["step_s"]),
+            "refit_bytes_over_full": ratio(run["refit_bytes"], full["refit_bytes"]),
+        }
+
     result["summary"] = {
-        "peak_mem_over_full": ratio(
-            lora["trainer_peak_allocated_gib"], full["trainer_peak_allocated_gib"]
-        ),
-        "train_s_over_full": ratio(lora["train_s"], full["train_s"]),
-        "step_s_over_full": ratio(lora["step_s"], full["step_s"]),
-        "refit_bytes_over_full": ratio(lora["refit_bytes"], full["refit_bytes"]),
+        **over_full(lora),
         "logprob_max_abs_diff_fp32": parity.get("logprob_max_abs_diff_fp32"),
         "full": {
-            k: full[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes")
+            k: full[k]
+            for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_s", "refit_bytes")
         },
         "lora": {
-            k: lora[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_bytes")
+            k: lora[k]
+            for k in ("trainer_peak_allocated_gib", "train_s", "step_s", "refit_s", "refit_bytes")
         },
         "parity_engine": parity.get("engine"),
         # vLLM in bf16 (its LoRA kernels' precision): the same check, bf16 rounding included
         "logprob_max_abs_diff_vllm_bf16": vllm_bf16.get("logprob_max_abs_diff_fp32"),
     }
+    if "lora_micro" in runs:  # LoRA at the micro batch size --lora-micro-tokens named
+        micro = runs["lora_micro"]
+        result["summary"]["lora_micro"] = {
+            "micro_tokens": args.lora_micro_tokens,
+            **over_full(micro),
+            **{k: micro[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s")},
+        }
     save()
     print(json.dumps(result["summary"], indent=2))
     print("wrote " + ", ".join(map(str, paths)))
