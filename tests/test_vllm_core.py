@@ -103,3 +103,51 @@ def test_a_replica_of_one_gpu_starts_the_server_and_tensor_parallel_keeps_vllms_
     cfg.rollout.tp, cfg.rollout.engine = 1, "torch"
     rollout.preload_engine(cfg, "cpu")
     assert started == ["cuda"]
+
+
+def test_the_lora_stream_variable_is_set_before_the_server_imports_vllm(monkeypatch):
+    """vLLM registers its second LoRA stream's op when its LoRA layers are imported, which
+    the server does: the replica sets the variable before starting it (on for LoRA on GPUs,
+    removed with rollout.vllm.lora_dual_stream=false)."""
+    import rltrain.rollout as rollout
+    from rltrain import env
+    from rltrain.config.schema import RunConfig
+
+    name = env.VLLM_LORA_DUAL_STREAM.name
+    seen: list[str | None] = []
+    monkeypatch.setattr(vllm_core, "start_core_server", lambda d: seen.append(os.environ.get(name)))
+    monkeypatch.setitem(rollout.ENGINE_PRELOAD, "vllm", ())
+    monkeypatch.delenv(name, raising=False)
+    cfg = RunConfig()
+    cfg.rollout.engine = "vllm"
+    rollout.preload_engine(cfg, "cuda")  # no LoRA: nothing set
+    cfg.train.lora.rank = 8
+    rollout.preload_engine(cfg, "cuda")
+    monkeypatch.setenv(name, "1")
+    cfg.rollout.vllm.lora_dual_stream = False
+    rollout.preload_engine(cfg, "cuda")
+    assert seen == [None, "1", None]
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_core_whose_server_imported_lora_without_the_stream_op_runs_one_stream(
+    monkeypatch, registered
+):
+    """The forked core keeps the stream variable only where the server's import of vLLM's
+    LoRA layers registered the second stream's op; otherwise vLLM would call an op that does
+    not exist, and the core runs LoRA on one stream."""
+    import types
+
+    from rltrain import env
+
+    name = env.VLLM_LORA_DUAL_STREAM.name
+    layers = types.ModuleType(vllm_core._LORA_LAYERS)
+    if registered:
+        layers.lora_linear_async = lambda *a: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, vllm_core._LORA_LAYERS, layers)
+    saved = env.snapshot()
+    try:
+        got = vllm_core._run_with_env({**saved, name: "1"}, lambda: os.environ.get(name), ())
+    finally:
+        env.restore(saved)
+    assert got == ("1" if registered else None)

@@ -32,7 +32,9 @@ def preload_engine(cfg: RunConfig, device: str) -> float:
     name = cfg.rollout.engine
     if name == "vllm" and cfg.rollout.tp == 1:
         from rltrain.rollout.vllm_core import start_core_server
+        from rltrain.rollout.vllm_settings import apply_lora_stream_env
 
+        apply_lora_stream_env(cfg, device)  # the server's imports read it
         start_core_server(device)
     for module in ENGINE_PRELOAD[name]:
         importlib.import_module(module)

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 _CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor")
 _WORKER_MODULES = {"cuda": "vllm.v1.worker.gpu_worker", "cpu": "vllm.v1.worker.cpu_worker"}
 
+# vLLM's LoRA linear layers: the second stream's op is registered when this is imported
+# with the stream variable on (rollout.vllm.lora_dual_stream).
+_LORA_LAYERS = "vllm.lora.layers.base_linear"
+
 _lock = threading.Lock()
 _started = False
 # The build on this thread (an engine's build runs on its own loop's thread, and vLLM starts
@@ -94,6 +98,21 @@ def _run_with_env(env: dict[str, str], target: Callable[..., Any], args: tuple, 
     hub = sys.modules.get("huggingface_hub.constants")
     if hub is not None:  # read once when the server imported it
         hub.HF_HUB_OFFLINE = rl_env.is_on(rl_env.HUB_OFFLINE, env)  # type: ignore[attr-defined]
+    lora_layers = sys.modules.get(_LORA_LAYERS)
+    if (
+        lora_layers is not None
+        and rl_env.is_on(rl_env.VLLM_LORA_DUAL_STREAM, env)
+        and not hasattr(lora_layers, "lora_linear_async")
+    ):
+        # The server imported vLLM's LoRA layers before the replica set the stream variable
+        # (preload_engine sets it first): the second stream's op was never registered, and a
+        # layer built with the variable on would call it. One stream instead.
+        log.warning(
+            "vLLM's LoRA layers were imported without %s: the engine core runs LoRA on one "
+            "CUDA stream",
+            rl_env.VLLM_LORA_DUAL_STREAM.name,
+        )
+        rl_env.unset(rl_env.VLLM_LORA_DUAL_STREAM)
     return target(*args, **kwargs)
 
 

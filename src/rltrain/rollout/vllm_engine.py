@@ -73,10 +73,10 @@ from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_capture import MARK
 from rltrain.rollout.vllm_core import cores_from_server
 from rltrain.rollout.vllm_settings import (
+    apply_lora_stream_env,
     colocated_kv_cache_bytes,
     compilation_config,
     enforce_eager,
-    lora_dual_stream,
     model_inspection_in_process,
     request_seeds,
     seeds_per_request,
@@ -264,9 +264,7 @@ class VLLMEngine(VLLMTurns):
         lo = self.cfg.train.lora
         if lo.rank > 0:
             # vLLM's own LoRA path: the adapter of each refit is applied by its LoRA kernels.
-            dual = lora_dual_stream(self.cfg, self.device)
-            if dual is not None:  # read by the engine process, started below
-                (env.apply if dual else env.unset)(env.VLLM_LORA_DUAL_STREAM)
+            apply_lora_stream_env(self.cfg, self.device)  # read by the engine process
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"] = vllm_lora_rank(lo.rank)
             kwargs["max_loras"] = 1

@@ -88,6 +88,17 @@ def lora_dual_stream(cfg: RunConfig, device: str) -> bool | None:
     return True if v is None else v
 
 
+def apply_lora_stream_env(cfg: RunConfig, device: str) -> None:
+    """Set (or remove) vLLM's LoRA stream variable in this process for the run
+    (:func:`lora_dual_stream`). vLLM reads it when its LoRA layers' module is imported (the
+    second stream's op is registered then) and again when a layer is built, so it must be
+    in place before the engine core's server imports vLLM (``preload_engine``), not only
+    before the core starts. Nothing to set without LoRA or off GPUs."""
+    dual = lora_dual_stream(cfg, device)
+    if dual is not None:
+        (env.apply if dual else env.unset)(env.VLLM_LORA_DUAL_STREAM)
+
+
 def worker_logprobs(cfg: RunConfig, device: str) -> bool:
     """``rollout.vllm.worker_logprobs`` resolved: null = on GPUs where every row of a call
     carries logprobs (``rollout.engine_logprobs``); the engine still falls back to vLLM's
