@@ -81,11 +81,11 @@ class LoRALinear(nn.Module):
         plain = not isinstance(b, DTensor) and not isinstance(out, DTensor)
         if plain and h.dtype == out.dtype:
             if torch.compiler.is_compiling():
-                # Compiled blocks: the update is pointwise (see LowRankAdd), fused with the
-                # add into whatever reads the output next (the rotary embedding, SiLU x up,
-                # the residual add). An addmm here became a copy of the base's output and a
-                # GEMM that reads and writes it again (profiled at 1.5B shapes on an H100).
-                return LowRankAdd.apply(out, h * self.scaling, b)
+                # Compiled blocks: the update's add is a pointwise op that the compiler fuses
+                # into whatever reads the output next (the rotary embedding, SiLU x up, the
+                # residual add). An addmm here became a copy of the base's output and a GEMM
+                # that reads and writes it again (profiled at 1.5B shapes on an H100).
+                return out + torch.matmul(h * self.scaling, b.t())
             # Eager: one GEMM adds the scaled update into the base's output
             # (C + alpha x h B^T); the update is never written out on its own.
             flat = torch.addmm(
@@ -98,32 +98,6 @@ class LoRALinear(nn.Module):
         # tensor-parallel adapters (the module applies their layout), or adapters in
         # another dtype than the base's output
         return out + (self.lora_B(h) * self.scaling).to(out.dtype)
-
-
-class LowRankAdd(torch.autograd.Function):
-    """``out + h @ b.T`` for a low rank ``r`` (``h`` [..., r], ``b`` [O, r]), written as r
-    multiply-adds over ``out``'s elements in the forward: under torch.compile that is one
-    pointwise expression the compiler fuses into the kernel that reads the sum next, so the
-    update [..., O] is never written out and read back, and no GEMM is launched for it.
-    The backward is two GEMMs: ``dh = g @ b`` and ``db = g.T @ h`` (``out`` takes ``g``).
-    Used by compiled blocks only: eagerly, r separate kernels would each pass over ``out``.
-    """
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(h, b)
-        acc = out
-        for j in range(h.shape[-1]):
-            acc = acc + h[..., j : j + 1] * b[:, j]
-        return acc
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        h, b = ctx.saved_tensors
-        flat_g, flat_h = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
-        dh = (flat_g @ b).view(h.shape)
-        db = flat_g.t() @ flat_h
-        return g, dh, db
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
