@@ -107,19 +107,27 @@ def test_cli_tool_copy_multi_turn_learns_on_one_gpu(tmp_path, engine):
 
 @pytest.mark.timeout(600)
 def test_cli_grpo_lora_on_vllm_one_gpu(tmp_path):
-    """``train.lora.rank=8`` with vLLM colocated: vLLM's engine core starts with LoRA (its
-    server's imports included), every step refits the adapter alone (a new weight version;
-    bytes far below the model's), and vLLM applies it: its logprobs of the sampled tokens
-    stay the trainer's (``token_mult_prob_error``) while the adapter moves the policy."""
+    """``train.lora.rank=8`` with vLLM colocated (a bf16 engine: vLLM's LoRA kernels take no
+    fp32): vLLM's engine core starts with LoRA (its server's imports included), every step
+    refits the adapter alone (a new weight version; bytes far below the model's), and vLLM
+    applies it: its logprobs of the sampled tokens stay the fp32 trainer's up to bf16
+    rounding (``token_mult_prob_error``) while the adapter moves the policy."""
     steps = 40
     out = tmp_path / "lora"
-    rows = _run("grpo", out, "train.lora.rank=8", f"max_steps={steps}", timeout_s=550)
+    rows = _run(
+        "grpo",
+        out,
+        "train.lora.rank=8",
+        "precision.rollout_dtype=bfloat16",
+        f"max_steps={steps}",
+        timeout_s=550,
+    )
     plan = json.loads((out / "plan.json").read_text())
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["weight_version"] for r in rows] == [float(s) for s in range(1, steps + 1)]
     model_bytes = 2 * plan["memory"]["num_params"]  # a full bf16 refit
     assert max(r["refit/bytes"] for r in rows) < 0.1 * model_bytes
-    assert max(r["token_mult_prob_error"] for r in rows) <= 1.01
+    assert max(r["token_mult_prob_error"] for r in rows) <= 1.05
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert last > first, f"reward over the first / last 10 steps: {first:.3f} / {last:.3f}"
