@@ -1,14 +1,17 @@
 """LoRA refit into the vLLM engine (real vLLM on CPU): adapter tensors over the gloo
 transport become vLLM's LoRA adapter, built in memory; its logprobs then match a forward
-of the base with the same adapter applied (fp32)."""
+of the base with the same adapter applied (fp32), also for requests that an adapter refit
+met in flight (partial rollouts)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 import torch
 
+from rltrain.algorithms.logprobs import token_logprobs
 from rltrain.config.schema import LoraConfig, RunConfig, lora_targets
 from rltrain.models.loader import load_model
 from rltrain.models.lora import inject_lora
@@ -31,6 +34,9 @@ def _cfg() -> RunConfig:
     cfg.rollout.vllm.cpu_kv_cache_gib = 0.25
     cfg.rollout.engine = "vllm"  # the adapter targets vLLM serves (no LM-head adapter)
     cfg.train.lora = LoraConfig(rank=8)
+    # partial rollouts: refits may land while requests are in flight
+    cfg.algorithm.async_rollout.enabled = True
+    cfg.algorithm.async_rollout.partial_rollouts = True
     return cfg
 
 
@@ -55,6 +61,7 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
     engine = VLLMEngine(_cfg(), num_threads=1)
     try:
         prompts = _encode(engine, PROMPTS) * 3
+        blocked = torch.tensor(engine.tokenizer.convert_tokens_to_ids(BLOCKED))
         sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=21)
         base = load_model(_cfg()).eval()
         before = engine.generate(prompts, sampling)  # no adapter yet: the base
@@ -99,6 +106,58 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
             # and not the base: the adapter is applied
             worst_base, _ = _max_logprob_diff(engine, base, prompts, out, 1.0)
             assert worst_base > 1e-2
+
+        # An adapter refit while a generate's requests are in flight: they carry on with
+        # the new adapter (vLLM still has the adapter they name), each token's logprob is
+        # that of the adapter that sampled it.
+        models[3] = _adapted(3)
+        params = {n: p.detach() for n, p in models[3].named_parameters() if ".lora_" in n}
+        first_tokens = threading.Event()
+
+        def on_tokens() -> None:
+            if not first_tokens.is_set():
+                # hold the scheduler where it is (the refit pauses it again and resumes it)
+                asyncio.ensure_future(engine.llm.pause_generation(mode="keep", clear_cache=False))
+                first_tokens.set()
+
+        engine.on_tokens = on_tokens
+        box: dict = {}
+        gen = threading.Thread(
+            target=lambda: box.update(
+                out=engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=4))
+            )
+        )
+        gen.start()
+        try:
+            assert first_tokens.wait(300)
+            t = threading.Thread(
+                target=lambda: sender["s"].send(fill_from(params), weight_version=3)
+            )
+            t.start()
+            stats = engine.refit_receive()
+            t.join()
+        finally:
+            engine.on_tokens = None
+        gen.join(300)
+        assert stats.weight_version == 3 == engine.weight_version()
+        out = box["out"]
+        seen: set[int] = set()
+        for prompt, resp, lps, versions in zip(
+            prompts, out.response_ids, out.response_logprobs, out.response_versions, strict=True
+        ):
+            assert versions == sorted(versions) and set(versions) <= {2, 3}, versions
+            seen |= set(versions)
+            ids = torch.tensor([prompt + resp])
+            with torch.no_grad():
+                ref = {
+                    v: token_logprobs(models[v](input_ids=ids).logits, ids, 1.0, blocked)[0][
+                        0, len(prompt) :
+                    ]
+                    for v in (2, 3)
+                }
+            for j, v in enumerate(versions):
+                assert abs(lps[j] - float(ref[v][j])) < LOGPROB_TOL, (j, v, lps[j])
+        assert seen == {2, 3}
     finally:
         engine.shutdown()
         torch.set_num_threads = set_num_threads

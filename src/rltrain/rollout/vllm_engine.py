@@ -85,7 +85,7 @@ from rltrain.rollout.vllm_settings import (
     worker_logprobs,
 )
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
-from rltrain.rollout.vllm_worker import from_wire, lora_id, to_wire
+from rltrain.rollout.vllm_worker import LORA_ID, LORA_NAME, from_wire, to_wire
 
 T = TypeVar("T")
 
@@ -524,9 +524,8 @@ class VLLMEngine(VLLMTurns):
         if self.cfg.train.lora.rank > 0:
             from vllm.lora.request import LoRARequest
 
-            v = stats.weight_version
             # loaded from memory by the worker: vLLM finds the id loaded and reads no path
-            self._lora_request = LoRARequest(f"rltrain-v{v}", lora_id(v), lora_path="memory")
+            self._lora_request = LoRARequest(LORA_NAME, LORA_ID, lora_path="memory")
         return RefitStats(
             stats.weight_version,
             time.perf_counter() - t0,

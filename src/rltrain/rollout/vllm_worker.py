@@ -76,9 +76,12 @@ def lora_name_mapper(mapper: Any) -> Any:
     return cast(Any, type(mapper))(**kept)
 
 
-def lora_id(weight_version: int) -> int:
-    """vLLM's LoRA id of the adapter of ``weight_version`` (ids start at 1)."""
-    return weight_version + 1
+# vLLM's LoRA id and name of the run's one adapter. They stay the same across refits: each
+# refit replaces the adapter's tensors under that id (the weight version is the refit's,
+# not vLLM's id), so a request in flight across a refit (partial rollouts) keeps naming an
+# adapter vLLM has and continues with the new one, as with a full refit.
+LORA_ID = 1
+LORA_NAME = "rltrain-adapter"
 
 
 class RefitWorkerExtension:
@@ -165,7 +168,7 @@ class RefitWorkerExtension:
                     tensors[PEFT_PREFIX + name] = tensor
             (version,) = versions
             t_land = time.perf_counter()
-            self._rltrain_add_adapter(tensors, version)
+            self._rltrain_add_adapter(tensors)
             extra = {"tensors": float(len(tensors)), "land_s": time.perf_counter() - t_land}
             return RefitStats(
                 version, time.perf_counter() - t0, m.total_bytes, len(m.buckets), extra
@@ -232,11 +235,11 @@ class RefitWorkerExtension:
             ]
         return to_wire(torch.stack(sums).cpu())
 
-    def _rltrain_add_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def _rltrain_add_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         """Build vLLM's LoRA model of ``tensors`` (PEFT names) in memory and make it the one
-        adapter of this worker, id :func:`lora_id` (``version``); the previous one is
-        removed. Requests then name it with a LoRARequest of that id (the manager finds it
-        loaded and never reads ``lora_path``)."""
+        adapter of this worker under :data:`LORA_ID`, in place of the previous refit's (one
+        RPC, between two of vLLM's steps). Requests name it with a LoRARequest of that id
+        (the manager finds it loaded and never reads ``lora_path``)."""
         import inspect
 
         from vllm.lora.lora_model import LoRAModel
@@ -249,7 +252,7 @@ class RefitWorkerExtension:
         helper.validate_legal(manager.lora_config)
         mapper = lora_name_mapper(getattr(adapters.model, "hf_to_vllm_mapper", None))
         kwargs: dict[str, Any] = {
-            "lora_model_id": lora_id(version),
+            "lora_model_id": LORA_ID,
             "tensors": tensors,
             "peft_helper": helper,
             "device": str(next(iter(tensors.values())).device) if tensors else "cpu",
