@@ -273,3 +273,23 @@ def test_lora_linear_compiled_matches_eager(shape):
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert eager[2].abs().sum() > 0 and eager[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("head_adapter", [False, True])
+def test_a_tied_embedding_and_head_stay_one_tensor_with_the_base_in_place(head_adapter):
+    """On one data-parallel rank the frozen base is left out of FSDP2 (read in place); a
+    tied input embedding and LM head (Qwen2.5-0.5B to 3B) stay one tensor through the
+    build, with or without an adapter on the head, and keep the loaded weights."""
+    targets = {} if head_adapter else {"train.lora.targets": "[q_proj,v_proj]"}
+    w = _worker(_cfg(**LORA, **targets, **{"model.tiny.tie_word_embeddings": True}))
+    try:
+        model = w.model
+        head = model.get_output_embeddings()
+        head_weight = head.base_layer.weight if head_adapter else head.weight
+        emb = model.get_input_embeddings().weight
+        assert head_weight is emb
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        assert len(names) == len(list(model.parameters())) + 1  # one name more: the tie
+        assert emb.abs().sum() > 0  # the loaded weights, not to_empty's
+    finally:
+        w.shutdown()

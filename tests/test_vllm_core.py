@@ -117,15 +117,19 @@ def test_the_lora_stream_variable_is_set_before_the_server_imports_vllm(monkeypa
     seen: list[str | None] = []
     monkeypatch.setattr(vllm_core, "start_core_server", lambda d: seen.append(os.environ.get(name)))
     monkeypatch.setitem(rollout.ENGINE_PRELOAD, "vllm", ())
-    monkeypatch.delenv(name, raising=False)
-    cfg = RunConfig()
-    cfg.rollout.engine = "vllm"
-    rollout.preload_engine(cfg, "cuda")  # no LoRA: nothing set
-    cfg.train.lora.rank = 8
-    rollout.preload_engine(cfg, "cuda")
-    monkeypatch.setenv(name, "1")
-    cfg.rollout.vllm.lora_dual_stream = False
-    rollout.preload_engine(cfg, "cuda")
+    saved = env.snapshot()  # preload_engine sets the variable in this process
+    try:
+        env.unset(env.VLLM_LORA_DUAL_STREAM)
+        cfg = RunConfig()
+        cfg.rollout.engine = "vllm"
+        rollout.preload_engine(cfg, "cuda")  # no LoRA: nothing set
+        cfg.train.lora.rank = 8
+        rollout.preload_engine(cfg, "cuda")
+        env.apply(env.VLLM_LORA_DUAL_STREAM)
+        cfg.rollout.vllm.lora_dual_stream = False
+        rollout.preload_engine(cfg, "cuda")
+    finally:
+        env.restore(saved)
     assert seen == [None, "1", None]
 
 

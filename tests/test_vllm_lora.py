@@ -84,6 +84,11 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
         engine.init_refit(RefitGroup(manifest, "127.0.0.1", port, 2), 1)
         t.join()
         assert engine.landing_note.startswith("adapter")
+        # Joined: requests name the run's adapter, zero until the first refit (the base).
+        assert engine._lora_request is not None
+        zero = engine.generate(prompts, sampling)
+        worst, _ = _max_logprob_diff(engine, base, prompts, zero, 1.0)
+        assert worst < LOGPROB_TOL, worst
 
         for version, model in models.items():
             params = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
@@ -122,11 +127,14 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
 
         engine.on_tokens = on_tokens
         box: dict = {}
-        gen = threading.Thread(
-            target=lambda: box.update(
-                out=engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=4))
-            )
-        )
+
+        def generate() -> None:
+            try:
+                box["out"] = engine.generate(prompts, SamplingParams(max_new_tokens=48, seed=4))
+            except BaseException as exc:  # noqa: BLE001 - reported below, in the test's thread
+                box["error"] = exc
+
+        gen = threading.Thread(target=generate)
         gen.start()
         try:
             assert first_tokens.wait(300)
@@ -139,6 +147,8 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
         finally:
             engine.on_tokens = None
         gen.join(300)
+        assert not gen.is_alive(), "the generate call did not end after the refit"
+        assert "error" not in box, box.get("error")
         assert stats.weight_version == 3 == engine.weight_version()
         out = box["out"]
         seen: set[int] = set()

@@ -209,7 +209,7 @@ class VLLMEngine(VLLMTurns):
         self.refit_receiver: RefitReceiver | None = None
         self._refit_ready = False
         self.landing_note = "not set up"  # how refits land, or why not directly
-        # LoRA: the adapter the last refit loaded (None: the base alone, before any refit).
+        # LoRA: the run's adapter, named once the refit group is joined (None before: the base).
         self._lora_request: Any = None
         # Called on the engine's loop each time tokens stream in (partial rollouts; tests).
         self.on_tokens: Callable[[], None] | None = None
@@ -411,6 +411,10 @@ class VLLMEngine(VLLMTurns):
         # (partial rollouts) pauses and resumes the scheduler itself: then no hold here.
         hold = not self._partial and len(prompt_ids) > 1
         collectors: list[Any] = []
+        # From the first request on the prefix cache may hold this call's blocks (a failed
+        # call's too): the next refit drops them (LoRA keeps one adapter name, and vLLM's
+        # block hashes name the adapter, not its weights).
+        self._prefix_cache_used = True
         try:
             if hold:
                 await self.llm.pause_generation(mode="keep", clear_cache=False)
@@ -438,7 +442,6 @@ class VLLMEngine(VLLMTurns):
                     ids = [c.request_id for c in collectors]
                     await self.llm.collective_rpc("rltrain_drop_logprobs", args=(to_wire(ids),))
             raise
-        self._prefix_cache_used = True
         return rows
 
     def _check_awake(self) -> None:
@@ -490,6 +493,12 @@ class VLLMEngine(VLLMTurns):
                 config,
             )
             self.landing_note = note
+            from vllm.lora.request import LoRARequest
+
+            # The worker registered a zero adapter under this id (the base's outputs, exactly);
+            # every request names it from now on, so one started before the first refit goes
+            # on with the refitted adapter like any other (partial rollouts).
+            self._lora_request = LoRARequest(LORA_NAME, LORA_ID, lora_path="memory")
         elif self.cfg.rollout.tp == 1:
             # vLLM's CPU kernels repack linear weights after loading: load through vLLM there.
             direct = self.device == "cuda"
@@ -521,11 +530,6 @@ class VLLMEngine(VLLMTurns):
         stats = self._loop.run(self._refit_in_flight() if self._partial else self._refit_idle())
         self._version = stats.weight_version
         self._weights_discarded = False
-        if self.cfg.train.lora.rank > 0:
-            from vllm.lora.request import LoRARequest
-
-            # loaded from memory by the worker: vLLM finds the id loaded and reads no path
-            self._lora_request = LoRARequest(LORA_NAME, LORA_ID, lora_path="memory")
         return RefitStats(
             stats.weight_version,
             time.perf_counter() - t0,

@@ -72,7 +72,7 @@ class VLLMTurns:
     _version: int
     _prefix_cache_used: bool
     _request_ids: Any  # itertools.count
-    _lora_request: Any  # LoRA: the adapter of the last refit (None: the base alone)
+    _lora_request: Any  # LoRA: the run's adapter once the refit group is joined (None: the base)
     # The running serve_turns session's inbox (turn requests submitted from other threads).
     _turn_inbox: asyncio.Queue[tuple[list[TurnRequest], bool]] | None = None
     eos_id: int
@@ -214,6 +214,7 @@ class VLLMTurns:
             # A batch of requests is added while the scheduler holds still, so that one step
             # schedules them all (see _generate); no hold beside a refit (partial rollouts).
             hold = not self._partial and len(requests) > 1
+            self._prefix_cache_used = True  # from the first request on (see _generate)
             if hold:
                 await self.llm.pause_generation(mode="keep", clear_cache=False)
             try:
@@ -232,7 +233,6 @@ class VLLMTurns:
             finally:
                 if hold:
                     await self.llm.resume_generation()
-            self._prefix_cache_used = True
 
         closing = False
         try:

@@ -15,7 +15,8 @@ through the model runner's ``reload_weights`` while later buckets still arrive.
 
 With LoRA (``train.lora.rank > 0``) every refit is an adapter: its tensors are received
 here and become vLLM's one LoRA adapter, built in memory (``LoRAModel.from_lora_tensors``,
-never a file), with a new id per weight version; the base weights never change.
+never a file), under one id for the run (a zero adapter until the first refit); the base
+weights never change.
 
 Where every row's logprobs are wanted on GPUs, the sampled tokens' logprobs stay in this
 process and the replica takes a call's rows at once (``vllm_capture.py``).
@@ -123,6 +124,16 @@ class RefitWorkerExtension:
         self._rltrain_receiver = join_refit_group(group, rank, timeout_s, device, verify)
         if lora_config is not None:
             self._rltrain_lora = lora_config
+            # Until the first refit: a zero adapter (the base's outputs exactly) under the
+            # run's id, so that every request names the adapter from the start.
+            dtype = group.manifest.torch_dtype
+            self._rltrain_add_adapter(
+                {
+                    PEFT_PREFIX + slot.name: torch.zeros(slot.shape, dtype=dtype, device=device)
+                    for bucket in group.manifest.buckets
+                    for slot in bucket.slots
+                }
+            )
             return "adapter: vLLM's LoRA manager, loaded from tensors in memory"
         if not direct:
             return "reload_weights"

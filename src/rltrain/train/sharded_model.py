@@ -59,6 +59,30 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 
+def shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names under which one parameter is registered several times (a tied input embedding
+    and LM head), per parameter: to restore after ``to_empty``."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: torch.nn.Module, shared: list[list[str]]) -> None:
+    """Point every name of each group of ``shared`` at its first name's parameter again.
+    ``to_empty`` materialises parameters FSDP2 does not manage (a frozen LoRA base on one
+    data-parallel rank) module by module, so a tied embedding and head would each get a
+    copy of their own (a second vocabulary x hidden tensor, and two weights a merged export
+    writes apart). FSDP2's own parameters keep their ties and are left as they are."""
+    for first, *others in shared:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if getattr(module, attr) is not param:
+                setattr(module, attr, param)
+
+
 class AttentionSwitch(Protocol):
     """A model whose attention kernel can be picked by name (HF models; the value model)."""
 
@@ -165,7 +189,9 @@ class ShardedModel:
             model = build_empty()
             self._prepare(model, lora, trainable)
         model = shard(model, trainable)
+        shared = shared_parameters(model)
         model.to_empty(device=self.device)
+        retie(model, shared)  # to_empty gives each module its own copy of a shared tensor
         set_model_state_dict(
             model,
             full_sd,
