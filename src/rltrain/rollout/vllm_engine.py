@@ -480,7 +480,9 @@ class VLLMEngine(VLLMTurns):
         r = self.cfg.refit
         lo = self.cfg.train.lora
         if lo.rank > 0:
-            # The base is in the engine since start-up; each refit is an adapter.
+            # The base is in the engine since start-up; each refit is an adapter. The worker
+            # writes a zero adapter into vLLM's LoRA slots now: they must be mapped.
+            self.wake_up()
             config = peft_adapter_config(lo, lora_targets(self.cfg), self.cfg.model.path)
             (note,) = self._rpc(
                 "rltrain_init_refit",
