@@ -128,9 +128,12 @@ def test_the_lora_stream_variable_is_set_before_the_server_imports_vllm(monkeypa
         env.apply(env.VLLM_LORA_DUAL_STREAM)
         cfg.rollout.vllm.lora_dual_stream = False
         rollout.preload_engine(cfg, "cuda")
+        env.apply(env.VLLM_LORA_DUAL_STREAM)
+        cfg.rollout.vllm.lora_dual_stream = None
+        rollout.preload_engine(cfg, "cpu")  # vLLM refuses a second stream off GPUs
     finally:
         env.restore(saved)
-    assert seen == [None, "1", None]
+    assert seen == [None, "1", None, None]
 
 
 @pytest.mark.parametrize("registered", [True, False])

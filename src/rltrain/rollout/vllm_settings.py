@@ -93,10 +93,11 @@ def apply_lora_stream_env(cfg: RunConfig, device: str) -> None:
     (:func:`lora_dual_stream`). vLLM reads it when its LoRA layers' module is imported (the
     second stream's op is registered then) and again when a layer is built, so it must be
     in place before the engine core's server imports vLLM (``preload_engine``), not only
-    before the core starts. Nothing to set without LoRA or off GPUs."""
-    dual = lora_dual_stream(cfg, device)
-    if dual is not None:
-        (env.apply if dual else env.unset)(env.VLLM_LORA_DUAL_STREAM)
+    before the core starts. Nothing to set without LoRA; removed for LoRA off GPUs (vLLM
+    refuses a second stream there, whatever the environment held)."""
+    if cfg.train.lora.rank <= 0:
+        return
+    (env.apply if lora_dual_stream(cfg, device) else env.unset)(env.VLLM_LORA_DUAL_STREAM)
 
 
 def worker_logprobs(cfg: RunConfig, device: str) -> bool:
