@@ -250,12 +250,28 @@ def test_rows_stream_out_as_they_finish(engine):
     assert order.index(short) < order.index(longest[-1])
 
 
+def pause_at_first_tokens(engine) -> threading.Event:
+    """Set ``engine.on_tokens`` so that the first tokens of the next call freeze vLLM's
+    scheduler where it is (a refit then pauses it again and resumes it); the event is set
+    then. Clear ``engine.on_tokens`` after the refit."""
+    import asyncio
+
+    first_tokens = threading.Event()
+
+    def on_tokens() -> None:
+        if not first_tokens.is_set():
+            asyncio.ensure_future(engine.llm.pause_generation(mode="keep", clear_cache=False))
+            first_tokens.set()
+
+    engine.on_tokens = on_tokens
+    return first_tokens
+
+
 def test_refit_lands_while_requests_are_in_flight(engine):
     """Partial rollouts on vLLM: a refit lands while a generate's requests are in flight.
     The scheduler pauses keeping them, the weights land, their KV is recomputed with the new
     weights, and they go on: each token carries the version of the weights that sampled it,
     and its logprob is that model's over everything before it."""
-    import asyncio
 
     # Known weights to start from (whatever earlier tests of this module left in the engine).
     start = _perturbed(load_model(_cfg()).eval(), 0)
@@ -286,15 +302,7 @@ def test_refit_lands_while_requests_are_in_flight(engine):
     base = engine.weight_version()
     refit(start, base + 1)
     prompts = _encode(engine, PROMPTS) * 3
-    first_tokens = threading.Event()
-
-    def on_tokens() -> None:
-        if not first_tokens.is_set():
-            # Freeze the scheduler where it is (the refit pauses it again and resumes it).
-            asyncio.ensure_future(engine.llm.pause_generation(mode="keep", clear_cache=False))
-            first_tokens.set()
-
-    engine.on_tokens = on_tokens
+    first_tokens = pause_at_first_tokens(engine)
     box: dict = {}
     gen = threading.Thread(
         target=lambda: box.setdefault(

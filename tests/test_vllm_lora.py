@@ -5,7 +5,6 @@ met in flight (partial rollouts)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import pytest
@@ -19,7 +18,13 @@ from rltrain.refit.base import RefitGroup, fill_from, plan_buckets
 from rltrain.refit.gloo import GlooRefitSender
 from rltrain.rollout.base import SamplingParams
 from rltrain.train.distributed import free_port
-from tests.test_vllm_engine import BLOCKED, PROMPTS, _encode, _max_logprob_diff
+from tests.test_vllm_engine import (
+    BLOCKED,
+    PROMPTS,
+    _encode,
+    _max_logprob_diff,
+    pause_at_first_tokens,
+)
 
 pytest.importorskip("vllm")
 
@@ -117,15 +122,7 @@ def test_adapter_refit_into_vllm_matches_the_adapted_forward():
         # that of the adapter that sampled it.
         models[3] = _adapted(3)
         params = {n: p.detach() for n, p in models[3].named_parameters() if ".lora_" in n}
-        first_tokens = threading.Event()
-
-        def on_tokens() -> None:
-            if not first_tokens.is_set():
-                # hold the scheduler where it is (the refit pauses it again and resumes it)
-                asyncio.ensure_future(engine.llm.pause_generation(mode="keep", clear_cache=False))
-                first_tokens.set()
-
-        engine.on_tokens = on_tokens
+        first_tokens = pause_at_first_tokens(engine)
         box: dict = {}
 
         def generate() -> None:
