@@ -102,6 +102,7 @@ def _critic_apart_ctx(cfg) -> tuple[SimpleNamespace, _Policy, _Policy]:
         plan=SimpleNamespace(
             gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
         ),
+        reference=None,
     )
     return ctx, policy, critic
 
@@ -507,6 +508,7 @@ def test_the_split_weighs_the_values_by_their_cost_per_token():
             ),
             share_last=True,
             pass_costs=costs,
+            late_every_row=("logprobs",),
         )
         for i in range(6):  # 6 rows of 4 tokens, every one when generation ends
             stream.add(i, [3, 4], [5, 6])
@@ -538,6 +540,7 @@ def test_held_rows_go_to_the_critic_with_the_first_report_that_finds_it_idle():
                 PassTarget(policy, ("reference",), after_generation=True),
             ),
             share_last=True,
+            late_every_row=("logprobs",),
         )
 
     policy, critic = _Policy(), _BusyCritic()
@@ -563,3 +566,63 @@ def test_held_rows_go_to_the_critic_with_the_first_report_that_finds_it_idle():
     stream.caught_up()
     assert critic.names == [(6, ("values",)), (6, ("reference",))]
     assert all(c.parts[0][1] is not None for c in stream.chunks)  # nothing for the policy
+
+
+def test_copies_beside_the_engines_take_half_the_last_rows_reference_pass():
+    """GRPO with its engines on GPUs of their own and a copy of the reference model beside
+    each replica (rollout.hosts_reference): the policy runs the reference pass on rows as
+    they stream out; the rows left when generation ends are split so that the policy (its
+    calls not yet answered, its share) and the copies (their share, once the engines are
+    done) end together. The pass assembles to the policy's own on the whole batch."""
+    from rltrain.logging.metrics import StageTimer
+    from rltrain.loops.step import logprob_stream, old_and_reference_logprobs
+    from rltrain.train.batch import build_train_batch
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        rollout="vllm",
+        **{
+            "algorithm.kl_coef": 0.01,
+            "algorithm.prompts_per_step": 8,
+            "algorithm.samples_per_prompt": 2,
+        },
+    )
+    policy, copies = _BusyCritic(), _Policy()
+    policy.dp, copies.dp = 1, 2  # two replicas, a copy beside each
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        value=None,
+        reference=copies,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        plan=SimpleNamespace(
+            gpu_layout=SimpleNamespace(rollout_colocated=False, value_colocated=None)
+        ),
+    )
+    stream = logprob_stream(ctx, need_old=False)  # type: ignore[arg-type]
+    assert stream is not None and stream.share_last and stream.chunk_rows == 2
+    assert stream.late_every_row == ()
+    prompts = [[3, 4]] * 16
+    responses = [[5 + i % 3, 6] for i in range(16)]  # 4 tokens a row
+    for i in (0, 1):  # the policy is idle: its reference pass at once
+        stream.add(i, prompts[i], responses[i])
+    stream.caught_up()
+    assert policy.names == [(2, ("reference",))]
+    for i in range(2, 16):  # the rest when generation ends, the policy still busy
+        stream.add(i, prompts[i], responses[i])
+    stream.caught_up()
+    # the policy has 8 tokens unanswered; the pool is 56 tokens: per rank, the policy
+    # 8 + x against the two copies' (56 - x) / 2: x = 13.3 tokens, 3 rows (a row goes while
+    # more than half of it fits), the copies the other 11
+    assert policy.names == [(2, ("reference",)), (3, ("reference",))]
+    assert copies.calls == []  # their GPUs generate until the engines are done
+    rollout = RolloutBatch(prompts, responses, [[0.0] * 2] * 16, [True] * 16, 0)
+    batch = build_train_batch(rollout, 0)
+    policy.answer()
+    got = old_and_reference_logprobs(
+        ctx, batch, batch.response_mask_BT, False, StageTimer(), stream
+    )  # type: ignore[arg-type]
+    assert copies.calls == [(11, True)]
+    assert got.ref_logprobs_BT is not None
+    assert torch.equal(got.ref_logprobs_BT, _Policy._pass(batch, "reference"))
+    assert stream.share_metrics(16) == {"logprobs/shared_late_frac": 11 / 16}

@@ -147,3 +147,33 @@ def test_cli_ppo_critic_runs_values_and_reference_on_rows_streamed_from_vllm(tmp
         for key in ("kl_penalty", "value/mean", "returns/mean", "advantages/abs_mean"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1e-3, abs(b[key])), (key, a[key], b[key])
     assert hosted[1]["kl_penalty"] > 1e-4  # step 2: the policy is no longer the reference
+
+
+def _roles(out) -> list[str]:
+    return [r["name"] for r in json.loads((out / "plan.json").read_text())["roles"]]
+
+
+@pytest.mark.timeout(1500)
+def test_cli_grpo_reference_copy_beside_the_engine_shares_the_last_rows(tmp_path):
+    """GRPO with a copy of the reference model beside the vLLM replica
+    (rollout.hosts_reference=true): the rows left when generation ends get their reference
+    logprobs from both copies, and the KL term (the policy moved at step 1, the reference
+    did not) matches a run where the policy alone holds the reference, on the same samples
+    (fp32, up to the kernels' rounding over other packings)."""
+    common = (
+        "train.logprobs_while_generating=true",
+        "algorithm.kl_coef=0.05",
+        "algorithm.prompts_per_step=8",
+        "max_steps=2",
+    )
+    beside = _grpo_rows(tmp_path / "beside", *common, "rollout.hosts_reference=true")
+    alone = _grpo_rows(tmp_path / "alone", *common, "rollout.hosts_reference=false")
+    assert "reference" in _roles(tmp_path / "beside")
+    assert "reference" not in _roles(tmp_path / "alone")
+    for a, b in zip(beside, alone, strict=True):
+        assert a["reward/mean"] == b["reward/mean"]  # the same samples
+        assert 0.0 < a["logprobs/shared_late_frac"] <= 1.0
+        assert "logprobs/shared_late_frac" not in b
+        for key in ("kl", "loss"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1e-3, abs(b[key])), (key, a[key], b[key])
+    assert beside[1]["kl"] > 1e-6  # step 2: the policy is no longer the reference

@@ -276,6 +276,7 @@ def run(cfg: RunConfig, choices: dict[str, str], console: Console) -> dict:
                 ),
                 driver=driver,
                 out_dir=str(out),
+                reference=workers.reference,
             )
             if resume_from is not None:
                 restore_checkpoint(ctx, workers, resume_from)

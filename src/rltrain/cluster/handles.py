@@ -1,7 +1,8 @@
 """Typed role handles: the worker API of each role over its Ray actors.
 
 The controller calls :class:`PolicyGang` (``ctx.policy``), :class:`ValueGang`
-(``ctx.value``, PPO's critic) and :class:`~rltrain.cluster.pool.RolloutPool`
+(``ctx.value``, PPO's critic), :class:`ReferenceGang` (``ctx.reference``, copies of the
+reference model beside the engines) and :class:`~rltrain.cluster.pool.RolloutPool`
 (``ctx.rollout``, in :mod:`rltrain.cluster.pool`) like plain objects: batches go in, results come back in rollout row order. Each
 method shards its input over the ranks (token-balanced over data-parallel
 ranks), calls the worker class's own method on every actor through
@@ -22,9 +23,12 @@ from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult, ValueBatch
 from rltrain.train.fsdp import Accumulated, FSDPTrainer
 from rltrain.train.packing import balance_by_tokens, row_lengths
 from rltrain.train.policy_worker import PolicyWorker
+from rltrain.train.reference_worker import ReferenceWorker
+from rltrain.train.sharded_model import ShardedModel
 from rltrain.train.value_worker import ValueWorker
 
 R = TypeVar("R")
+S = TypeVar("S", bound=ShardedModel)
 T = TypeVar("T", bound=FSDPTrainer)
 
 
@@ -138,15 +142,16 @@ def shard_rows(batch: B, dp: int, tp: int, mini_batch: int) -> Shards[B]:
     )
 
 
-class TrainerGang(Generic[T]):
-    """The ranks of one FSDP trainer role (policy or value): what both can do.
+class Gang(Generic[S]):
+    """The ranks of one role whose processes hold a sharded model (the trainers, the
+    reference copies beside the engines): what all of them can do.
 
     ``dp`` data-parallel groups of ``len(actors) // dp`` tensor-parallel ranks;
     ``mini_batch`` rows per optimizer step (the plan's batch math).
     """
 
     def __init__(
-        self, role: str, actors: list[Actor[T]], dp: int, mini_batch: int, calls: Calls
+        self, role: str, actors: list[Actor[S]], dp: int, mini_batch: int, calls: Calls
     ) -> None:
         self.role = role
         self.actors = actors
@@ -164,7 +169,7 @@ class TrainerGang(Generic[T]):
         name = stem or self.role
         self.calls.wait(
             [
-                a.call(FSDPTrainer.profile_start, f"{folder}/{name}_rank{i}")
+                a.call(ShardedModel.profile_start, f"{folder}/{name}_rank{i}")
                 for i, a in enumerate(self.actors)
             ],
             f"{self.role} profile",
@@ -173,7 +178,7 @@ class TrainerGang(Generic[T]):
     def profile_stop(self) -> list[str]:
         """End every rank's profile; the files they wrote."""
         written = self.calls.wait(
-            [a.call(FSDPTrainer.profile_stop) for a in self.actors], f"{self.role} profile"
+            [a.call(ShardedModel.profile_stop) for a in self.actors], f"{self.role} profile"
         )
         return [path for files in written for path in files]
 
@@ -201,6 +206,14 @@ class TrainerGang(Generic[T]):
 
         return Later(gather, functools.partial(answered, pending))
 
+    def shutdown(self) -> Sequence[Pending[None]]:
+        """Leave the process group on every rank."""
+        return [a.call(ShardedModel.shutdown) for a in self.actors]
+
+
+class TrainerGang(Gang[T]):
+    """The ranks of one FSDP trainer role (policy or value): export and checkpoints too."""
+
     def export_hf(self, path: str, metadata: dict) -> str:
         """The model as an HF folder at ``path`` (rank 0 writes it); returns the path."""
         self.calls.settle()
@@ -216,10 +229,6 @@ class TrainerGang(Generic[T]):
     def load_state(self, path: str) -> Sequence[Pending[dict]]:
         """Start loading ``path`` on every rank (any earlier dp size); wait on what it returns."""
         return [a.call(FSDPTrainer.load_state, path) for a in self.actors]
-
-    def shutdown(self) -> Sequence[Pending[None]]:
-        """Leave the process group on every rank."""
-        return [a.call(FSDPTrainer.shutdown) for a in self.actors]
 
 
 class PolicyGang(TrainerGang[PolicyWorker]):
@@ -378,3 +387,23 @@ class ValueGang(TrainerGang[ValueWorker]):
             lambda: self.calls.wait(pending, "value train")[0],
             functools.partial(answered, pending),
         )
+
+
+class ReferenceGang(Gang[ReferenceWorker]):
+    """``ctx.reference``: the copies of the reference model beside the rollout replicas
+    (``rollout.hosts_reference``), one rank each: every rank runs its share of a call's
+    rows (a world-size-1 group of its own)."""
+
+    def __init__(self, actors: list[Actor[ReferenceWorker]], calls: Calls) -> None:
+        super().__init__("reference", actors, max(1, len(actors)), 1 << 30, calls)
+
+    def submit_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> Later[list[torch.Tensor]]:
+        """The reference logprobs (``names``: ``("reference",)``) of every row, one call per
+        rank; ``result()`` waits and gives them in rollout row order."""
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(ReferenceWorker.compute_passes, s.for_pass(), names)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        return self.gather_passes(pending, shards, batch, names)

@@ -23,7 +23,7 @@ from rltrain.plan import RunPlan
 _HIDDEN_PREFIXES = ("node:", "accelerator_type:", "memory", "object_store_memory")
 EPS = 1e-9
 # Trainer gangs first (the hardest to fit), then the rollout pool.
-ROLE_ORDER = {"policy": 0, "value": 1, "rollout": 2}
+ROLE_ORDER = {"policy": 0, "value": 1, "rollout": 2, "reference": 3}
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,35 @@ def role_bundles(plan: RunPlan, cluster: ClusterConfig) -> list[RoleBundles]:
     out = []
     if sharing:
         out.append(_shared_group(plan, sharing, request, strategy))
-    for role in sorted(plan.roles, key=lambda r: ROLE_ORDER.get(r.name, 3)):
-        if role.name not in sharing:
+    beside = lay is not None and any(r.name == "reference" for r in plan.roles)
+    for role in sorted(plan.roles, key=lambda r: ROLE_ORDER.get(r.name, 4)):
+        if role.name in sharing:
+            continue
+        if beside and role.name == "rollout":
+            # rollout.hosts_reference: each replica's GPU shared with a reference copy
+            out.append(_beside_engines_group(plan, request, strategy))
+        elif not (beside and role.name == "reference"):
             out.append(RoleBundles(role.name, [request(role)] * role.world_size, strategy))
     return out
+
+
+def _beside_engines_group(plan: RunPlan, request, strategy: str) -> RoleBundles:
+    """One group for the replicas (one GPU each) and the reference copies beside them:
+    replica i and reference rank i in bundle i, each asking for its share of its GPU."""
+    n = plan.role("rollout").world_size
+    slots = [
+        Slot(role, rank, rank, request(plan.role(role)))
+        for role in ("rollout", "reference")
+        for rank in range(n)
+    ]
+    bundles: list[dict[str, float]] = [{} for _ in range(n)]
+    for slot in slots:
+        b = bundles[slot.bundle_index]
+        for k, v in slot.resources.items():
+            b[k] = round(b.get(k, 0.0) + v, 4)
+    for b in bundles:
+        b["GPU"] = 1.0
+    return RoleBundles("rollout+reference", bundles, strategy, tuple(slots))
 
 
 def _shared_group(plan: RunPlan, sharing: set[str], request, strategy: str) -> RoleBundles:

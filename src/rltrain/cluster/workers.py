@@ -23,7 +23,14 @@ from rltrain.cluster.actors import (
     wait,
     wait_all,
 )
-from rltrain.cluster.handles import Calls, PolicyGang, TrainerGang, ValueGang
+from rltrain.cluster.handles import (
+    Calls,
+    Gang,
+    PolicyGang,
+    ReferenceGang,
+    TrainerGang,
+    ValueGang,
+)
 from rltrain.cluster.placement import RoleBundles, role_bundles, shared_gpu_mismatch
 from rltrain.cluster.pool import RolloutPool
 from rltrain.config.resolved import reference_on_critic
@@ -34,6 +41,7 @@ from rltrain.rollout import engine_class, preload_engine, sizes_from_free_memory
 from rltrain.rollout.base import Engine
 from rltrain.train.distributed import DistEnv
 from rltrain.train.policy_worker import PolicyWorker
+from rltrain.train.reference_worker import ReferenceWorker
 from rltrain.train.value_worker import ValueWorker
 
 # Importable from here too: the run's errors and the wait that names a stuck worker.
@@ -100,15 +108,20 @@ def worker_config(cfg: RunConfig, plan: RunPlan) -> RunConfig:
     """The run config the workers get: the plan's answers to the auto keys in place of
     null. rollout.colocated (the vLLM engine enables sleep mode from it),
     rollout.vllm.kv_cache_gib (sized to fit beside the trainers),
-    train.max_tokens_per_micro_batch and value.hosts_reference (which gang builds the
-    reference model)."""
+    train.max_tokens_per_micro_batch, value.hosts_reference and rollout.hosts_reference
+    (which gangs build the reference model)."""
     layout = plan.gpu_layout
     vllm = cfg.rollout.vllm
     if plan.kv_cache_gib is not None:
         vllm = replace(vllm, kv_cache_gib=plan.kv_cache_gib)
     return replace(
         cfg,
-        rollout=replace(cfg.rollout, colocated=plan.colocated, vllm=vllm),
+        rollout=replace(
+            cfg.rollout,
+            colocated=plan.colocated,
+            vllm=vllm,
+            hosts_reference=any(r.name == "reference" for r in plan.roles),
+        ),
         value=replace(
             cfg.value,
             hosts_reference=reference_on_critic(
@@ -136,6 +149,8 @@ class Workers:
         self.rollout = RolloutPool([], plan.colocated, self.calls)
         self.policy = PolicyGang([], 1, 1, self.calls)
         self.value: ValueGang | None = None  # PPO's critic
+        # copies of the reference model beside the engines (rollout.hosts_reference)
+        self.reference: ReferenceGang | None = None
         # Seconds of each start-up phase (the run summary's startup_phases).
         self.startup: dict[str, float] = {}
         try:
@@ -161,7 +176,13 @@ class Workers:
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)  # PPO's critic
         groups = role_bundles(plan, cfg.cluster)
-        actors: dict[str, dict[int, Any]] = {"policy": {}, "rollout": {}, "value": {}}
+        reference_role = next((r for r in plan.roles if r.name == "reference"), None)
+        actors: dict[str, dict[int, Any]] = {
+            "policy": {},
+            "rollout": {},
+            "value": {},
+            "reference": {},
+        }
         beside = refit_beside_generate(cfg, plan.colocated)
         t0 = time.perf_counter()
         for rb in groups:
@@ -191,6 +212,10 @@ class Workers:
         value_actors: list[Actor[ValueWorker]] = []
         if value_role is not None:
             value_actors = gang("value", value_role.world_size)
+        reference_actors: list[Actor[ReferenceWorker]] = []
+        if reference_role is not None:
+            reference_actors = gang("reference", reference_role.world_size)
+            self.reference = ReferenceGang(reference_actors, self.calls)
         colocated = plan.colocated
         self.rollout = RolloutPool(
             rollout_actors, colocated, self.calls, streams_rows=cfg.rollout.engine == "vllm"
@@ -206,7 +231,12 @@ class Workers:
             assert plan.value_batch is not None, "a value role comes with its batch math"
             vb = plan.value_batch
             self.value = ValueGang(value_actors, vb.dp, vb.mini_batch, self.calls)
-        everyone: list[Actor[Any]] = [*policy_actors, *rollout_actors, *value_actors]
+        everyone: list[Actor[Any]] = [
+            *policy_actors,
+            *rollout_actors,
+            *value_actors,
+            *reference_actors,
+        ]
         # Where each process landed (role, rank, node, pid, GPU ids): printed at start, kept in
         # plan.json.
         where = wait_all([a.where() for a in everyone], self.timeout, "start-up")
@@ -215,6 +245,7 @@ class Workers:
             ("policy", policy_actors),
             ("rollout", rollout_actors),
             ("value", value_actors),
+            ("reference", reference_actors),
         ]
         ranks = [(role, i) for role, members in roles for i in range(len(members))]
         self.placement: list[dict[str, Any]] = [
@@ -290,9 +321,30 @@ class Workers:
         self._phases("engine", built[len(built) - len(rollout_actors) :][:1])
         if not after_trainers:  # built side by side with the trainers
             self.startup["trainers_build_s"] = time.perf_counter() - t0
+        # The reference copies go on the engines' GPUs once the engines hold their memory
+        # (vLLM sizes its cache from what it measures while it builds), beside the refit's
+        # set-up.
         t0 = time.perf_counter()
+        reference_builds = [
+            a.build(
+                ReferenceWorker,
+                cfg,
+                DistEnv(
+                    0,
+                    1,
+                    *wait_all([a.endpoint()], self.timeout, "start-up")[0],
+                    plan.role("reference").backend,
+                    collective_s,
+                ),
+                plan.role("reference").threads,
+            )
+            for a in reference_actors
+        ]
         self._init_refit()
         self.startup["refit_init_s"] = time.perf_counter() - t0
+        if reference_builds:
+            wait_all(reference_builds, self.timeout, "building workers")
+            self.startup["reference_build_s"] = time.perf_counter() - t0
 
     def _phases(self, role: str, built: list[dict[str, float]]) -> None:
         """Record the parts of the first ``role`` worker's build (policy rank 0, replica 0)
@@ -368,6 +420,12 @@ class Workers:
         """Every gang whose workers are FSDPTrainers (their state is checkpointed)."""
         return [g for g in (self.policy, self.value) if g is not None]
 
+    def process_group_gangs(self) -> list[Gang[Any]]:
+        """The trainer gangs and the reference copies beside the engines: every gang whose
+        ranks joined a process group."""
+        extra: list[Gang[Any]] = [self.reference] if self.reference is not None else []
+        return [*self.trainer_gangs(), *extra]
+
     def export_hf(self, path: str, metadata: dict) -> str:
         """The policy as an HF folder at ``path``, the critic (PPO) at ``<path>/value``."""
         out = self.policy.export_hf(path, metadata)
@@ -405,6 +463,8 @@ class Workers:
         }
         if self.value is not None:
             roles["value"] = self.value.actors
+        if self.reference is not None:
+            roles["reference"] = self.reference.actors
         pending = {role: [a.gpu_memory() for a in actors] for role, actors in roles.items()}
         deadline = time.monotonic() + timeout_s
         out: dict[str, Any] = {}
@@ -431,14 +491,16 @@ class Workers:
         """
         grace = self.cfg.cluster.failure_timeout_s
         if not self.failed:
-            for gang in self.trainer_gangs():
+            for gang in self.process_group_gangs():
                 with contextlib.suppress(Exception):  # best effort on the way out
                     wait_all(gang.shutdown(), grace, "shutdown")
             if self.rollout.actors:
                 with contextlib.suppress(Exception):  # frees the engine (and its model folder)
                     wait_all(self.rollout.shutdown(), grace, "shutdown")
-        value_actors: list[Actor[Any]] = list(self.value.actors) if self.value is not None else []
-        everyone: list[Actor[Any]] = [*self.policy.actors, *self.rollout.actors, *value_actors]
+        gangs = self.process_group_gangs()
+        everyone: list[Actor[Any]] = [a for g in gangs for a in g.actors] + list(
+            self.rollout.actors
+        )
         for a in everyone:
             with contextlib.suppress(Exception):
                 a.kill()

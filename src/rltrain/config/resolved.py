@@ -87,6 +87,26 @@ def logprobs_while_generating(cfg: RunConfig, rollout_colocated: bool | None) ->
     return streams_passes(cfg) and rollout_colocated is False
 
 
+def reference_beside_engines(cfg: RunConfig, rollout_colocated: bool | None, cuda: bool) -> bool:
+    """``rollout.hosts_reference`` resolved, before the memory check (the plan turns an auto
+    copy off where it does not fit): whether each rollout replica has a copy of the KL
+    penalty's reference model on its GPU. null = on GPUs (``cuda``) where the replicas have
+    GPUs of their own (``rollout_colocated`` false) and one each (rollout.tp=1), and the
+    policy runs its passes on rows as they stream out; never without a KL penalty, nor in
+    PPO (its critic's ranks host a copy: :func:`reference_on_critic`)."""
+    if cfg.algorithm.kl_coef <= 0 or cfg.algorithm.name == "ppo":
+        return False
+    h = cfg.rollout.hosts_reference
+    if h is not None:
+        return bool(h)
+    return (
+        cuda
+        and rollout_colocated is False
+        and cfg.rollout.tp == 1
+        and logprobs_while_generating(cfg, rollout_colocated)
+    )
+
+
 def reference_on_critic(cfg: RunConfig, value_colocated: bool | None) -> bool:
     """``value.hosts_reference`` resolved: whether PPO's critic ranks hold a copy of the
     frozen reference model of the KL penalty and run its pass, beside their values, on the

@@ -88,6 +88,13 @@ class RolloutConfig:
     # null = auto: colocated on GPUs when the cluster cannot hold rollout GPUs of their
     # own next to the trainer (the policy, and PPO's critic); never on CPU.
     colocated: bool | None = None
+    # A copy of the policy's frozen reference model (a KL penalty's) beside each replica, on
+    # its GPU: once the engines are done, the step's last rows get their reference logprobs
+    # there and on the policy's GPUs at once. null = auto: on GPUs where the engines have
+    # GPUs of their own (rollout.colocated false, rollout.tp=1), the policy runs its passes
+    # on rows as they stream out (train.logprobs_while_generating) and the copy fits beside
+    # the engine; not PPO (its critic hosts one: value.hosts_reference).
+    hosts_reference: bool | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 5

@@ -197,6 +197,32 @@ def validate(cfg: RunConfig) -> None:
                 "algorithm.kl_coef=0 (no KL penalty); set algorithm.kl_coef > 0 or "
                 "value.hosts_reference=null."
             )
+    if ro.hosts_reference:
+        if cfg.algorithm.name == "ppo":
+            raise ConfigError(
+                "rollout.hosts_reference=true: in PPO the critic's ranks host the reference "
+                "model's copy (value.hosts_reference); set rollout.hosts_reference=null."
+            )
+        if cfg.algorithm.kl_coef <= 0:
+            raise ConfigError(
+                "rollout.hosts_reference=true: there is no reference model to host, "
+                "algorithm.kl_coef=0 (no KL penalty); set algorithm.kl_coef > 0 or "
+                "rollout.hosts_reference=null."
+            )
+        if ro.tp > 1:
+            raise ConfigError(
+                f"rollout.hosts_reference=true puts a copy of the reference model on each "
+                f"replica's GPU, but rollout.tp={ro.tp} spreads a replica over several; set "
+                "rollout.tp=1 or rollout.hosts_reference=null."
+            )
+        if not logprobs_while_generating(cfg, False):
+            raise ConfigError(
+                "rollout.hosts_reference=true: the replicas' copies share the reference pass "
+                "of the rows left when generation ends with the policy, which runs it on rows "
+                "as they stream out of the engines, but this run streams none "
+                "(train.logprobs_while_generating, rollout=vllm, a synchronous single-turn "
+                "loop); set rollout.hosts_reference=null."
+            )
     check_positive("rollout.replicas", ro.replicas)
     check_positive("rollout.tp", ro.tp)
     if ro.tp != 1 and ro.engine != "vllm":

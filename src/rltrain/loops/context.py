@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rltrain.cluster.handles import PolicyGang, ValueGang
+    from rltrain.cluster.handles import PolicyGang, ReferenceGang, ValueGang
     from rltrain.cluster.pool import RolloutPool
     from rltrain.cluster.workers import RefitInFlight
     from rltrain.config.schema import RunConfig
@@ -55,6 +55,9 @@ class RunContext:
     # the step profile in progress (``rltrain.loops.step.start_step_profile``).
     out_dir: str | None = None
     profile: StepProfile | None = None
+    # Copies of the reference model beside the rollout replicas (``rollout.hosts_reference``
+    # resolved true), or None.
+    reference: ReferenceGang | None = None
 
     def refit(self, weight_version: int) -> RefitStats:
         """Refit the pool to the policy's weights as ``weight_version`` and wait for it."""

@@ -185,6 +185,7 @@ def train_grpo(ctx: RunContext, on_step: Callable[[int, dict[str, float]], None]
         if stream is not None and streamed is not None:  # passes run while the engines generated
             metrics["logprobs/streamed_frac"] = streamed
             metrics["time/logprobs_submit"] = stream.submit_s
+            metrics.update(stream.share_metrics(batch.size))
         # step 10: greedy evaluation on the validation split (val/accuracy) with the new
         # weights, then log, then a checkpoint every checkpoint.every_n_steps
         end_step(ctx, step, weight_version, metrics, on_step)

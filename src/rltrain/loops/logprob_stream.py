@@ -90,24 +90,26 @@ class LogprobStream:
     while the policy's own copy of the reference model takes the reference pass, so the two
     GPUs share what is left after generation.
 
-    ``share_last``: the policy also runs a pass of its own over every row once generation
-    ends (the old logprobs, where the policy's GPU holds the engine), and a pass that
-    ``targets`` give one gang (the critic's copy of the reference) is the policy's in the
-    last chunk (``after_generation``): a shared pass. Its rows are then placed so that the
-    two GPUs end together once generation is over:
+    ``share_last``: a pass that ``targets`` give one gang (the streaming gang: the critic's
+    copy of the reference in PPO, the policy's own where copies sit beside the engines) is
+    another gang's in the last chunk (``after_generation``: the policy in PPO, which also
+    runs its old logprobs on every row once generation ends, named in ``late_every_row``;
+    the copies beside the engines, whose GPUs generate until then): a shared pass. Its rows
+    are then placed so that the two gangs end together once generation is over:
 
-    - while the engines generate, a chunk's shared pass goes to the critic only when the
-      critic has answered every call it was given (:meth:`Later.ready`); rows that come
-      while it is busy are held back (its values still go at once), and go to it with the
-      first report of rows that finds it idle again;
-    - the step's last rows and whatever is still held form the pool of the end. The critic
-      takes its first rows, as many tokens as make its work (the calls it has not answered,
-      the last rows' values, these rows) equal to the policy's (the own pass on every row,
-      the rest of the pool), the policy the rest. Work is tokens times each pass's cost
-      per token (``pass_costs``: a logprob pass 1, the values less), over the gang's dp
-      groups (each runs its part of a call at once). Where every row ends
-      with generation (the last chunk is the step) and a values token costs as much as a
-      logprob token, each GPU runs 1.5 passes' worth instead of 1 and 2."""
+    - while the engines generate, a chunk's shared pass goes to the streaming gang only
+      when it has answered every call it was given (:meth:`Later.ready`); rows that come
+      while it is busy are held back (its other passes still go at once), and go to it with
+      the first report of rows that finds it idle again;
+    - the step's last rows and whatever is still held form the pool of the end. The
+      streaming gang takes its first rows, as many tokens as make its work (the calls it
+      has not answered, the last rows' other passes, these rows) equal to the late gang's
+      (its ``late_every_row`` passes on every row, the rest of the pool), the late gang
+      the rest. Work is tokens times each pass's cost per token (``pass_costs``: a logprob
+      pass 1, the values less), over the gang's dp groups (each runs its part of a call at
+      once). In PPO, where every row ends with generation (the last chunk is the step) and
+      a values token costs as much as a logprob token, each GPU runs 1.5 passes' worth
+      instead of 1 and 2; with copies beside the engines, each side half the pass."""
 
     targets: tuple[PassTarget, ...]
     pad_id: int
@@ -120,6 +122,9 @@ class LogprobStream:
     # a pass's cost per token against a logprob pass's (1.0 where not given): PPO's values
     # skip the output layer over the vocabulary (:func:`pass_costs`)
     pass_costs: dict[str, float] = field(default_factory=dict)
+    # ``share_last``: the passes the late gang runs on every row after generation, outside
+    # the stream (PPO's policy: its old logprobs)
+    late_every_row: tuple[str, ...] = ()
     added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # rows whose shared pass waits for the critic to be idle (``share_last``)
@@ -164,6 +169,19 @@ class LogprobStream:
     def streamed_rows(self) -> int:
         """Rows whose passes were submitted before :meth:`finish`."""
         return sum(len(c.rows) for c in self.chunks if not c.shared_only)
+
+    def share_metrics(self, rows: int) -> dict[str, float]:
+        """``share_last``: the share of the step's ``rows`` whose shared pass the late gang
+        ran (``logprobs/shared_late_frac``); {} otherwise."""
+        if self._share is None or rows <= 0:
+            return {}
+        late = self._share[1].gang
+        n = sum(
+            len(c.rows)
+            for c in self.chunks
+            if c.shared_only and any(t.gang is late for t, _ in c.parts)
+        )
+        return {"logprobs/shared_late_frac": n / rows}
 
     def add(self, row: int, prompt_ids: list[int], response_ids: list[int]) -> None:
         """Row ``row`` of the step (its index in the rollout) has finished."""
@@ -244,9 +262,10 @@ class LogprobStream:
         self, rows: list[tuple[int, list[int], list[int]]], own: PassTarget, late: PassTarget
     ) -> None:
         """The step's last ``rows``: every pass but the shared one as the last chunk does; the
-        shared pass on them and on the held rows split between ``own`` (the critic, now) and
-        ``late`` (the policy, after generation) so that the two end together."""
-        # what the critic was given and has not answered, in tokens times each pass's cost
+        shared pass on them and on the held rows split between ``own`` (the streaming gang,
+        now) and ``late`` (after generation) so that the two end together."""
+        # what the streaming gang was given and has not answered, in tokens times each
+        # pass's cost
         busy = sum(
             sum(c.lengths) * self._cost(t.names)
             for c in self.chunks
@@ -265,14 +284,14 @@ class LogprobStream:
         tokens = [len(p) + len(r) for _, p, r in pool]
         # every row once: the chunks that carried its other passes
         step_tokens = sum(sum(c.lengths) for c in self.chunks if not c.shared_only)
-        # per rank: the critic (busy + x * shared) / its ranks; the policy (its own pass on
-        # every row + (pool - x) * shared) / its ranks
+        # per rank: the streaming gang (busy + x * shared) / its ranks; the late gang (its
+        # passes on every row + (pool - x) * shared) / its ranks
         shared = self._cost(own.names)
         own_ranks, late_ranks = _ranks(own.gang), _ranks(late.gang)
-        policy = step_tokens * self._cost(("logprobs",)) + sum(tokens) * shared
-        x = (policy / late_ranks - busy / own_ranks) / (shared / own_ranks + shared / late_ranks)
+        late_work = step_tokens * self._cost(self.late_every_row) + sum(tokens) * shared
+        x = (late_work / late_ranks - busy / own_ranks) / (shared / own_ranks + shared / late_ranks)
         cut, room = 0, x
-        # a row goes to the critic while more than half of it fits
+        # a row goes to the streaming gang while more than half of it fits
         while cut < len(pool) and tokens[cut] < 2 * room:
             room -= tokens[cut]
             cut += 1

@@ -27,7 +27,7 @@ from rltrain.refit.base import RefitStats
 from rltrain.train.batch import PolicyBatch, TrainBatch, TrainResult
 
 if TYPE_CHECKING:
-    from rltrain.cluster.handles import TrainerGang
+    from rltrain.cluster.handles import Gang
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +103,18 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     need_ref = cfg.algorithm.kl_coef > 0
     ref_on_critic = need_ref and critic_reference(ctx)
     policy_streams = logprobs_while_generating(cfg, colocated)
+    # copies of the reference beside the engines take part of the last rows' reference pass
+    ref_beside = need_ref and policy_streams and ctx.reference is not None
     targets, last_targets = [], []
     if policy_streams:
         names = policy_pass_names(need_old, need_ref and not ref_on_critic)
         targets.append(PassTarget(ctx.policy, names))
-        last_targets.append(PassTarget(ctx.policy, names))
+        if ref_beside:
+            assert ctx.reference is not None
+            last_targets.append(PassTarget(ctx.policy, policy_pass_names(need_old, False)))
+            last_targets.append(PassTarget(ctx.reference, ("reference",), after_generation=True))
+        else:
+            last_targets.append(PassTarget(ctx.policy, names))
     if ctx.value is not None and critic_passes_while_generating(cfg, value_colocated(ctx)):
         targets.append(
             PassTarget(ctx.value, ("values",) + (("reference",) if ref_on_critic else ()))
@@ -120,16 +127,18 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
     # A chunk per eighth of the step's rows (and at least one row per dp rank).
     rows = cfg.algorithm.prompts_per_step * cfg.algorithm.samples_per_prompt
     chunk = max(rows // 8, ctx.policy.dp, 1)
+    # the policy runs its old logprobs on every row after generation: the critic's copy of
+    # the reference takes part of the last rows' reference pass
+    critic_shares = ref_on_critic and need_old and not policy_streams
     return LogprobStream(
         tuple(targets),
         ctx.tokenizer.pad_token_id,
         chunk,
         expected_rows=rows,
         last_targets=tuple(last_targets),
-        # the policy runs its old logprobs on every row after generation: the critic's
-        # copy of the reference takes part of the last rows' reference pass
-        share_last=ref_on_critic and need_old and not policy_streams,
+        share_last=critic_shares or ref_beside,
         pass_costs=pass_costs(cfg),
+        late_every_row=("logprobs",) if critic_shares else (),
     )
 
 
@@ -193,9 +202,11 @@ def start_step_profile(ctx: RunContext, step: int) -> None:
         return
     folder = profile_folder(ctx.out_dir, step)
     in_process = ctx.plan.in_process
-    gangs: list[TrainerGang[Any]] = [ctx.policy]
+    gangs: list[Gang[Any]] = [ctx.policy]
     if ctx.value is not None and not in_process:  # one torch profiler per process
         gangs.append(ctx.value)
+    if ctx.reference is not None:
+        gangs.append(ctx.reference)
     for gang in gangs:
         gang.profile_start(str(folder), "process" if in_process else None)
     ctx.profile = StepProfile(folder, list(gangs), ControllerProfile(folder))

@@ -43,6 +43,12 @@ def check_layout(
             "beside them; set train.logprobs_while_generating=null (on where the rollout has "
             "GPUs of its own) or give the rollout GPUs of its own (rollout.colocated=false)."
         )
+    if cfg.rollout.hosts_reference and colocated:
+        raise ConfigError(
+            f"rollout.hosts_reference=true but {landed}: their GPU is the policy's, which "
+            "holds the reference model already; set rollout.hosts_reference=null or give the "
+            "rollout GPUs of its own (rollout.colocated=false)."
+        )
     if cfg.value.hosts_reference and not critic_passes_while_generating(cfg, value_colocated):
         raise ConfigError(
             "value.hosts_reference=true: the critic's copy of the reference model serves the "

@@ -10,7 +10,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from rltrain.config.errors import ConfigError, MemoryRefusal
-from rltrain.config.resolved import pass_micro_batch_scale, reference_on_critic
+from rltrain.config.resolved import (
+    pass_micro_batch_scale,
+    reference_beside_engines,
+    reference_on_critic,
+)
 from rltrain.config.schema import (
     CPU_MICRO_BATCH_TOKENS,
     RunConfig,
@@ -37,6 +41,10 @@ from rltrain.plan.memory import (
 )
 from rltrain.plan.objective import objective_summary
 from rltrain.plan.process import resolve_in_process, resolve_refit_transport
+
+# Each process's share of a rollout GPU that a replica and its copy of the reference model
+# share (rollout.hosts_reference): Ray gives both the same GPU.
+REFERENCE_BESIDE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -308,6 +316,23 @@ def _make_plan_resolved(
     colocated = layout is not None and layout.rollout_colocated
     v_colocated = None if layout is None else layout.value_colocated
     check_layout(cfg, resources.num_gpus, colocated, v_colocated)
+    # a copy of the reference model beside each replica (rollout.hosts_reference)
+    ref_beside = reference_beside_engines(
+        cfg, colocated if layout is not None else None, device == "cuda"
+    )
+    if ref_beside and layout is not None:
+        how = "set explicitly" if cfg.rollout.hosts_reference else "auto"
+        layout = replace(
+            layout,
+            share=layout.share if layout.shared else REFERENCE_BESIDE_SHARE,
+            shared=layout.shared
+            + tuple((f"rollout rank {i}", f"reference rank {i}") for i in range(ro.replicas)),
+            reasons=(
+                *layout.reasons,
+                f"rollout.hosts_reference resolves to true ({how}): a copy of the reference "
+                "model shares each replica's GPU",
+            ),
+        )
     scale = pass_micro_batch_scale(cfg, device)
     batch = replace(batch_plan(cfg, dp), pass_micro_batch_scale=scale)
     value_dp = 0
@@ -322,7 +347,7 @@ def _make_plan_resolved(
 
     trainer_world = dp * d.tp
     backend = "nccl" if device == "cuda" else "gloo"
-    n_actors = trainer_world + ro.replicas + value_world
+    n_actors = trainer_world + ro.replicas * (2 if ref_beside else 1) + value_world
     # Fractional CPUs pack every process onto a small machine; the workers
     # take turns (generate, then train), so they rarely compete.
     cpu = min(1.0, resources.num_cpus / n_actors) if resources.num_cpus else 1.0
@@ -336,9 +361,12 @@ def _make_plan_resolved(
         }
         value_bundle = {"CPU": cpu, "GPU": g if layout.value_colocated else 1.0}
         rollout_bundle = {"CPU": cpu, "GPU": g if layout.rollout_colocated else float(ro.tp)}
+        if ref_beside:  # each replica's GPU, half to the engine, half to the reference
+            rollout_bundle["GPU"] = REFERENCE_BESIDE_SHARE
+        reference_bundle = {"CPU": cpu, "GPU": REFERENCE_BESIDE_SHARE}
     else:
         trainer_bundle = {"CPU": cpu}
-        rollout_bundle = value_bundle = {"CPU": cpu}
+        rollout_bundle = value_bundle = reference_bundle = {"CPU": cpu}
     in_process, in_process_reason = resolve_in_process(cfg, device, trainer_world, value_world)
     threads = cfg.cluster.torch_threads
     if device == "cuda":
@@ -401,6 +429,24 @@ def _make_plan_resolved(
             ),
         ),
     ]
+    if ref_beside:
+        roles.append(
+            RolePlan(
+                "reference",
+                ro.replicas,
+                {"replicas": ro.replicas},
+                reference_bundle,
+                device,
+                p.param_dtype,
+                backend,
+                rollout_threads,
+                (
+                    "a copy of the reference model (rollout.hosts_reference) beside each "
+                    "replica, on its GPU: the step's last rows get their reference logprobs "
+                    "here and on the policy's GPUs at once, once the engines are done",
+                ),
+            )
+        )
     if vcfg is not None:
         value_threads = (
             (threads or 0)
@@ -441,7 +487,19 @@ def _make_plan_resolved(
             colocated,
             gpu_capacity(cfg, resources.gpu_memory_bytes, resources.gpu_name),
             batch.micro_batch,
+            ref_beside,
         )
+        if memory.over and ref_beside and cfg.rollout.hosts_reference is None:
+            # auto: no copy where it does not fit beside the engine
+            fit = _make_plan_resolved(
+                with_overrides(cfg, {"rollout.hosts_reference": False}), resources, choices, suggest
+            )
+            over = ", ".join(f"GPU {g.index}" for g in memory.over)
+            note = (
+                "rollout.hosts_reference=null resolved false: a copy of the reference model "
+                f"beside the engines would not fit ({over})"
+            )
+            return replace(fit, memory=replace(fit.memory, notes=(*fit.memory.notes, note)))
         _check_memory(cfg, resources, choices, memory, dp, colocated, suggest)
     else:
         memory = cpu_memory_plan(cfg)

@@ -193,28 +193,51 @@ def trainer_parts(
         }
     if role == "policy" and cfg.algorithm.kl_coef > 0 and not n_lora:
         parts["reference"] = reference_bytes(cfg, shape, dp)
-    h, kv, inter, layers = (
-        shape.hidden_size,
-        shape.kv_dim,
-        shape.intermediate_size,
-        shape.num_layers,
-    )
-    if d.sequence_parallel:
-        per_layer = (8 * h + 2 * kv + 3 * inter) / tp
-    else:
-        per_layer = 8 * h + (2 * kv + 3 * inter) / tp
-    if not compile_default(cfg.train.compile, cuda, n):
-        per_layer *= EAGER_ACTIVATION_FACTOR
+    h, layers = shape.hidden_size, shape.num_layers
+    per_layer = _layer_elements(cfg, shape, n, cuda)
     # activation checkpointing: the blocks' inputs are kept; one block recomputed at a time
     elements = layers * h + per_layer if d.activation_checkpointing else layers * per_layer
-    # a logprob or value pass holds one block's activations at a time, over micro batches
-    # train.pass_micro_batch_scale times as large; the larger of the two is the peak
     pass_tokens = tokens * pass_micro_batch_scale(cfg, "cuda" if cuda else "cpu")
     parts["activations"] = int(max(tokens * elements, pass_tokens * (h + per_layer)) * cb)
-    if role == "policy":  # one chunk of logits: compute dtype, then fp32
-        chunk = min(cfg.train.logprob_chunk_tokens, tokens)
-        parts["logits"] = chunk * shape.vocab_size * (cb + 4)
+    if role == "policy":
+        parts["logits"] = _logits_bytes(cfg, shape, tokens)
     return parts
+
+
+def _layer_elements(cfg: RunConfig, shape: ModelShape, num_params: int, cuda: bool) -> float:
+    """Activation elements per token that one decoder block keeps for its backward, on one
+    tensor-parallel rank (a model of ``num_params`` compiles or runs eager)."""
+    d = cfg.dtensor
+    h, kv, inter = shape.hidden_size, shape.kv_dim, shape.intermediate_size
+    if d.sequence_parallel:
+        per_layer = (8 * h + 2 * kv + 3 * inter) / d.tp
+    else:
+        per_layer = 8 * h + (2 * kv + 3 * inter) / d.tp
+    if not compile_default(cfg.train.compile, cuda, num_params):
+        per_layer *= EAGER_ACTIVATION_FACTOR
+    return per_layer
+
+
+def _logits_bytes(cfg: RunConfig, shape: ModelShape, tokens: int) -> int:
+    """One chunk of the logprob head's logits: the compute dtype, then fp32."""
+    chunk = min(cfg.train.logprob_chunk_tokens, tokens)
+    return chunk * shape.vocab_size * (DTYPE_BYTES[cfg.precision.param_dtype] + 4)
+
+
+def reference_beside_parts(cfg: RunConfig, shape: ModelShape, tokens: int) -> dict[str, int]:
+    """Bytes of a copy of the reference model beside a rollout replica (one rank of its own,
+    ``rollout.hosts_reference``) at its peak: the whole model in the compute dtype with one
+    block's FSDP2 copy, and a logprob pass over micro batches of ``tokens`` times
+    ``train.pass_micro_batch_scale`` (one block's activations at a time, a chunk of logits)."""
+    alone = replace(cfg, dtensor=replace(cfg.dtensor, dp=1, tp=1, sequence_parallel=False))
+    cb = DTYPE_BYTES[cfg.precision.param_dtype]
+    pass_tokens = tokens * pass_micro_batch_scale(cfg, "cuda")
+    per_layer = _layer_elements(alone, shape, shape.num_params, True)
+    return {
+        "reference": cb * (shape.num_params + shape.root_params + shape.layer_params),
+        "activations": int(pass_tokens * (shape.hidden_size + per_layer) * cb),
+        "logits": _logits_bytes(cfg, shape, tokens),
+    }
 
 
 def colocated_kv_need_bytes(cfg: RunConfig, shape: ModelShape) -> int:
@@ -370,9 +393,11 @@ def gpu_memory_plan(
     rollout_colocated: bool,
     capacity: tuple[int | None, str, str],
     batch_micro: int | None,
+    reference_beside: bool = False,
 ) -> MemoryPlan:
     """The per-GPU estimate of a CUDA run (``capacity``: bytes, where that came from, the
-    GPU's name)."""
+    GPU's name; ``reference_beside``: a copy of the reference model on each replica's GPU,
+    ``rollout.hosts_reference`` resolved)."""
     cap, cap_text, gpu_name = capacity
     shape = model_shape(cfg)
     if shape is None:
@@ -419,6 +444,12 @@ def gpu_memory_plan(
         for shard in range(ro.tp):  # a tensor-parallel replica: a share on each of its GPUs
             name = f"rollout rank {replica}" + (f" (tp {shard})" if ro.tp > 1 else "")
             gpus.append([ProcessMemory(name, "rollout", replica, parts, CONTEXT_BYTES)])
+        if reference_beside:  # rollout.tp=1: the replica's one GPU
+            ref = reference_beside_parts(cfg, shape, tokens)
+            margin = CONTEXT_BYTES + int(TRAINER_FRAGMENTATION * sum(ref.values()))
+            gpus[-1].append(
+                ProcessMemory(f"reference rank {replica}", "reference", replica, ref, margin)
+            )
     notes.append(f"rollout: {how}")
     out = []
     for index, procs in enumerate(gpus):
@@ -529,6 +560,10 @@ def fix_candidates(cfg: RunConfig, dp: int, num_gpus: int, colocated: bool) -> l
         out.append({"dtensor.activation_checkpointing": True})
     if not speed_knobs(cfg, dp)[0]:
         out.append({"dtensor.reshard_after_forward": True})
+    if ro.hosts_reference:  # set true: the copies beside the engines
+        out.append({"rollout.hosts_reference": None})
+        if ro.engine == "vllm" and ro.vllm.kv_cache_gib is None:
+            out += [{"rollout.vllm.gpu_memory_utilization": u} for u in (0.8, 0.7)]
     if ro.engine == "vllm" and ro.vllm.kv_cache_gib is None:
         out += [{"rollout.vllm.gpu_memory_utilization": u} for u in (0.6, 0.4, 0.3, 0.2)]
     if not d.cpu_offload:

@@ -126,12 +126,17 @@ class ShardedModel:
         self.startup_phases["tokenizer_s"] = time.perf_counter() - t0
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        self.model = self.load_sharded_model()  # fp32 master weights
+        self.model = self.load_primary_model()
         self.startup_phases["weights_s"] = time.perf_counter() - t0
         self.causal_rows = resolve_causal_rows(cfg, bool(self.compiled))
         self.hf_config = cast("PretrainedConfig", self.model.config)
 
     # -- set-up ---------------------------------------------------------------
+    def load_primary_model(self) -> torch.nn.Module:
+        """The model this rank serves (``self.model``): the trainable one, fp32 master weights
+        (a frozen copy of another model in subclasses that only run passes)."""
+        return self.load_sharded_model()
+
     def build_model(self) -> torch.nn.Module:
         """The full fp32 initial model, read on rank 0 (subclasses swap the head)."""
         return load_model(self.cfg, "float32")
