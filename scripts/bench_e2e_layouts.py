@@ -246,6 +246,9 @@ def exposed_parts(steady: list[dict]) -> dict:
         "exposed_logprobs_s": med("time/logprobs"),
         "exposed_values_s": med("time/values"),
         "reward_streamed_s": med("time/reward_streamed"),
+        # the share of the rows whose reference pass ran on the copies beside the engines
+        # (rollout.hosts_reference) or, in PPO, on the policy's copy after generation
+        "shared_late_frac": med("logprobs/shared_late_frac"),
         # the policy ranks' own time in logprob passes (policy rank 0, GPU-synced), and
         # what the controller waited on top of it (transfer, queueing, gathering)
         "passes_worker_s": med("time/passes_worker"),
