@@ -292,7 +292,29 @@ class Workers:
                 )
                 for rank, a in enumerate(value_actors)
             ]
+        # The reference copies beside the engines (rollout.hosts_reference) build beside the
+        # trainers, and hold their memory before the engines on their GPUs build (vLLM sizes
+        # its cache from what it measures then, which must not change under it).
+        t_ref = time.perf_counter()
+        reference_builds = [
+            a.build(
+                ReferenceWorker,
+                cfg,
+                DistEnv(
+                    0,
+                    1,
+                    *wait_all([a.endpoint()], self.timeout, "start-up")[0],
+                    plan.role("reference").backend,
+                    collective_s,
+                ),
+                plan.role("reference").threads,
+            )
+            for a in reference_actors
+        ]
         imports = wait_all(preload, self.timeout, "engine imports")
+        if reference_builds:
+            wait_all(reference_builds, self.timeout, "building workers")
+            self.startup["reference_build_s"] = time.perf_counter() - t_ref
         # Engines on the trainer's GPU that size their memory from what they find free (vLLM
         # without an explicit KV cache size) start once the trainers hold theirs, which must
         # not change under them. Every other engine builds beside the trainers.
@@ -321,30 +343,9 @@ class Workers:
         self._phases("engine", built[len(built) - len(rollout_actors) :][:1])
         if not after_trainers:  # built side by side with the trainers
             self.startup["trainers_build_s"] = time.perf_counter() - t0
-        # The reference copies go on the engines' GPUs once the engines hold their memory
-        # (vLLM sizes its cache from what it measures while it builds), beside the refit's
-        # set-up.
         t0 = time.perf_counter()
-        reference_builds = [
-            a.build(
-                ReferenceWorker,
-                cfg,
-                DistEnv(
-                    0,
-                    1,
-                    *wait_all([a.endpoint()], self.timeout, "start-up")[0],
-                    plan.role("reference").backend,
-                    collective_s,
-                ),
-                plan.role("reference").threads,
-            )
-            for a in reference_actors
-        ]
         self._init_refit()
         self.startup["refit_init_s"] = time.perf_counter() - t0
-        if reference_builds:
-            wait_all(reference_builds, self.timeout, "building workers")
-            self.startup["reference_build_s"] = time.perf_counter() - t0
 
     def _phases(self, role: str, built: list[dict[str, float]]) -> None:
         """Record the parts of the first ``role`` worker's build (policy rank 0, replica 0)
