@@ -125,8 +125,11 @@ def test_cli_grpo_lora_on_vllm_one_gpu(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["weight_version"] for r in rows] == [float(s) for s in range(1, steps + 1)]
-    model_bytes = 2 * plan["memory"]["num_params"]  # a full bf16 refit
-    assert max(r["refit/bytes"] for r in rows) < 0.1 * model_bytes
+    # the adapters alone (at most fp32): the tiny model's adapters are a fifth of its bytes,
+    # so the bound is theirs, not a share of the model's
+    adapter_bytes = 4 * plan["memory"]["trainable_params"]
+    assert 0 < max(r["refit/bytes"] for r in rows) <= adapter_bytes
+    assert adapter_bytes < 4 * plan["memory"]["num_params"]
     assert max(r["token_mult_prob_error"] for r in rows) <= 1.05
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
