@@ -94,17 +94,24 @@ def _critic_apart_ctx(cfg) -> tuple[SimpleNamespace, _Policy, _Policy]:
     stream) and the critic on a GPU of its own; its policy and critic stand-ins."""
     policy, critic = _Policy(), _Policy()
     policy.dp = critic.dp = 1  # a GPU each
-    ctx = SimpleNamespace(
+    ctx = _step_ctx(cfg, policy, critic, None, rollout_colocated=True, value_colocated=False)
+    return ctx, policy, critic
+
+
+def _step_ctx(cfg, policy, value, reference, rollout_colocated: bool, value_colocated):
+    """What ``logprob_stream`` reads of a step's context, around these gang stand-ins."""
+    return SimpleNamespace(
         cfg=cfg,
         policy=policy,
-        value=critic,
+        value=value,
+        reference=reference,
         tokenizer=SimpleNamespace(pad_token_id=0),
         plan=SimpleNamespace(
-            gpu_layout=SimpleNamespace(rollout_colocated=True, value_colocated=False)
+            gpu_layout=SimpleNamespace(
+                rollout_colocated=rollout_colocated, value_colocated=value_colocated
+            )
         ),
-        reference=None,
     )
-    return ctx, policy, critic
 
 
 @pytest.mark.parametrize("need_old", [True, False])
@@ -589,16 +596,7 @@ def test_copies_beside_the_engines_take_half_the_last_rows_reference_pass():
     )
     policy, copies = _BusyCritic(), _Policy()
     policy.dp, copies.dp = 1, 2  # two replicas, a copy beside each
-    ctx = SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        value=None,
-        reference=copies,
-        tokenizer=SimpleNamespace(pad_token_id=0),
-        plan=SimpleNamespace(
-            gpu_layout=SimpleNamespace(rollout_colocated=False, value_colocated=None)
-        ),
-    )
+    ctx = _step_ctx(cfg, policy, None, copies, rollout_colocated=False, value_colocated=None)
     stream = logprob_stream(ctx, need_old=False)  # type: ignore[arg-type]
     assert stream is not None and stream.share_last and stream.chunk_rows == 2
     assert stream.late_every_row == ()

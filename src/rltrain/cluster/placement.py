@@ -128,6 +128,12 @@ def _beside_engines_group(plan: RunPlan, request, strategy: str) -> RoleBundles:
         for role in ("rollout", "reference")
         for rank in range(n)
     ]
+    return RoleBundles("rollout+reference", _gpu_bundles(slots, n), strategy, tuple(slots))
+
+
+def _gpu_bundles(slots: list[Slot], n: int) -> list[dict[str, float]]:
+    """``n`` whole-GPU bundles holding ``slots``: each bundle asks for the sum of its
+    processes' requests, and the whole GPU (their shares add up to at most 1)."""
     bundles: list[dict[str, float]] = [{} for _ in range(n)]
     for slot in slots:
         b = bundles[slot.bundle_index]
@@ -135,7 +141,7 @@ def _beside_engines_group(plan: RunPlan, request, strategy: str) -> RoleBundles:
             b[k] = round(b.get(k, 0.0) + v, 4)
     for b in bundles:
         b["GPU"] = 1.0
-    return RoleBundles("rollout+reference", bundles, strategy, tuple(slots))
+    return bundles
 
 
 def _shared_group(plan: RunPlan, sharing: set[str], request, strategy: str) -> RoleBundles:
@@ -149,15 +155,8 @@ def _shared_group(plan: RunPlan, sharing: set[str], request, strategy: str) -> R
             slots.append(
                 Slot(role.name, rank, 0 if role.name == "rollout" else rank, request(role))
             )
-    bundles: list[dict[str, float]] = [{} for _ in range(n)]
-    for slot in slots:
-        b = bundles[slot.bundle_index]
-        for k, v in slot.resources.items():
-            b[k] = round(b.get(k, 0.0) + v, 4)
-    for b in bundles:
-        b["GPU"] = 1.0  # the whole GPU: its processes' shares add up to at most 1
     name = "+".join(sorted(sharing, key=lambda r: order[r]))
-    return RoleBundles(name, bundles, strategy, tuple(slots))
+    return RoleBundles(name, _gpu_bundles(slots, n), strategy, tuple(slots))
 
 
 def _fits(free: dict[str, float], bundle: dict[str, float]) -> bool:
