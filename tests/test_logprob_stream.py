@@ -606,13 +606,17 @@ def test_copies_beside_the_engines_take_half_the_last_rows_reference_pass():
         stream.add(i, prompts[i], responses[i])
     stream.caught_up()
     assert policy.names == [(2, ("reference",))]
-    for i in range(2, 16):  # the rest when generation ends, the policy still busy
+    for i in (2, 3):  # the policy is busy: the chunk queues behind its call, none is held
         stream.add(i, prompts[i], responses[i])
     stream.caught_up()
-    # the policy has 8 tokens unanswered; the pool is 56 tokens: per rank, the policy
-    # 8 + x against the two copies' (56 - x) / 2: x = 13.3 tokens, 3 rows (a row goes while
+    assert policy.names == [(2, ("reference",))] * 2 and stream.held == []
+    for i in range(4, 16):  # the rest when generation ends, the policy still busy
+        stream.add(i, prompts[i], responses[i])
+    stream.caught_up()
+    # the policy has 16 tokens unanswered; the pool is 48 tokens: per rank, the policy
+    # 16 + x against the two copies' (48 - x) / 2: x = 5.3 tokens, 1 row (a row goes while
     # more than half of it fits), the copies the other 11
-    assert policy.names == [(2, ("reference",)), (3, ("reference",))]
+    assert policy.names == [(2, ("reference",))] * 2 + [(1, ("reference",))]
     assert copies.calls == []  # their GPUs generate until the engines are done
     rollout = RolloutBatch(prompts, responses, [[0.0] * 2] * 16, [True] * 16, 0)
     batch = build_train_batch(rollout, 0)

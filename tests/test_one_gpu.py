@@ -354,3 +354,42 @@ def test_colocated_kv_cache_holds_one_generate_call(tmp_path):
     # the model's own 32k context for 128 rows would not fit half of 0.8 x 8 GiB: vLLM decides
     cfg.rollout.vllm.max_model_len = None
     assert colocated_kv_cache_bytes(cfg, str(tmp_path), total_gpu_bytes=8 * 2**30) is None
+
+
+def test_reference_copies_share_each_replicas_gpu_and_its_node_pin():
+    """GRPO with a KL penalty, the engines on GPUs of their own: a copy of the reference model
+    beside each replica (rollout.hosts_reference auto), replica i and copy i in bundle i of
+    one group, half the GPU each. With rollout nodes pinned (cluster.rollout_resources), the
+    bundle carries the replica's pin once: the copy asks for its CPUs and GPU share only, so
+    two pinned GPU nodes hold both replicas and their copies."""
+    cfg, plan = _plan(
+        "grpo",
+        "rollout=vllm",
+        "model.path=Qwen/Qwen2.5-1.5B-Instruct",
+        "algorithm.kl_coef=0.01",
+        "rollout.colocated=false",
+        "rollout.replicas=2",
+        "dtensor.dp=1",
+        "+cluster.rollout_resources.gen=0.01",
+        resources=Resources(num_cpus=16, num_gpus=3, gpu_memory_bytes=141 * 2**30),
+    )
+    assert [r.name for r in plan.roles].count("reference") == 1
+    groups = {g.role: g for g in role_bundles(plan, cfg.cluster)}
+    beside = groups["rollout+reference"]
+    assert [b["GPU"] for b in beside.bundles] == [1.0, 1.0]
+    assert all(b["gen"] == 0.01 for b in beside.bundles)  # the replica's pin, once
+    slots = {(s.role, s.rank): s for s in beside.slots}
+    for rank in (0, 1):
+        assert slots[("rollout", rank)].bundle_index == slots[("reference", rank)].bundle_index
+        assert slots[("reference", rank)].resources["GPU"] == 0.5
+        assert "gen" not in slots[("reference", rank)].resources
+    gpu = {"CPU": 16.0, "GPU": 1.0}
+    nodes = [NodeInfo("head" + "0" * 32, "10.0.0.1", gpu)] + [
+        NodeInfo(f"gen{i}" + "0" * 32, f"10.0.0.{i + 2}", {**gpu, "gen": 1.0}) for i in range(2)
+    ]
+    where = place(list(groups.values()), nodes)
+    assert [n.ip for n in where["reference"]] == [n.ip for n in where["rollout"]]
+    assert {n.ip for n in where["rollout"]} == {"10.0.0.2", "10.0.0.3"}
+    # the memory plan puts each copy on its replica's GPU
+    gpus = [g for g in plan.memory.gpus if any(p.role == "reference" for p in g.processes)]
+    assert [sorted(p.role for p in g.processes) for g in gpus] == [["reference", "rollout"]] * 2

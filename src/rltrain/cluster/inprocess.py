@@ -31,6 +31,8 @@ class InProcessWorkers(Workers):
     def _start(self) -> None:
         cfg, plan = self.cfg, self.plan
         assert plan.in_process, "the plan puts the roles in Ray worker processes"
+        # the copies beside the engines need vLLM, which one process never runs
+        assert all(r.name != "reference" for r in plan.roles), "no reference copies in one process"
         policy, rollout = plan.role("policy"), plan.role("rollout")
         value_role = next((r for r in plan.roles if r.name == "value"), None)
         policy_actors: list[Actor[PolicyWorker]] = [LocalActor("policy rank 0")]

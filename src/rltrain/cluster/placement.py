@@ -100,7 +100,8 @@ def role_bundles(plan: RunPlan, cluster: ClusterConfig) -> list[RoleBundles]:
         return out
 
     lay = plan.gpu_layout
-    sharing = {"policy"} if lay is not None and lay.shared else set()
+    colocated = lay is not None and (lay.rollout_colocated or lay.value_colocated)
+    sharing = {"policy"} if colocated else set()
     if sharing and lay is not None:
         sharing |= {"value"} if lay.value_colocated else set()
         sharing |= {"rollout"} if lay.rollout_colocated else set()
@@ -123,11 +124,11 @@ def _beside_engines_group(plan: RunPlan, request, strategy: str) -> RoleBundles:
     """One group for the replicas (one GPU each) and the reference copies beside them:
     replica i and reference rank i in bundle i, each asking for its share of its GPU."""
     n = plan.role("rollout").world_size
-    slots = [
-        Slot(role, rank, rank, request(plan.role(role)))
-        for role in ("rollout", "reference")
-        for rank in range(n)
-    ]
+    # the copy asks for its share of the GPU and CPUs only: the replica beside it pins the
+    # bundle's node (cluster.rollout_resources), once
+    ref = {k: v for k, v in request(plan.role("reference")).items() if k in ("CPU", "GPU")}
+    slots = [Slot("rollout", rank, rank, request(plan.role("rollout"))) for rank in range(n)]
+    slots += [Slot("reference", rank, rank, dict(ref)) for rank in range(n)]
     return RoleBundles("rollout+reference", _gpu_bundles(slots, n), strategy, tuple(slots))
 
 

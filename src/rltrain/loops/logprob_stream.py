@@ -100,7 +100,8 @@ class LogprobStream:
     - while the engines generate, a chunk's shared pass goes to the streaming gang only
       when it has answered every call it was given (:meth:`Later.ready`); rows that come
       while it is busy are held back (its other passes still go at once), and go to it with
-      the first report of rows that finds it idle again;
+      the first report of rows that finds it idle again (``hold_busy``; without it every
+      chunk goes at once and queues behind the gang's calls);
     - the step's last rows and whatever is still held form the pool of the end. The
       streaming gang takes its first rows, as many tokens as make its work (the calls it
       has not answered, the last rows' other passes, these rows) equal to the late gang's
@@ -125,6 +126,11 @@ class LogprobStream:
     # ``share_last``: the passes the late gang runs on every row after generation, outside
     # the stream (PPO's policy: its old logprobs)
     late_every_row: tuple[str, ...] = ()
+    # ``share_last``: hold a chunk's shared pass back while the streaming gang is busy (PPO's
+    # critic: the policy takes the held rows at the end beside its own pass). False: every
+    # chunk goes to the streaming gang at once (the copies beside the engines take only
+    # the rows left at the end, so a held row would wait for it)
+    hold_busy: bool = True
     added: int = 0
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # rows whose shared pass waits for the critic to be idle (``share_last``)
@@ -211,7 +217,7 @@ class LogprobStream:
             self._send(rows, self.last_targets if last else self.targets)
         elif last:
             self._end(rows, *shared)
-        elif self._idle(shared[0].gang):
+        elif not self.hold_busy or self._idle(shared[0].gang):
             self._release(shared[0])
             self._send(rows, self.targets)  # every pass, one call per gang
         else:  # the critic is busy: its other passes now, the shared one held back

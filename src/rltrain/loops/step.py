@@ -139,6 +139,7 @@ def logprob_stream(ctx: RunContext, need_old: bool) -> LogprobStream | None:
         share_last=critic_shares or ref_beside,
         pass_costs=pass_costs(cfg),
         late_every_row=("logprobs",) if critic_shares else (),
+        hold_busy=not ref_beside,
     )
 
 

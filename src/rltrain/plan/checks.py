@@ -8,7 +8,11 @@ known. The memory refusal stays beside the plan (it plans the changes that would
 from __future__ import annotations
 
 from rltrain.config.errors import ConfigError
-from rltrain.config.resolved import critic_passes_while_generating, why_critic_passes_wait
+from rltrain.config.resolved import (
+    critic_passes_while_generating,
+    logprobs_while_generating,
+    why_critic_passes_wait,
+)
 from rltrain.config.schema import RunConfig
 
 
@@ -55,4 +59,18 @@ def check_layout(
             "rows that stream out while the engines generate, but its passes do not run then "
             f"({why_critic_passes_wait(cfg, value_colocated)}); set value.hosts_reference=null "
             "(the policy's copy serves every row)."
+        )
+
+
+def check_reference_beside(cfg: RunConfig, rollout_colocated: bool | None) -> None:
+    """``rollout.hosts_reference=true`` where the policy does not run its passes on rows as
+    they stream out (``rollout_colocated`` None off GPUs, where that takes
+    ``train.logprobs_while_generating=true``): the copies would never get a row."""
+    if cfg.rollout.hosts_reference and not logprobs_while_generating(cfg, rollout_colocated):
+        raise ConfigError(
+            "rollout.hosts_reference=true: the copies beside the engines share the reference "
+            "pass of the rows the policy has not run while they streamed out, but this run's "
+            "policy runs its passes after generation (train.logprobs_while_generating resolves "
+            "false here; off GPUs it is off unless set true); set "
+            "train.logprobs_while_generating=true or rollout.hosts_reference=null."
         )

@@ -22,7 +22,7 @@ from rltrain.config.schema import (
 )
 from rltrain.config.validate import check_liger_device
 from rltrain.plan.batch import BatchPlan, batch_plan
-from rltrain.plan.checks import check_device, check_layout
+from rltrain.plan.checks import check_device, check_layout, check_reference_beside
 from rltrain.plan.engine import check_engine, model_head_dim  # noqa: F401 - re-exported
 from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
 from rltrain.plan.inputs import InputsPlan, plan_inputs
@@ -317,6 +317,7 @@ def _make_plan_resolved(
     v_colocated = None if layout is None else layout.value_colocated
     check_layout(cfg, resources.num_gpus, colocated, v_colocated)
     # a copy of the reference model beside each replica (rollout.hosts_reference)
+    check_reference_beside(cfg, colocated if layout is not None else None)
     ref_beside = reference_beside_engines(
         cfg, colocated if layout is not None else None, device == "cuda"
     )
@@ -442,8 +443,8 @@ def _make_plan_resolved(
                 rollout_threads,
                 (
                     "a copy of the reference model (rollout.hosts_reference) beside each "
-                    "replica, on its GPU: the step's last rows get their reference logprobs "
-                    "here and on the policy's GPUs at once, once the engines are done",
+                    "replica (on its GPU, on GPUs): the step's last rows get their reference "
+                    "logprobs here and on the policy's side at once, once the engines are done",
                 ),
             )
         )

@@ -234,7 +234,9 @@ def reference_beside_parts(cfg: RunConfig, shape: ModelShape, tokens: int) -> di
     5.54 GiB peak against 6.3 estimated for the 45k-token micro batch it ran."""
     cb = DTYPE_BYTES[cfg.precision.param_dtype]
     pass_tokens = tokens * pass_micro_batch_scale(cfg, "cuda")
-    block = 2 * shape.intermediate_size + 4 * shape.hidden_size
+    block: float = 2 * shape.intermediate_size + 4 * shape.hidden_size
+    if not compile_default(cfg.train.compile, True, shape.num_params):
+        block *= EAGER_ACTIVATION_FACTOR
     return {
         "reference": cb * (shape.num_params + shape.root_params + shape.layer_params),
         "activations": int(pass_tokens * block * cb),
@@ -564,8 +566,6 @@ def fix_candidates(cfg: RunConfig, dp: int, num_gpus: int, colocated: bool) -> l
         out.append({"dtensor.reshard_after_forward": True})
     if ro.hosts_reference:  # set true: the copies beside the engines
         out.append({"rollout.hosts_reference": None})
-        if ro.engine == "vllm" and ro.vllm.kv_cache_gib is None:
-            out += [{"rollout.vllm.gpu_memory_utilization": u} for u in (0.8, 0.7)]
     if ro.engine == "vllm" and ro.vllm.kv_cache_gib is None:
         out += [{"rollout.vllm.gpu_memory_utilization": u} for u in (0.6, 0.4, 0.3, 0.2)]
     if not d.cpu_offload:

@@ -54,7 +54,7 @@ def plan_tree(plan: RunPlan) -> Tree:
             + (
                 "none, every process on GPUs of its own"
                 if not lay.shared
-                else f"{lay.share:g} GPU per process"
+                else f"{lay.share:g} GPU per process on a shared GPU"
             )
         )
         for reason in lay.reasons:
