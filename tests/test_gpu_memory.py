@@ -136,6 +136,7 @@ def test_workers_gpu_memory_by_role_with_a_rank_that_does_not_answer(monkeypatch
         actors=[_FakeActor("rollout rank 0", workers_mod.WorkerError("did not answer"))]
     )
     w.value = SimpleNamespace(actors=[_FakeActor("value rank 0", {})])  # off CUDA
+    w.reference = None  # no copies of the reference model beside the engines
     got = w.gpu_memory(1.0)
     assert got["policy"]["peak"] == {"peak_reserved_gib": 42.0}
     assert [r["peak_reserved_gib"] for r in got["policy"]["ranks"]] == [40.0, 42.0]

@@ -19,6 +19,8 @@ from rltrain.rollout.torch_engine import TorchEngine
 from rltrain.rollout.vllm_engine import VLLMEngine
 from rltrain.train.fsdp import FSDPTrainer
 from rltrain.train.policy_worker import PolicyWorker
+from rltrain.train.reference_worker import ReferenceWorker
+from rltrain.train.sharded_model import ShardedModel
 from rltrain.train.value_worker import ValueWorker
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "rltrain"
@@ -32,10 +34,19 @@ CALLERS = [
 IMPLEMENTERS: dict[str, list[type]] = {
     "PolicyWorker": [PolicyWorker],
     "ValueWorker": [ValueWorker],
+    "ReferenceWorker": [ReferenceWorker],
     "FSDPTrainer": [PolicyWorker, ValueWorker],
+    # every gang's ranks: the trainers and the reference copies beside the engines
+    "ShardedModel": [PolicyWorker, ValueWorker, ReferenceWorker],
     "Engine": [TorchEngine, VLLMEngine],
 }
-NAMED = {"PolicyWorker": PolicyWorker, "ValueWorker": ValueWorker, "FSDPTrainer": FSDPTrainer}
+NAMED = {
+    "PolicyWorker": PolicyWorker,
+    "ValueWorker": ValueWorker,
+    "ReferenceWorker": ReferenceWorker,
+    "FSDPTrainer": FSDPTrainer,
+    "ShardedModel": ShardedModel,
+}
 
 
 def _worker_calls() -> list[tuple[str, str, int, set[str], str]]:

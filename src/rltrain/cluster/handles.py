@@ -206,23 +206,6 @@ class Gang(Generic[S]):
 
         return Later(gather, functools.partial(answered, pending))
 
-    def call_passes(
-        self,
-        compute: Callable[[S, TrainBatch, tuple[str, ...]], list[torch.Tensor]],
-        batch: TrainBatch,
-        names: tuple[str, ...],
-    ) -> Later[list[torch.Tensor]]:
-        """``compute`` (the worker class's ``compute_passes``) of the passes ``names`` on every
-        row, one call per rank, each with its rows narrowed for the trip: the ranks start at
-        once; ``result()`` waits and gives each pass in rollout row order."""
-        self.calls.settle()
-        shards = self.shards(batch)
-        pending = [
-            a.call(compute, s.for_pass(), names)
-            for a, s in zip(self.actors, shards.batches, strict=True)
-        ]
-        return self.gather_passes(pending, shards, batch, names)
-
     def shutdown(self) -> Sequence[Pending[None]]:
         """Leave the process group on every rank."""
         return [a.call(ShardedModel.shutdown) for a in self.actors]
@@ -270,7 +253,13 @@ class PolicyGang(TrainerGang[PolicyWorker]):
     def submit_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> Later[list[torch.Tensor]]:
         """The passes ``names`` ("logprobs", "reference") on every row, one call per rank:
         the ranks start at once; ``result()`` waits and gives them in rollout row order."""
-        return self.call_passes(PolicyWorker.compute_passes, batch, names)
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(PolicyWorker.compute_passes, s.for_pass(), names)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        return self.gather_passes(pending, shards, batch, names)
 
     def train(self, batch: PolicyBatch) -> TrainResult:
         """Train on the batch (its mini batches and epochs); rank 0's metrics (already reduced
@@ -373,7 +362,13 @@ class ValueGang(TrainerGang[ValueWorker]):
         """The passes ``names`` ("values"; "reference" where the critic hosts the reference
         model) on every row, one call per rank; ``result()`` waits and gives them in rollout
         row order."""
-        return self.call_passes(ValueWorker.compute_passes, batch, names)
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(ValueWorker.compute_passes, s.for_pass(), names)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        return self.gather_passes(pending, shards, batch, names)
 
     def train(self, batch: ValueBatch) -> dict[str, float]:
         """Critic update(s) on the batch; rank 0's metrics (already reduced over the critic's
@@ -405,4 +400,10 @@ class ReferenceGang(Gang[ReferenceWorker]):
     def submit_passes(self, batch: TrainBatch, names: tuple[str, ...]) -> Later[list[torch.Tensor]]:
         """The reference logprobs (``names``: ``("reference",)``) of every row, one call per
         rank; ``result()`` waits and gives them in rollout row order."""
-        return self.call_passes(ReferenceWorker.compute_passes, batch, names)
+        self.calls.settle()
+        shards = self.shards(batch)
+        pending = [
+            a.call(ReferenceWorker.compute_passes, s.for_pass(), names)
+            for a, s in zip(self.actors, shards.batches, strict=True)
+        ]
+        return self.gather_passes(pending, shards, batch, names)
