@@ -19,7 +19,9 @@ phase at a time (single-GPU phases on GPU 0):
   (2 x --max-tokens per micro batch) vs padded (micro batch 2, sdpa); packed with
   4 x --max-tokens per micro batch, and packed under flex attention, as variants
 * ``policy_lora`` (phase ``lora``, not run by default) - LoRA rank 16 (compiled and eager)
-  beside the default on the same rows, both profiled
+  beside the default on the same rows, both profiled; ``lora_add`` / ``lora_concat_all``
+  put the update after the base's GEMM / inside it in every layer (the default: inside
+  where a layer's output is at least as wide as its input)
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
   re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
@@ -90,6 +92,15 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     # LoRA rank 16 on the attention and MLP projections (phase lora: beside the default)
     "lora": {"train.lora.rank": 16},
     "lora_eager": {"train.lora.rank": 16, "train.compile": False},
+    # the update added after the base's GEMM in every layer, or inside it in every layer
+    # (the default: inside where the output is at least as wide as the input)
+    "lora_add": {"train.lora.rank": 16},
+    "lora_concat_all": {"train.lora.rank": 16},
+}
+# Module attributes a variant sets in its process before it builds (and resets after).
+VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
+    "lora_add": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): float("inf")},
+    "lora_concat_all": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 0.0},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -150,6 +161,7 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
                         env, job["model_dir"], batch, variant["micro"], job["warmup"], job["steps"]
                     )
                 else:
+                    _apply_module_settings(VARIANT_MODULE_SETTINGS.get(variant["label"], {}))
                     cfg = make_cfg(
                         job["model_dir"],
                         variant["precision"],
@@ -171,6 +183,8 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
             except Exception as exc:  # record it; the job's other variants still run
                 results[variant["label"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
                 _reset_after_failure()
+            finally:
+                _apply_module_settings(_DEFAULTS)
             if rank == 0:  # partial results survive a later variant that hangs
                 Path(out_dir, f"{name}.json").write_text(json.dumps(results))
         if rank == 0:
@@ -178,6 +192,19 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
     except BaseException:
         Path(out_dir, f"{name}.error.{rank}").write_text(traceback.format_exc())
         raise
+
+
+_DEFAULTS: dict[tuple[str, str], object] = {}
+
+
+def _apply_module_settings(settings: dict[tuple[str, str], object]) -> None:
+    """Set module attributes for one variant, keeping each one's default to restore."""
+    import importlib
+
+    for (module, name), value in settings.items():
+        mod = importlib.import_module(module)
+        _DEFAULTS.setdefault((module, name), getattr(mod, name))
+        setattr(mod, name, value)
 
 
 def _reset_after_failure() -> None:
@@ -359,8 +386,8 @@ def main() -> None:
                 "policy_lora",
                 "lora",
                 full_rows,
-                full("default", "lora", "lora_eager"),
-                profile=["bf16", "lora"],
+                full("default", "lora", "lora_add", "lora_concat_all", "lora_eager"),
+                profile=["bf16", "lora", "lora_add"],
                 timeout=args.compile_timeout,
             )
         ],
@@ -504,6 +531,14 @@ def main() -> None:
             ),
             "lora_eager_train_s_over_full": ratio(
                 get("policy_lora", "lora_eager", "step_s"), get("policy_lora", "bf16", "step_s")
+            ),
+            # the update after the base's GEMM everywhere / inside it everywhere
+            "lora_add_train_s_over_full": ratio(
+                get("policy_lora", "lora_add", "step_s"), get("policy_lora", "bf16", "step_s")
+            ),
+            "lora_concat_all_train_s_over_full": ratio(
+                get("policy_lora", "lora_concat_all", "step_s"),
+                get("policy_lora", "bf16", "step_s"),
             ),
             "lora_peak_mem_over_full": ratio(
                 get("policy_lora", "lora", "peak_mem_gb"), get("policy_lora", "bf16", "peak_mem_gb")

@@ -275,6 +275,43 @@ def test_lora_linear_compiled_matches_eager(shape):
     assert eager[2].abs().sum() > 0 and eager[1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("out_features", [20, 12, 5])
+def test_lora_update_inside_the_base_gemm_matches_the_plain_form(out_features):
+    """Where the output is at least as wide as the input (20, 12) the update runs inside
+    the base's GEMM over ``[x | h]``; narrower layers (5) add it after. Outputs and the
+    input's, A's and B's gradients equal the plain ``base(x) + s B(A(x))`` in float64,
+    eager and compiled, 2-D and 3-D, with the base's bias; the base gets no gradient."""
+    from rltrain.models.lora import LoRALinear
+
+    torch.manual_seed(0)
+    dt = torch.float64
+    layer = LoRALinear(torch.nn.Linear(12, out_features, bias=True, dtype=dt), rank=4, alpha=8.0)
+    layer.to(dt)
+    layer.base_layer.requires_grad_(False)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    assert layer.concat == (out_features >= 12)
+    for shape in [(7, 12), (2, 5, 12)]:
+        x = torch.randn(*shape, dtype=dt, requires_grad=True)
+
+        def run(fn, x=x):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            out = fn(x)
+            (out * torch.linspace(-1, 1, out.shape[-1], dtype=dt)).sum().backward()
+            assert layer.base_layer.weight.grad is None
+            grads = (x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad)
+            return (out.detach(), *(g.clone() for g in grads))
+
+        def plain(x):
+            return layer.base_layer(x) + layer.scaling * layer.lora_B(layer.lora_A(x))
+
+        ref = run(plain)
+        for got in (run(layer), run(torch.compile(layer, backend="aot_eager", fullgraph=True))):
+            for a, b in zip(got, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert ref[2].abs().sum() > 0 and ref[3].abs().sum() > 0
+
+
 @pytest.mark.parametrize("head_adapter", [False, True])
 def test_a_tied_embedding_and_head_stay_one_tensor_with_the_base_in_place(head_adapter):
     """On one data-parallel rank the frozen base is left out of FSDP2 (read in place); a

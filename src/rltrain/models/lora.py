@@ -33,6 +33,11 @@ from rltrain.config.schema import LORA_HEAD, LoraConfig
 # A PEFT adapter's tensor names are the module's name under this prefix.
 PEFT_PREFIX = "base_model.model."
 
+# Layers whose output is at least this many times as wide as their input compute the
+# update inside the base's GEMM (_ConcatLoRA); the others add it after. Read when a layer
+# is built (a benchmark sets it to compare the two forms).
+CONCAT_MIN_OUT_OVER_IN = 1.0
+
 
 class LoRALinear(nn.Module):
     """``base_layer`` (a frozen ``nn.Linear``) plus a trainable low-rank update."""
@@ -52,6 +57,9 @@ class LoRALinear(nn.Module):
         )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.disabled = False  # the reference policy: the base alone
+        # one GEMM over [x | h] where the output is at least CONCAT_MIN_OUT_OVER_IN times
+        # as wide as the input (see _ConcatLoRA)
+        self.concat = base_layer.out_features >= CONCAT_MIN_OUT_OVER_IN * base_layer.in_features
         if not base_layer.weight.is_meta:
             self.reset_adapter()
 
@@ -73,11 +81,22 @@ class LoRALinear(nn.Module):
         return w + (update * self.scaling).to(w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
+        base = self.base_layer
         if self.disabled:
-            return out
-        h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
+            return base(x)
         b = self.lora_B.weight
+        if (
+            self.concat
+            and isinstance(self.dropout, nn.Identity)
+            and not isinstance(b, DTensor)
+            and not isinstance(base.weight, DTensor)
+            and x.dtype == base.weight.dtype == b.dtype
+            and not base.weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad)
+        ):
+            return _ConcatLoRA.apply(x, base.weight, base.bias, self.lora_A.weight, b, self.scaling)
+        out = base(x)
+        h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
         plain = not isinstance(b, DTensor) and not isinstance(out, DTensor)
         if plain and h.dtype == out.dtype:
             if torch.compiler.is_compiling():
@@ -98,6 +117,43 @@ class LoRALinear(nn.Module):
         # tensor-parallel adapters (the module applies their layout), or adapters in
         # another dtype than the base's output
         return out + (self.lora_B(h) * self.scaling).to(out.dtype)
+
+
+class _ConcatLoRA(torch.autograd.Function):
+    """``base(x) + s x (x A^T) B^T`` as one GEMM over the input widened by the rank:
+    ``[x | h] @ [W | s B]^T`` with ``h = x A^T``; the base stays frozen (no gradient).
+
+    Where a layer's output is as wide as its input or wider (q, o, gate, up at Qwen
+    shapes), this saves the passes over the output that the separate update costs: the
+    update's own write and the add's read in the forward, and in the backward ``dy B``
+    comes out of the input gradient's GEMM (``dy @ [W | s B]`` gives ``[dx_base | dh]``),
+    so ``dy`` is read once more only for ``dB``. What it adds is on the input side:
+    the widened copy of ``x`` and ``dh A`` added into the input gradient. The weight
+    ``[W | s B]`` is rebuilt in the backward rather than kept (a weight-sized copy each
+    way, against activations many times larger).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling):  # noqa: ANN001
+        h = torch.matmul(x, a.t())
+        wide = torch.cat([weight, b * scaling], dim=1)
+        y = torch.nn.functional.linear(torch.cat([x, h], dim=-1), wide, bias)
+        ctx.save_for_backward(x, h, weight, a, b)
+        ctx.scaling = scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001
+        x, h, weight, a, b = ctx.saved_tensors
+        n, r = x.shape[-1], h.shape[-1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        wide = torch.cat([weight, b * ctx.scaling], dim=1)
+        dxh = torch.matmul(dy2, wide)  # [dx through the base | dh = s dy B]
+        dh = dxh[:, n:]
+        dx = torch.addmm(dxh[:, :n], dh, a)
+        da = torch.matmul(dh.t(), x.reshape(-1, n))
+        db = torch.matmul(dy2.t(), h.reshape(-1, r)) * ctx.scaling
+        return dx.view(x.shape), None, None, da, db, None
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
