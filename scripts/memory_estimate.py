@@ -31,7 +31,7 @@ from benchlib import RESULTS  # noqa: E402
 
 from rltrain.config.schema import RunConfig  # noqa: E402
 from rltrain.models.shapes import KNOWN_SHAPES  # noqa: E402
-from rltrain.plan.memory import GIB, trainer_parts  # noqa: E402
+from rltrain.plan.parts import GIB, trainer_parts  # noqa: E402
 
 QWEN_1_5B = KNOWN_SHAPES["qwen/qwen2.5-1.5b"]
 # The ppo split layout's out-of-memory report (GiB held on GPU 0 when the policy failed).

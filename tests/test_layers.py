@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),  # the engines
     ("refit",),
     ("algorithms",),  # pure math: advantages, GAE, losses, logprobs
-    ("plan",),  # the package: core, batch, engine, gpus, process, objective, sizes, memory, view
+    ("plan",),  # the package: core, batch, engine, gpus, process, objective, sizes, memory, parts, roles, view
     ("data",),
     ("rewards",),
     (

@@ -18,7 +18,8 @@ from rltrain.cli import app
 from rltrain.config.compose import compose
 from rltrain.models.shapes import known_shape, shape_from_config_json
 from rltrain.plan import Resources, make_plan
-from rltrain.plan.memory import CONTEXT_BYTES, GIB, TRAINER_FRAGMENTATION, model_shape
+from rltrain.plan.memory import CONTEXT_BYTES, TRAINER_FRAGMENTATION, model_shape
+from rltrain.plan.parts import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -249,7 +250,7 @@ def test_the_critics_copy_of_the_reference_model_is_counted_on_its_gpu():
     and holds a copy of the reference model for them (value.hosts_reference=null); the
     policy keeps its own for the rows left at the end. value.hosts_reference=false drops
     the critic's copy."""
-    from rltrain.plan.memory import reference_bytes
+    from rltrain.plan.parts import reference_bytes
 
     def parts(p, gpu: int, role: str) -> dict[str, int]:
         return next(x.parts for x in p.memory.gpus[gpu].processes if x.role == role)
@@ -380,7 +381,7 @@ def test_bench_e2e_records_the_estimate_beside_the_measured_peak(tmp_path):
 def test_trainer_parts_in_bytes():
     """One policy rank at 1.5B shapes, bf16 compute / fp32 reduce, 4096 tokens a micro batch."""
     from rltrain.config.schema import RunConfig
-    from rltrain.plan.memory import trainer_parts
+    from rltrain.plan.parts import trainer_parts
 
     shape = known_shape("Qwen/Qwen2.5-1.5B")
     assert shape is not None
@@ -482,7 +483,7 @@ def test_micro_batch_tokens_auto_takes_the_largest_that_fits(gib, tokens):
 def test_a_pass_at_its_scaled_micro_batch_is_counted_where_it_is_the_peak():
     """A pass keeps one block's activations, at train.pass_micro_batch_scale times the
     training micro batch's tokens: the activations part is the larger of the two."""
-    from rltrain.plan.memory import trainer_parts
+    from rltrain.plan.parts import trainer_parts
 
     shape = known_shape("Qwen/Qwen2.5-1.5B")
     assert shape is not None

@@ -5,7 +5,7 @@ The CPU tests (tests/test_memory_plan.py) hold the estimate against the figures 
 GPU runs recorded; here a fresh one is measured: one PolicyWorker (a 0.1B-parameter Qwen2
 shape, bf16 compute, eager blocks, one packed micro batch of 4096 tokens, a reference
 model) trains one step in a spawned process, and torch's peak allocated must be within
-15 % of :func:`rltrain.plan.memory.trainer_parts`.
+15 % of :func:`rltrain.plan.parts.trainer_parts`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def test_detected_gpu_memory_is_the_devices():
     strict=False,
 )
 def test_policy_rank_peak_is_within_15_percent_of_the_estimate(tmp_path):
-    from rltrain.plan.memory import GIB, model_shape, trainer_parts
+    from rltrain.plan.memory import model_shape
+    from rltrain.plan.parts import GIB, trainer_parts
 
     cfg = _cfg()
     shape = model_shape(cfg)

@@ -1,19 +1,20 @@
 """RunConfig -> RunPlan: roles, meshes, bundles, batch math, memory estimate.
 
-Pure: no cluster, no torch. ``rltrain plan`` prints it; the launcher executes it.
+The plan's types and :func:`make_plan`, which resolves the device, the GPU layout and the
+batch math, takes the roles from :mod:`rltrain.plan.roles` and the memory estimate from
+:mod:`rltrain.plan.memory`. Pure: no cluster, no torch. ``rltrain plan`` prints it; the
+launcher executes it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from rltrain.config.errors import ConfigError, MemoryRefusal
 from rltrain.config.resolved import (
     pass_micro_batch_scale,
     reference_beside_engines,
-    reference_on_critic,
 )
 from rltrain.config.schema import (
     CPU_MICRO_BATCH_TOKENS,
@@ -24,7 +25,7 @@ from rltrain.config.validate import check_liger_device
 from rltrain.plan.batch import BatchPlan, batch_plan
 from rltrain.plan.checks import check_device, check_layout, check_reference_beside
 from rltrain.plan.engine import check_engine, model_head_dim  # noqa: F401 - re-exported
-from rltrain.plan.gpus import GpuLayout, colocated_engine_notes, gpu_layout
+from rltrain.plan.gpus import GpuLayout, gpu_layout
 from rltrain.plan.inputs import InputsPlan, plan_inputs
 from rltrain.plan.memory import (
     KV_CACHE_GIB_LADDER,
@@ -41,10 +42,7 @@ from rltrain.plan.memory import (
 )
 from rltrain.plan.objective import objective_summary
 from rltrain.plan.process import resolve_in_process, resolve_refit_transport
-
-# Each process's share of a rollout GPU that a replica and its copy of the reference model
-# share (rollout.hosts_reference): Ray gives both the same GPU.
-REFERENCE_BESIDE_SHARE = 0.5
+from rltrain.plan.roles import RolePlan, reference_beside_layout, role_plans
 
 
 @dataclass(frozen=True)
@@ -57,21 +55,6 @@ class Resources:
     # cluster.gpu_memory_gib); None: not known, no layout is refused for memory.
     gpu_memory_bytes: int | None = None
     gpu_name: str = ""
-
-
-@dataclass(frozen=True)
-class RolePlan:
-    """One role: how many processes, their mesh, and the resources each takes."""
-
-    name: str
-    world_size: int
-    mesh: dict[str, int]
-    bundle: dict[str, float]  # Ray resources per process
-    device: str
-    dtype: str
-    backend: str  # torch.distributed backend inside the role
-    threads: int  # torch intra-op threads per process (CPU); 0 = library default
-    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -296,7 +279,7 @@ def _make_plan_resolved(
     cfg: RunConfig, resources: Resources, choices: dict[str, str] | None, suggest: bool
 ) -> RunPlan:
     """:func:`_make_plan` once ``train.max_tokens_per_micro_batch`` is set."""
-    d, ro, p = cfg.dtensor, cfg.rollout, cfg.precision
+    d, p = cfg.dtensor, cfg.precision
     if cfg.cluster.device == "cuda" and resources.num_gpus == 0:
         raise ConfigError(
             "cluster.device=cuda but the cluster has no GPUs; use cluster.device=auto or cpu."
@@ -322,18 +305,7 @@ def _make_plan_resolved(
         cfg, colocated if layout is not None else None, device == "cuda"
     )
     if ref_beside and layout is not None:
-        how = "set explicitly" if cfg.rollout.hosts_reference else "auto"
-        layout = replace(
-            layout,
-            share=layout.share if layout.shared else REFERENCE_BESIDE_SHARE,
-            shared=layout.shared
-            + tuple((f"rollout rank {i}", f"reference rank {i}") for i in range(ro.replicas)),
-            reasons=(
-                *layout.reasons,
-                f"rollout.hosts_reference resolves to true ({how}): a copy of the reference "
-                "model shares each replica's GPU",
-            ),
-        )
+        layout = reference_beside_layout(cfg, layout)
     scale = pass_micro_batch_scale(cfg, device)
     batch = replace(batch_plan(cfg, dp), pass_micro_batch_scale=scale)
     value_dp = 0
@@ -347,137 +319,13 @@ def _make_plan_resolved(
     value_world = value_dp * vd.tp if vd is not None else 0
 
     trainer_world = dp * d.tp
-    backend = "nccl" if device == "cuda" else "gloo"
-    n_actors = trainer_world + ro.replicas * (2 if ref_beside else 1) + value_world
-    # Fractional CPUs pack every process onto a small machine; the workers
-    # take turns (generate, then train), so they rarely compete.
-    cpu = min(1.0, resources.num_cpus / n_actors) if resources.num_cpus else 1.0
-    cpu = math.floor(cpu * 100) / 100
-    if layout is not None:
-        # A process on a shared GPU asks for its share of it (see GpuLayout).
-        g = layout.share
-        trainer_bundle: dict[str, float] = {
-            "CPU": cpu,
-            "GPU": g if layout.rollout_colocated or layout.value_colocated else 1.0,
-        }
-        value_bundle = {"CPU": cpu, "GPU": g if layout.value_colocated else 1.0}
-        rollout_bundle = {"CPU": cpu, "GPU": g if layout.rollout_colocated else float(ro.tp)}
-        if ref_beside:  # each replica's GPU, half to the engine, half to the reference
-            rollout_bundle["GPU"] = REFERENCE_BESIDE_SHARE
-        reference_bundle = {"CPU": cpu, "GPU": REFERENCE_BESIDE_SHARE}
-    else:
-        trainer_bundle = {"CPU": cpu}
-        rollout_bundle = value_bundle = reference_bundle = {"CPU": cpu}
     in_process, in_process_reason = resolve_in_process(cfg, device, trainer_world, value_world)
-    threads = cfg.cluster.torch_threads
-    if device == "cuda":
-        trainer_threads = rollout_threads = threads or 0
-    elif in_process:
-        # One process, one thread pool: the roles take turns on every core.
-        trainer_threads = rollout_threads = threads or max(1, resources.num_cpus)
-    elif cfg.algorithm.async_rollout.enabled:
-        # Trainers and engines run at the same time: the cores are split between them.
-        share = max(1, resources.num_cpus // (trainer_world + ro.replicas))
-        trainer_threads = rollout_threads = threads or share
-    elif threads is None and resources.num_cpus < 2 * n_actors:
-        # A small machine (under two cores per worker process): each process gets its
-        # share of the cores, not all of them. The roles take turns, but the driver,
-        # Ray and the other role still run; more busy threads than cores make every
-        # intra-op barrier wait on a descheduled thread (embedded default, 2 cores,
-        # loaded machine: 2 threads per actor 0.4 -> 6 s per step, 1 thread 0.4 s).
-        trainer_threads = rollout_threads = max(1, resources.num_cpus // n_actors)
-    else:
-        # Trainers and engines take turns: each gets every core while it runs.
-        trainer_threads = threads or max(1, resources.num_cpus // trainer_world)
-        rollout_threads = threads or max(1, resources.num_cpus // ro.replicas)
-
     transport, transport_reason = resolve_refit_transport(
         cfg.refit.transport, device, colocated, in_process
     )
-    mesh = {"dp": dp, "tp": d.tp}
-    trainer_notes = [
-        f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
-        f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
-    ]
-    if p.grad_scaler.enabled:
-        trainer_notes.append(
-            f"sharded grad scaler (growth_interval={p.grad_scaler.growth_interval})"
-        )
-    roles = [
-        RolePlan(
-            "policy",
-            trainer_world,
-            mesh,
-            trainer_bundle,
-            device,
-            p.param_dtype,
-            backend,
-            trainer_threads,
-            tuple(trainer_notes),
-        ),
-        RolePlan(
-            "rollout",
-            ro.replicas,
-            {"replicas": ro.replicas, "tp": ro.tp},
-            rollout_bundle,
-            device,
-            p.rollout_dtype,
-            backend,
-            rollout_threads,
-            (
-                f"{ro.engine} engine, temperature={ro.temperature}, top_p={ro.top_p}, max_new_tokens={ro.max_new_tokens}",
-                *(colocated_engine_notes(cfg, rollout_bundle["GPU"]) if colocated else []),
-            ),
-        ),
-    ]
-    if ref_beside:
-        roles.append(
-            RolePlan(
-                "reference",
-                ro.replicas,
-                {"replicas": ro.replicas},
-                reference_bundle,
-                device,
-                p.param_dtype,
-                backend,
-                rollout_threads,
-                (
-                    "a copy of the reference model (rollout.hosts_reference) beside each "
-                    "replica (on its GPU, on GPUs): the step's last rows get their reference "
-                    "logprobs here and on the policy's side at once, once the engines are done",
-                ),
-            )
-        )
-    if vcfg is not None:
-        value_threads = (
-            (threads or 0)
-            if device == "cuda"
-            else threads or max(1, resources.num_cpus // (1 if in_process else value_world))
-        )
-        value_notes = (
-            [f"value rank i on policy rank i's GPU ({value_bundle['GPU']:g} of it each)"]
-            if layout is not None and layout.value_colocated
-            else []
-        )
-        if reference_on_critic(cfg, v_colocated):
-            value_notes.append(
-                "holds a copy of the reference model (value.hosts_reference): its logprobs "
-                "run here with the values on rows as they stream out of the engines; the "
-                "last rows get them from the policy's copy"
-            )
-        roles.append(
-            _value_role(
-                cfg,
-                vcfg,
-                value_world,
-                value_dp,
-                value_bundle,
-                device,
-                backend,
-                value_threads,
-                value_notes,
-            )
-        )
+    roles = role_plans(
+        cfg, vcfg, layout, device, resources.num_cpus, dp, value_dp, ref_beside, in_process
+    )
     if layout is not None:
         memory = gpu_memory_plan(
             cfg,
@@ -508,7 +356,7 @@ def _make_plan_resolved(
         algorithm=cfg.algorithm.name,
         device=device,
         resources=resources,
-        roles=tuple(roles),
+        roles=roles,
         batch=batch,
         refit=RefitPlan(
             transport=transport,
@@ -541,7 +389,7 @@ def _make_plan_resolved(
         objective=objective_summary(cfg),
         in_process=in_process,
         in_process_reason=in_process_reason,
-        controller_threads=0 if in_process else (threads or CONTROLLER_THREADS),
+        controller_threads=0 if in_process else (cfg.cluster.torch_threads or CONTROLLER_THREADS),
     )
 
 
@@ -585,45 +433,4 @@ def _value_precision(vcfg: RunConfig) -> ValuePrecision:
         grad_scaler=vp.grad_scaler.enabled,
         growth_interval=vp.grad_scaler.growth_interval,
         head="float32",
-    )
-
-
-def _value_role(
-    cfg: RunConfig,
-    vcfg: RunConfig,
-    world: int,
-    dp: int,
-    bundle: dict[str, float],
-    device: str,
-    backend: str,
-    threads: int,
-    placement_notes: list[str],
-) -> RolePlan:
-    """PPO's critic: its own gang (placement bundles, process group) on its own mesh.
-
-    ``vcfg`` is :func:`value_run_config` of ``cfg``.
-    """
-    vp, vd = vcfg.precision, vcfg.dtensor
-    v = cfg.value
-    notes = [
-        f"backbone of {v.model_path or cfg.model.path or 'the tiny model'} + fresh scalar head, lr {v.lr}",
-        f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={vd.tp}" if vd.tp > 1 else ""),
-        f"fp32 master weights, compute {vp.param_dtype}, grad reduce {vp.reduce_dtype}; "
-        "value head and its optimizer state fp32",
-        f"clipped value loss (clip {v.clip}), values right-shifted"
-        + ("" if v.right_shift else " OFF (value.right_shift=false: diagnostic only)"),
-    ]
-    if vp.grad_scaler.enabled:
-        notes.append(f"sharded grad scaler (growth_interval={vp.grad_scaler.growth_interval})")
-    mesh = {"dp": dp, "tp": vd.tp}
-    return RolePlan(
-        "value",
-        world,
-        mesh,
-        dict(bundle),
-        device,
-        vp.param_dtype,
-        backend,
-        threads,
-        (*notes, *placement_notes),
     )

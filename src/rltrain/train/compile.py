@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 # train.compile=null compiles only models of at least COMPILE_MIN_PARAMS parameters (why:
-# rltrain.plan.memory, where the plan's estimate reads the same decision).
-from rltrain.plan.memory import COMPILE_MIN_PARAMS as COMPILE_MIN_PARAMS
-from rltrain.plan.memory import compile_default
+# rltrain.plan.parts, where the plan's estimate reads the same decision).
+from rltrain.plan.parts import COMPILE_MIN_PARAMS as COMPILE_MIN_PARAMS
+from rltrain.plan.parts import compile_default
 
 
 def resolve_compile(choice: bool | None, device: torch.device, num_params: int) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 
 from rltrain.config.schema import OptimConfig, RunConfig
-from rltrain.plan.memory import speed_knobs
+from rltrain.plan.parts import speed_knobs
 from rltrain.train.packing import MicroBatch
 
 # The attention implementation name the trainer's models run under (see register_attention).
@@ -305,7 +305,7 @@ def apply_liger(model: torch.nn.Module) -> None:
 
 def resolve_speed_knobs(cfg: RunConfig, dp: int) -> tuple[bool, str]:
     """(reshard_after_forward, grad_sync) with their ``null`` defaults resolved (the
-    plan's :func:`rltrain.plan.memory.speed_knobs`, which its memory estimate reads).
+    plan's :func:`rltrain.plan.parts.speed_knobs`, which its memory estimate reads).
     ``train.compile`` is resolved once the model is known
     (:func:`rltrain.train.compile.resolve_compile`)."""
     return speed_knobs(cfg, dp)
