@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),  # the engines
     ("refit",),
     ("algorithms",),  # pure math: advantages, GAE, losses, logprobs
-    ("plan",),  # the package: core, batch, engine, gpus, process, objective, sizes, memory, parts, roles, view
+    # the package: core, roles, batch, engine, gpus, process, objective, sizes, memory, parts, view
+    ("plan",),
     ("data",),
     ("rewards",),
     (
