@@ -276,13 +276,15 @@ def test_lora_linear_compiled_matches_eager(shape):
 
 
 @pytest.mark.parametrize("out_features", [20, 12, 5])
-def test_lora_update_inside_the_base_gemm_matches_the_plain_form(out_features):
-    """Where the output is at least as wide as the input (20, 12) the update runs inside
-    the base's GEMM over ``[x | h]``; narrower layers (5) add it after. Outputs and the
-    input's, A's and B's gradients equal the plain ``base(x) + s B(A(x))`` in float64,
-    eager and compiled, 2-D and 3-D, with the base's bias; the base gets no gradient."""
+def test_lora_update_inside_the_base_gemm_matches_the_plain_form(out_features, monkeypatch):
+    """With the update inside the base's GEMM where the output is at least as wide as the
+    input (20, 12; narrower layers, 5, add it after): outputs and the input's, A's and B's
+    gradients equal the plain ``base(x) + s B(A(x))`` in float64, eager and compiled, 2-D
+    and 3-D, with the base's bias; the base gets no gradient."""
+    from rltrain.models import lora as lora_module
     from rltrain.models.lora import LoRALinear
 
+    monkeypatch.setattr(lora_module, "CONCAT_MIN_OUT_OVER_IN", 1.0)
     torch.manual_seed(0)
     dt = torch.float64
     layer = LoRALinear(torch.nn.Linear(12, out_features, bias=True, dtype=dt), rank=4, alpha=8.0)
