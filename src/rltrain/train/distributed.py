@@ -72,13 +72,20 @@ def init_distributed(env: DistEnv) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        # A gang of one rank meets no peer: an in-process store, no port to bind (a port
+        # probed free earlier can be taken by the time a TCP store binds it).
+        rendezvous = (
+            {"store": dist.HashStore()}
+            if env.world_size == 1
+            else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+        )
         try:
             dist.init_process_group(
                 backend=env.backend,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
                 rank=env.rank,
                 world_size=env.world_size,
                 timeout=timedelta(seconds=env.timeout_s),
+                **rendezvous,
             )
         except RuntimeError as exc:  # DistStoreError / DistNetworkError: a rank never showed up
             raise RuntimeError(
