@@ -180,3 +180,39 @@ def test_fsdp_tp_and_refit_match_reference(tmp_path):
                 rtol=1e-4,
                 msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}",
             )
+
+
+def _one_rank_group(port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from rltrain.train.distributed import DistEnv, init_distributed
+
+    try:
+        init_distributed(DistEnv(0, 1, "127.0.0.1", port, "gloo", timeout_s=30.0))
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        with open(out, "w") as f:
+            f.write(f"{t.tolist()}")
+    except BaseException:
+        with open(out, "w") as f:
+            f.write(traceback.format_exc())
+
+
+def test_a_one_rank_gang_needs_no_free_port(tmp_path):
+    """A gang of one rank joins its process group without binding its rendezvous port:
+    the port here is held by another socket the whole time, and the group still forms
+    (a TCP store would fail to bind it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        out = tmp_path / "out.txt"
+        p = mp.get_context("spawn").Process(
+            target=_one_rank_group, args=(held.getsockname()[1], str(out))
+        )
+        p.start()
+        p.join(timeout=120)
+        assert p.exitcode == 0, p.exitcode
+    assert out.read_text() == "[1.0, 1.0]", out.read_text()
