@@ -19,9 +19,9 @@ phase at a time (single-GPU phases on GPU 0):
   (2 x --max-tokens per micro batch) vs padded (micro batch 2, sdpa); packed with
   4 x --max-tokens per micro batch, and packed under flex attention, as variants
 * ``policy_lora`` (phase ``lora``, not run by default) - LoRA rank 16 (compiled and eager)
-  beside the default on the same rows, both profiled; ``lora_add`` / ``lora_concat_all``
-  put the update after the base's GEMM / inside it in every layer (the default: inside
-  where a layer's output is at least as wide as its input)
+  beside the default on the same rows, both profiled; ``lora_concat`` /
+  ``lora_concat_all`` compute the update inside the base's GEMM where a layer's output is
+  at least as wide as its input / in every layer (the default adds it after the GEMM)
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
   re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
@@ -92,14 +92,14 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     # LoRA rank 16 on the attention and MLP projections (phase lora: beside the default)
     "lora": {"train.lora.rank": 16},
     "lora_eager": {"train.lora.rank": 16, "train.compile": False},
-    # the update added after the base's GEMM in every layer, or inside it in every layer
-    # (the default: inside where the output is at least as wide as the input)
-    "lora_add": {"train.lora.rank": 16},
+    # the update inside the base's GEMM where a layer's output is at least as wide as its
+    # input / in every layer (the default adds it after the base's GEMM)
+    "lora_concat": {"train.lora.rank": 16},
     "lora_concat_all": {"train.lora.rank": 16},
 }
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
-    "lora_add": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): float("inf")},
+    "lora_concat": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 1.0},
     "lora_concat_all": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 0.0},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
@@ -386,8 +386,8 @@ def main() -> None:
                 "policy_lora",
                 "lora",
                 full_rows,
-                full("default", "lora", "lora_add", "lora_concat_all", "lora_eager"),
-                profile=["bf16", "lora", "lora_add"],
+                full("default", "lora", "lora_concat", "lora_concat_all", "lora_eager"),
+                profile=["bf16", "lora", "lora_concat"],
                 timeout=args.compile_timeout,
             )
         ],
@@ -532,9 +532,9 @@ def main() -> None:
             "lora_eager_train_s_over_full": ratio(
                 get("policy_lora", "lora_eager", "step_s"), get("policy_lora", "bf16", "step_s")
             ),
-            # the update after the base's GEMM everywhere / inside it everywhere
-            "lora_add_train_s_over_full": ratio(
-                get("policy_lora", "lora_add", "step_s"), get("policy_lora", "bf16", "step_s")
+            # the update inside the base's GEMM where out >= in / everywhere
+            "lora_concat_train_s_over_full": ratio(
+                get("policy_lora", "lora_concat", "step_s"), get("policy_lora", "bf16", "step_s")
             ),
             "lora_concat_all_train_s_over_full": ratio(
                 get("policy_lora", "lora_concat_all", "step_s"),

@@ -71,6 +71,8 @@ def bench_train_rows(path: Path = RESULTS / "bench_train-h200.json") -> list[dic
             cfg.dtensor.reshard_after_forward = got["reshard_after_forward"]
             cfg.dtensor.grad_sync = got["grad_sync"]
             cfg.train.compile = got["compiled"]
+            if label.startswith("lora"):  # bench_train's LoRA variants: rank 16, default targets
+                cfg.train.lora.rank = 16
             if phase == "policy_rl_mix":
                 # 64 rows, prompts of 128-512 tokens, responses of 32-4096
                 cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens = 512, 4096
