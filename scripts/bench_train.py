@@ -21,7 +21,9 @@ phase at a time (single-GPU phases on GPU 0):
 * ``policy_lora`` (phase ``lora``, not run by default) - LoRA rank 16 (compiled and eager)
   beside the default on the same rows, both profiled; ``lora_concat`` /
   ``lora_concat_all`` compute the update inside the base's GEMM where a layer's output is
-  at least as wide as its input / in every layer (the default adds it after the GEMM)
+  at least as wide as its input / in every layer (the default adds it after the GEMM);
+  ``cpp_wrapper`` / ``lora_cpp_wrapper``: full fine-tuning / LoRA with Inductor's C++
+  wrapper launching the compiled blocks' kernels
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
   re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
@@ -36,6 +38,7 @@ No Ray, no Hydra (GPU machines have neither): the RunConfig is built directly.
     python scripts/bench_train.py --out $OUT            # GPU (2 GPUs for dp2/tp2)
     python scripts/bench_train.py --smoke --out /tmp/b  # same code paths, CPU/gloo, tiny shapes
     python scripts/bench_train.py --phases full --variants default,compile  # a subset
+    python scripts/bench_train.py --phases lora --variants default,lora,lora_concat,lora_cpp_wrapper
 
 Full-row variants (``--variants``): the train/optim knobs each one sets on top of the
 defaults. A variant that fails (e.g. liger-kernel missing) is recorded with its error
@@ -96,11 +99,17 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     # input / in every layer (the default adds it after the base's GEMM)
     "lora_concat": {"train.lora.rank": 16},
     "lora_concat_all": {"train.lora.rank": 16},
+    # Inductor's C++ wrapper launches the compiled blocks' kernels instead of Python code
+    # (LoRA's step waits on launches: seven adapted layers a block, four to six kernels each)
+    "cpp_wrapper": {},
+    "lora_cpp_wrapper": {"train.lora.rank": 16},
 }
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_concat": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 1.0},
     "lora_concat_all": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 0.0},
+    "cpp_wrapper": {("torch._inductor.config", "cpp_wrapper"): True},
+    "lora_cpp_wrapper": {("torch._inductor.config", "cpp_wrapper"): True},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -386,7 +395,15 @@ def main() -> None:
                 "policy_lora",
                 "lora",
                 full_rows,
-                full("default", "lora", "lora_concat", "lora_concat_all", "lora_eager"),
+                full(
+                    "default",
+                    "lora",
+                    "lora_concat",
+                    "lora_concat_all",
+                    "lora_eager",
+                    "cpp_wrapper",
+                    "lora_cpp_wrapper",
+                ),
                 profile=["bf16", "lora", "lora_concat"],
                 timeout=args.compile_timeout,
             )
@@ -535,6 +552,13 @@ def main() -> None:
             # the update inside the base's GEMM where out >= in / everywhere
             "lora_concat_train_s_over_full": ratio(
                 get("policy_lora", "lora_concat", "step_s"), get("policy_lora", "bf16", "step_s")
+            ),
+            "lora_cpp_wrapper_train_s_over_full": ratio(
+                get("policy_lora", "lora_cpp_wrapper", "step_s"),
+                get("policy_lora", "bf16", "step_s"),
+            ),
+            "cpp_wrapper_train_s_over_default": ratio(
+                get("policy_lora", "cpp_wrapper", "step_s"), get("policy_lora", "bf16", "step_s")
             ),
             "lora_concat_all_train_s_over_full": ratio(
                 get("policy_lora", "lora_concat_all", "step_s"),
