@@ -37,7 +37,7 @@ No Ray, no Hydra (GPU machines have neither): the RunConfig is built directly.
 
     python scripts/bench_train.py --out $OUT            # GPU (2 GPUs for dp2/tp2)
     python scripts/bench_train.py --smoke --out /tmp/b  # same code paths, CPU/gloo, tiny shapes
-    python scripts/bench_train.py --phases full --variants default,compile  # a subset
+    python scripts/bench_train.py --phases full --variants default,eager  # a subset
     python scripts/bench_train.py --phases lora --variants default,lora,lora_concat,lora_cpp_wrapper
 
 Full-row variants (``--variants``): the train/optim knobs each one sets on top of the
