@@ -24,6 +24,10 @@ phase at a time (single-GPU phases on GPU 0):
   at least as wide as its input / in every layer (the default adds it after the GEMM);
   ``cpp_wrapper`` / ``lora_cpp_wrapper``: full fine-tuning / LoRA with Inductor's C++
   wrapper launching the compiled blocks' kernels
+* ``policy_lora_short`` (phase ``lora_short``, not run by default) - the same variants on
+  the LoRA loop's rows (scripts/bench_lora.py: 256 rows, GSM8K-length prompts, 256 new
+  tokens); ``--trace-dir`` keeps each profiled variant's trace and where its host and GPU
+  time went
 * ``policy_fp16``  - fp16 (sharded grad scaler) beside bf16 in the same process
 * ``policy_dp2`` / ``policy_tp2`` - two GPUs, full rows. dp2: its default (blocks
   re-gathered in backward, gradients reduced per micro batch: memory stays sharded),
@@ -58,11 +62,13 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.multiprocessing as mp
 from bench_train_runs import (
     make_batch,
     make_cfg,
     rl_mix,
+    rl_mix_prompts,
     run_baseline,
     run_policy,
     write_model,
@@ -103,6 +109,10 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     # (LoRA's step waits on launches: seven adapted layers a block, four to six kernels each)
     "cpp_wrapper": {},
     "lora_cpp_wrapper": {"train.lora.rank": 16},
+    # the adapters of q/k/v and of gate/up: one GEMM for their A over the shared input
+    "lora_shared_a": {"train.lora.rank": 16},
+    # that, with Inductor's C++ wrapper
+    "lora_fast": {"train.lora.rank": 16},
 }
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
@@ -110,6 +120,11 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_concat_all": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 0.0},
     "cpp_wrapper": {("torch._inductor.config", "cpp_wrapper"): True},
     "lora_cpp_wrapper": {("torch._inductor.config", "cpp_wrapper"): True},
+    "lora_shared_a": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
+    "lora_fast": {
+        ("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True,
+        ("torch._inductor.config", "cpp_wrapper"): True,
+    },
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -170,6 +185,9 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
                         env, job["model_dir"], batch, variant["micro"], job["warmup"], job["steps"]
                     )
                 else:
+                    # a variant's settings (Inductor's config among them) apply to its own
+                    # graphs: none compiled for an earlier variant is reused
+                    torch._dynamo.reset()
                     _apply_module_settings(VARIANT_MODULE_SETTINGS.get(variant["label"], {}))
                     cfg = make_cfg(
                         job["model_dir"],
@@ -188,6 +206,11 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
                         job["warmup"],
                         job["steps"],
                         profile=variant["label"] in job.get("profile", ()),
+                        trace_stem=(
+                            str(Path(job["trace_dir"], f"{name}-{variant['label']}"))
+                            if job.get("trace_dir")
+                            else None
+                        ),
                     )
             except Exception as exc:  # record it; the job's other variants still run
                 results[variant["label"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
@@ -304,6 +327,12 @@ def main() -> None:
         default=",".join(DP2_VARIANTS),
         help=f"dp=2 variants (phase dp2): {','.join(DP2_VARIANTS)}",
     )
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="write each profiled variant's Chrome trace, its spans' GPU busy/idle table and "
+        "its operators by host time here (<job>-<label>.json.gz, .phases.txt, .cpu.txt)",
+    )
     args = parser.parse_args()
     smoke = args.smoke
     variants = [v for v in args.variants.split(",") if v]
@@ -331,6 +360,10 @@ def main() -> None:
         flush=True,
     )
     full_rows = [(seq // 8, seq - seq // 8)] * 8
+    # the LoRA benchmark loop's rows (scripts/bench_lora.py): GSM8K-length prompts and
+    # 256 new tokens, 32 prompts x 8 samples
+    short = 4 if smoke else 1
+    loop_rows = [(p // short, 256 // short) for p in rl_mix_prompts(256, seed=0)]
     mix = rl_mix(64, seed=0, scale=1 / 32 if smoke else 1.0)
     base = {
         "model_dir": model_dir,
@@ -373,6 +406,7 @@ def main() -> None:
             "variants": variants,
             "world": world,
             "gpu0": 0,
+            "trace_dir": args.trace_dir,
             **extra,
         }
 
@@ -403,8 +437,30 @@ def main() -> None:
                     "lora_eager",
                     "cpp_wrapper",
                     "lora_cpp_wrapper",
+                    "lora_shared_a",
+                    "lora_fast",
                 ),
-                profile=["bf16", "lora", "lora_concat"],
+                profile=["bf16", "lora", "lora_fast"],
+                timeout=args.compile_timeout,
+            )
+        ],
+        # the same on the LoRA loop's short rows (phase lora_short)
+        [
+            job(
+                "policy_lora_short",
+                "lora_short",
+                loop_rows,
+                full(
+                    "default",
+                    "lora",
+                    "lora_concat",
+                    "lora_concat_all",
+                    "cpp_wrapper",
+                    "lora_cpp_wrapper",
+                    "lora_shared_a",
+                    "lora_fast",
+                ),
+                profile=["bf16", "lora", "lora_fast"],
                 timeout=args.compile_timeout,
             )
         ],
@@ -542,32 +598,27 @@ def main() -> None:
                 2 * dp2_rank_tps if dp2_rank_tps else None, 2 * pol_tps if pol_tps else None
             ),
             "tp2_tokens_per_s": get("policy_tp2", "bf16", "tokens_per_s"),
-            # LoRA rank 16 over full fine-tuning, same rows, same process (phase lora)
-            "lora_train_s_over_full": ratio(
-                get("policy_lora", "lora", "step_s"), get("policy_lora", "bf16", "step_s")
-            ),
-            "lora_eager_train_s_over_full": ratio(
-                get("policy_lora", "lora_eager", "step_s"), get("policy_lora", "bf16", "step_s")
-            ),
-            # the update inside the base's GEMM where out >= in / everywhere
-            "lora_concat_train_s_over_full": ratio(
-                get("policy_lora", "lora_concat", "step_s"), get("policy_lora", "bf16", "step_s")
-            ),
-            "lora_cpp_wrapper_train_s_over_full": ratio(
-                get("policy_lora", "lora_cpp_wrapper", "step_s"),
-                get("policy_lora", "bf16", "step_s"),
-            ),
-            "cpp_wrapper_train_s_over_default": ratio(
-                get("policy_lora", "cpp_wrapper", "step_s"), get("policy_lora", "bf16", "step_s")
-            ),
-            "lora_concat_all_train_s_over_full": ratio(
-                get("policy_lora", "lora_concat_all", "step_s"),
-                get("policy_lora", "bf16", "step_s"),
-            ),
-            "lora_peak_mem_over_full": ratio(
-                get("policy_lora", "lora", "peak_mem_gb"), get("policy_lora", "bf16", "peak_mem_gb")
-            ),
         }
+        # LoRA rank 16 (and its variants) over full fine-tuning, same rows, same process:
+        # phase lora on long rows, phase lora_short (keys lora_short_*) on the loop's rows
+        for phase, prefix in (("policy_lora", ""), ("policy_lora_short", "lora_short_")):
+            full_s = get(phase, "bf16", "step_s")
+            for label in (
+                "lora",
+                "lora_eager",
+                "lora_concat",
+                "lora_concat_all",
+                "lora_cpp_wrapper",
+            ):
+                summary[f"{prefix}{label}_train_s_over_full"] = ratio(
+                    get(phase, label, "step_s"), full_s
+                )
+            summary[f"{prefix}cpp_wrapper_train_s_over_default"] = ratio(
+                get(phase, "cpp_wrapper", "step_s"), full_s
+            )
+            summary[f"{prefix}lora_peak_mem_over_full"] = ratio(
+                get(phase, "lora", "peak_mem_gb"), get(phase, "bf16", "peak_mem_gb")
+            )
         # Full-row MFU of every variant measured (``default`` is policy_full/bf16).
         by_variant = {}
         for v in FULL_VARIANTS:

@@ -83,6 +83,14 @@ def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int):
     return PolicyBatch.of(tokens, torch.randn(B, generator=g))
 
 
+def rl_mix_prompts(rows: int, seed: int, samples: int = 8) -> list[int]:
+    """Prompt lengths of ``rows`` rows in groups of ``samples`` sharing a prompt: GSM8K
+    questions under Qwen's chat template (about 80-220 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.randint(80, 221, ((rows + samples - 1) // samples,), generator=g)
+    return [int(n) for n in groups.repeat_interleave(samples)[:rows]]
+
+
 def rl_mix(rows: int, seed: int, scale: float = 1.0) -> list[tuple[int, int]]:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(int(128 * scale), int(512 * scale) + 1, (rows,), generator=g)
@@ -101,17 +109,46 @@ def _peak_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
-def profile_step(fn, device: torch.device, top: int = 25) -> dict:
-    """GPU time of one call of ``fn`` by kernel class, and its ``top`` kernels (torch.profiler)."""
+def profile_step(fn, device: torch.device, top: int = 25, trace_stem: str | None = None) -> dict:
+    """GPU time of one call of ``fn`` by kernel class, and its ``top`` kernels (torch.profiler).
+
+    ``gpu_busy_ms`` is the union of the kernels' intervals and ``gpu_idle_ms`` the step's
+    wall time less it: the time the GPU waited on the host. ``trace_stem``: also write
+    ``<stem>.json.gz`` (the Chrome trace), ``<stem>.phases.txt`` (the project's spans with
+    the GPU's busy and idle time inside each) and ``<stem>.cpu.txt`` (operators by self CPU
+    time: where the host's time went)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from rltrain.logging.profile import _union_us, load_trace, phase_table
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         _sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    extra: dict = {"wall_ms": wall_ms}
+    if trace_stem is not None:
+        stem = Path(trace_stem)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        trace_path = stem.parent / f"{stem.name}.json.gz"
+        prof.export_chrome_trace(str(trace_path))
+        trace = load_trace(trace_path)
+        spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+        busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "kernel"])
+        extra["gpu_busy_ms"] = busy / 1e3
+        extra["gpu_idle_ms"] = wall_ms - busy / 1e3
+        Path(f"{stem}.phases.txt").write_text(phase_table(trace) + "\n")
+        Path(f"{stem}.cpu.txt").write_text(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60) + "\n"
+        )
+    # kernels only: the GPU ranges of annotations (the project's spans, the optimizer's
+    # step) span idle time and would count their kernels twice
     kernels = [
         e
         for e in prof.key_averages()
-        if e.device_type.name == "CUDA" and getattr(e, "device_time_total", 0) > 0
+        if e.device_type.name == "CUDA"
+        and getattr(e, "device_time_total", 0) > 0
+        and not e.key.startswith(("rltrain.", "Optimizer.", "ProfilerStep"))
     ]
     classes = {
         "gemm": ("gemm", "cutlass", "sm90", "sm100", "cublas", "nvjet", "matmul"),
@@ -127,6 +164,7 @@ def profile_step(fn, device: torch.device, top: int = 25) -> dict:
         by_class[cls] = by_class.get(cls, 0.0) + e.device_time_total / 1e3
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     return {
+        **extra,
         "gpu_ms_by_class": by_class,
         "gpu_ms_total": sum(by_class.values()),
         "top_kernels": [
@@ -159,10 +197,13 @@ class _GcTimer:
         gc.callbacks.remove(self._callback)
 
 
-def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) -> dict:
+def run_policy(
+    env, cfg, batch, warmup: int, steps: int, profile: bool = False, trace_stem: str | None = None
+) -> dict:
     """Timed PolicyWorker.train steps on this rank's rows; tokens counted on this rank.
 
-    ``profile``: one more step under torch.profiler (CUDA), summarised in ``out["profile"]``."""
+    ``profile``: one more step under torch.profiler (CUDA), summarised in ``out["profile"]``
+    (and written as a trace under ``trace_stem``, see :func:`profile_step`)."""
     from rltrain.train.policy_worker import PolicyWorker
 
     worker = PolicyWorker(cfg, env)
@@ -228,7 +269,7 @@ def run_policy(env, cfg, batch, warmup: int, steps: int, profile: bool = False) 
     if profile and device.type == "cuda":
         try:
             step = functools.partial(worker.train, batch, [batch.size])
-            out["profile"] = profile_step(step, device)
+            out["profile"] = profile_step(step, device, trace_stem=trace_stem)
         except Exception as exc:  # the timings above stand without it
             out["profile"] = {"error": f"{type(exc).__name__}: {exc}"[-1000:]}
     worker.shutdown()

@@ -332,3 +332,71 @@ def test_a_tied_embedding_and_head_stay_one_tensor_with_the_base_in_place(head_a
         assert emb.abs().sum() > 0  # the loaded weights, not to_empty's
     finally:
         w.shutdown()
+
+
+def test_shared_input_adapters_match_one_gemm_per_layer(monkeypatch):
+    """q/k/v and gate/up adapters run their A as one GEMM over the shared input
+    (SHARE_INPUT_ADAPTERS): a Qwen2 model's logits and every adapter's and the input's
+    gradients equal the per-layer form in float64, eager and compiled (one graph), and a
+    layer called alone on another input (a partial use of a group) computes its own."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rltrain.config.schema import LORA_DEFAULT_TARGETS, LoraConfig
+    from rltrain.models import lora as lora_module
+
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    dt = torch.float64
+    models = []
+    for share in (False, True):
+        monkeypatch.setattr(lora_module, "SHARE_INPUT_ADAPTERS", share)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
+        lora_module.inject_lora(model, LoraConfig(rank=4, alpha=8.0), LORA_DEFAULT_TARGETS)
+        model.to(dt)  # the adapters too (built in fp32)
+        for m in lora_module.lora_modules(model):
+            torch.nn.init.normal_(m.lora_B.weight)  # trained adapters: B no longer zero
+        models.append(model)
+    plain, shared = models
+    shared.load_state_dict(plain.state_dict())
+    attn = shared.model.layers[0].self_attn
+    assert attn.q_proj.shared_input is attn.k_proj.shared_input is not None
+    assert plain.model.layers[0].self_attn.q_proj.shared_input is None
+    mlp = shared.model.layers[1].mlp
+    assert mlp.gate_proj.shared_input is mlp.up_proj.shared_input is not None
+    assert mlp.down_proj.shared_input is None
+    ids = torch.randint(0, 50, (2, 7))
+
+    def run(model, compiled=False):
+        model.zero_grad(set_to_none=True)
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        if compiled:
+            for layer in model.model.layers:
+                layer.forward = torch.compile(
+                    layer.forward, backend="aot_eager", fullgraph=True, dynamic=True
+                )
+        logits = model(inputs_embeds=emb).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=dt)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return logits.detach(), emb.grad.clone(), grads
+
+    ref = run(plain)
+    for got in (run(shared), run(shared, compiled=True)):
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-12, atol=1e-12)
+        assert got[2].keys() == ref[2].keys()
+        for name in ref[2]:
+            torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-12, atol=1e-12)
+    x = torch.randn(3, 24, dtype=dt)
+    q = attn.q_proj
+    torch.testing.assert_close(q(x), plain.model.layers[0].self_attn.q_proj(x), rtol=0, atol=1e-12)
+    # the group is left holding a pending h for k and v: a new input computes afresh
+    x2 = torch.randn(3, 24, dtype=dt)
+    ref_k = plain.model.layers[0].self_attn.k_proj(x2)
+    torch.testing.assert_close(attn.k_proj(x2), ref_k, rtol=0, atol=1e-12)

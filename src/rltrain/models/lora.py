@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -37,6 +38,44 @@ PEFT_PREFIX = "base_model.model."
 # update inside the base's GEMM (_ConcatLoRA); the others add it after. Read when a layer
 # is built; off (inf) by default: scripts/bench_train.py's LoRA phase sets it to compare.
 CONCAT_MIN_OUT_OVER_IN = float("inf")
+
+# Layers of one parent that decoder blocks call on the same input (attention's q/k/v, the
+# MLP's gate/up): with SHARE_INPUT_ADAPTERS their adapters' A run as one GEMM over the
+# input (see _SharedInput). Read when adapters are injected.
+SHARED_INPUT_SIBLINGS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
+SHARE_INPUT_ADAPTERS = False
+
+
+class _SharedInput:
+    """The adapters of sibling layers that read one input: ``x [A_1; ...; A_n]^T`` as one
+    GEMM, split into each member's ``h``, in place of a GEMM per member (one read of
+    ``x`` instead of n, forward and backward: ``dA`` and ``dx`` are one GEMM each too).
+
+    The first member called on an input computes every member's ``h``; the others take
+    theirs; the last one clears the group. A member called on another input than the
+    group's computes afresh, so a partial or out-of-order use never reads a stale ``h``.
+    Plain Python state, which torch.compile traces through (one graph per block)."""
+
+    def __init__(self, members: list[LoRALinear]) -> None:
+        self.members = members
+        self._x: torch.Tensor | None = None
+        self._hs: list[torch.Tensor] | None = None
+        self._left = 0
+
+    def h(self, member: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+        if self._hs is None or self._x is not x:
+            a = torch.cat([m.lora_A.weight for m in self.members])
+            h = torch.matmul(x.to(a.dtype), a.t())
+            self._hs = list(h.split([m.rank for m in self.members], dim=-1))
+            self._x, self._left = x, len(self.members)
+        out = self._hs[self.members.index(member)]
+        self._left -= 1
+        if self._left == 0:
+            self._x = self._hs = None
+        return out
 
 
 class LoRALinear(nn.Module):
@@ -57,6 +96,7 @@ class LoRALinear(nn.Module):
         )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.disabled = False  # the reference policy: the base alone
+        self.shared_input: _SharedInput | None = None  # set by inject_lora (see _SharedInput)
         # one GEMM over [x | h] where the output is at least CONCAT_MIN_OUT_OVER_IN times
         # as wide as the input (see _ConcatLoRA)
         self.concat = base_layer.out_features >= CONCAT_MIN_OUT_OVER_IN * base_layer.in_features
@@ -96,7 +136,11 @@ class LoRALinear(nn.Module):
         ):
             return _ConcatLoRA.apply(x, base.weight, base.bias, self.lora_A.weight, b, self.scaling)
         out = base(x)
-        h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
+        group = self.shared_input
+        if group is not None and not isinstance(self.lora_A.weight, DTensor):
+            h = group.h(self, x)  # no dropout: groups are formed only without it
+        else:
+            h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
         plain = not isinstance(b, DTensor) and not isinstance(out, DTensor)
         if plain and h.dtype == out.dtype:
             if torch.compiler.is_compiling():
@@ -203,6 +247,8 @@ def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> l
                 if child_name in block_targets and isinstance(child, nn.Linear):
                     setattr(module, child_name, LoRALinear(child, lora.rank, alpha, dropout))
                     wrapped.append(f"model.layers.{i}.{name}.{child_name}".replace("..", "."))
+    if SHARE_INPUT_ADAPTERS and not dropout:
+        share_inputs(layers)
     if head:
         lm_head = getattr(model, LORA_HEAD, None)
         if not isinstance(lm_head, nn.Linear):
@@ -213,6 +259,19 @@ def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> l
         setattr(model, LORA_HEAD, LoRALinear(lm_head, lora.rank, alpha, dropout))
         wrapped.append(LORA_HEAD)
     return wrapped
+
+
+def share_inputs(layers: nn.ModuleList) -> None:
+    """Group the adapters of :data:`SHARED_INPUT_SIBLINGS` found under one parent (all of a
+    sibling set adapted, same rank) into a :class:`_SharedInput`."""
+    for layer in layers:
+        for module in layer.modules():
+            for names in SHARED_INPUT_SIBLINGS:
+                members = [getattr(module, n, None) for n in names]
+                if all(isinstance(m, LoRALinear) for m in members):
+                    group = _SharedInput(cast(list[LoRALinear], members))
+                    for m in group.members:
+                        m.shared_input = group
 
 
 def _embeddings_need_grad(module: nn.Module, args: object, output: torch.Tensor) -> None:  # noqa: ARG001
