@@ -111,6 +111,8 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_cpp_wrapper": {"train.lora.rank": 16},
     # the adapters of q/k/v and of gate/up: one GEMM for their A over the shared input
     "lora_shared_a": {"train.lora.rank": 16},
+    # and their frozen bases fused: one GEMM each for the group's bases, A's and B's
+    "lora_group": {"train.lora.rank": 16},
     # that, with Inductor's C++ wrapper
     "lora_fast": {"train.lora.rank": 16},
 }
@@ -120,7 +122,11 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_concat_all": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 0.0},
     "cpp_wrapper": {("torch._inductor.config", "cpp_wrapper"): True},
     "lora_cpp_wrapper": {("torch._inductor.config", "cpp_wrapper"): True},
-    "lora_shared_a": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
+    "lora_shared_a": {
+        ("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True,
+        ("rltrain.models.lora", "FUSE_SHARED_BASES"): False,
+    },
+    "lora_group": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
     "lora_fast": {
         ("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True,
         ("torch._inductor.config", "cpp_wrapper"): True,
@@ -438,9 +444,10 @@ def main() -> None:
                     "cpp_wrapper",
                     "lora_cpp_wrapper",
                     "lora_shared_a",
+                    "lora_group",
                     "lora_fast",
                 ),
-                profile=["bf16", "lora", "lora_fast"],
+                profile=["bf16", "lora", "lora_group"],
                 timeout=args.compile_timeout,
             )
         ],
@@ -458,9 +465,10 @@ def main() -> None:
                     "cpp_wrapper",
                     "lora_cpp_wrapper",
                     "lora_shared_a",
+                    "lora_group",
                     "lora_fast",
                 ),
-                profile=["bf16", "lora", "lora_fast"],
+                profile=["bf16", "lora", "lora_group"],
                 timeout=args.compile_timeout,
             )
         ],

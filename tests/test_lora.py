@@ -334,11 +334,15 @@ def test_a_tied_embedding_and_head_stay_one_tensor_with_the_base_in_place(head_a
         w.shutdown()
 
 
-def test_shared_input_adapters_match_one_gemm_per_layer(monkeypatch):
-    """q/k/v and gate/up adapters run their A as one GEMM over the shared input
-    (SHARE_INPUT_ADAPTERS): a Qwen2 model's logits and every adapter's and the input's
-    gradients equal the per-layer form in float64, eager and compiled (one graph), and a
-    layer called alone on another input (a partial use of a group) computes its own."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_input_adapters_match_one_gemm_per_layer(fused, monkeypatch):
+    """q/k/v and gate/up adapters form groups over their shared input (SHARE_INPUT_ADAPTERS):
+    their A run as one GEMM, and with the group's frozen bases fused into one tensor
+    (``fused``) the bases and the updates too. A Qwen2 model's logits and every adapter's
+    and the input's gradients equal the per-layer form in float64, eager and compiled (one
+    graph), and the bases get no gradient. The fused bases are views of one tensor that
+    the state dict still reads per layer; adapters off (the reference) give the base
+    model; a layer called alone on another input (a partial use) computes its own."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rltrain.config.schema import LORA_DEFAULT_TARGETS, LoraConfig
@@ -365,8 +369,18 @@ def test_shared_input_adapters_match_one_gemm_per_layer(monkeypatch):
         models.append(model)
     plain, shared = models
     shared.load_state_dict(plain.state_dict())
+    state = {k: v.clone() for k, v in shared.state_dict().items()}
+    assert lora_module.fuse_shared_bases(plain) == 0  # no groups
+    monkeypatch.setattr(lora_module, "FUSE_SHARED_BASES", fused)
+    assert lora_module.fuse_shared_bases(shared) == (4 if fused else 0)  # 2 groups a block
     attn = shared.model.layers[0].self_attn
-    assert attn.q_proj.shared_input is attn.k_proj.shared_input is not None
+    group = attn.q_proj.shared_input
+    assert group is attn.k_proj.shared_input is attn.v_proj.shared_input is not None
+    assert (group.weight is not None) == fused
+    if fused:  # row blocks of one tensor, read per layer by the state dict
+        assert attn.k_proj.base_layer.weight.data_ptr() == group.weight[24:].data_ptr()
+        for k, v in shared.state_dict().items():
+            assert torch.equal(v, state[k]), k
     assert plain.model.layers[0].self_attn.q_proj.shared_input is None
     mlp = shared.model.layers[1].mlp
     assert mlp.gate_proj.shared_input is mlp.up_proj.shared_input is not None
@@ -383,10 +397,15 @@ def test_shared_input_adapters_match_one_gemm_per_layer(monkeypatch):
                 )
         logits = model(inputs_embeds=emb).logits
         (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=dt)).sum().backward()
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         return logits.detach(), emb.grad.clone(), grads
 
     ref = run(plain)
+    with lora_module.adapters_disabled(plain), torch.no_grad():
+        ref_base = plain(ids).logits
+    with lora_module.adapters_disabled(shared), torch.no_grad():
+        torch.testing.assert_close(shared(ids).logits, ref_base, rtol=1e-12, atol=1e-12)
     for got in (run(shared), run(shared, compiled=True)):
         torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got[1], ref[1], rtol=1e-12, atol=1e-12)
@@ -396,7 +415,7 @@ def test_shared_input_adapters_match_one_gemm_per_layer(monkeypatch):
     x = torch.randn(3, 24, dtype=dt)
     q = attn.q_proj
     torch.testing.assert_close(q(x), plain.model.layers[0].self_attn.q_proj(x), rtol=0, atol=1e-12)
-    # the group is left holding a pending h for k and v: a new input computes afresh
+    # the group is left holding a pending part for k and v: a new input computes afresh
     x2 = torch.randn(3, 24, dtype=dt)
     ref_k = plain.model.layers[0].self_attn.k_proj(x2)
     torch.testing.assert_close(attn.k_proj(x2), ref_k, rtol=0, atol=1e-12)

@@ -40,42 +40,98 @@ PEFT_PREFIX = "base_model.model."
 CONCAT_MIN_OUT_OVER_IN = float("inf")
 
 # Layers of one parent that decoder blocks call on the same input (attention's q/k/v, the
-# MLP's gate/up): with SHARE_INPUT_ADAPTERS their adapters' A run as one GEMM over the
-# input (see _SharedInput). Read when adapters are injected.
+# MLP's gate/up): with SHARE_INPUT_ADAPTERS their adapters form a group (_SharedInput) whose
+# A run as one GEMM over the input; where the trainer keeps the group's frozen base weights
+# as one tensor (fuse_shared_bases), the group's bases and updates run as one GEMM each.
+# Read when adapters are injected.
 SHARED_INPUT_SIBLINGS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
 )
 SHARE_INPUT_ADAPTERS = False
+FUSE_SHARED_BASES = True  # read by fuse_shared_bases
 
 
 class _SharedInput:
-    """The adapters of sibling layers that read one input: ``x [A_1; ...; A_n]^T`` as one
-    GEMM, split into each member's ``h``, in place of a GEMM per member (one read of
-    ``x`` instead of n, forward and backward: ``dA`` and ``dx`` are one GEMM each too).
+    """The adapted sibling layers that read one input ``x``.
 
-    The first member called on an input computes every member's ``h``; the others take
+    Adapters: ``h = x [A_1; ...; A_n]^T``, one GEMM split into each member's ``h`` (one read
+    of ``x`` instead of n, forward and backward: ``dA`` and ``dx`` are one GEMM each too).
+    With the members' frozen bases fused (:meth:`fuse_bases`: their weights are row blocks of
+    one tensor), the members' whole outputs come from
+    ``y = x W^T + b + s h blockdiag(B_1, ..., B_n)^T``: the group's GEMMs are the base's,
+    the A's and the B's, forward and backward, whatever n is (a block's LoRA step otherwise
+    launches some 50 small GEMMs, and waits on the host launching them).
+
+    The first member called on an input computes every member's part; the others take
     theirs; the last one clears the group. A member called on another input than the
-    group's computes afresh, so a partial or out-of-order use never reads a stale ``h``.
+    group's computes afresh, so a partial or out-of-order use never reads a stale part.
     Plain Python state, which torch.compile traces through (one graph per block)."""
 
     def __init__(self, members: list[LoRALinear]) -> None:
         self.members = members
+        self.weight: torch.Tensor | None = None  # the fused frozen bases (fuse_bases)
+        self.bias: torch.Tensor | None = None
         self._x: torch.Tensor | None = None
-        self._hs: list[torch.Tensor] | None = None
+        self._parts: list[torch.Tensor] | None = None
         self._left = 0
 
-    def h(self, member: LoRALinear, x: torch.Tensor) -> torch.Tensor:
-        if self._hs is None or self._x is not x:
-            a = torch.cat([m.lora_A.weight for m in self.members])
-            h = torch.matmul(x.to(a.dtype), a.t())
-            self._hs = list(h.split([m.rank for m in self.members], dim=-1))
+    def fuse_bases(self) -> bool:
+        """Make the members' frozen base weights (and biases) row blocks of one tensor,
+        in place (no copy kept); False, changing nothing, where they cannot be (sharded,
+        trainable, on the meta device, or of mixed dtypes, devices or bias)."""
+        bases = [m.base_layer for m in self.members]
+        params = [b.weight for b in bases] + [b.bias for b in bases if b.bias is not None]
+        with_bias = sum(b.bias is not None for b in bases)
+        if (
+            any(isinstance(p, DTensor) or p.requires_grad or p.is_meta for p in params)
+            or len({(p.dtype, p.device) for p in params}) > 1
+            or with_bias not in (0, len(bases))
+        ):
+            return False
+        with torch.no_grad():
+            self.weight = torch.cat([b.weight.detach() for b in bases])
+            self.bias = torch.cat([b.bias.detach() for b in bases]) if with_bias else None
+            row = 0
+            for b in bases:
+                n = b.weight.shape[0]
+                b.weight.data = self.weight[row : row + n]
+                if self.bias is not None:
+                    b.bias.data = self.bias[row : row + n]
+                row += n
+        return True
+
+    def part(self, member: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+        """``member``'s share of the group's work on ``x``: its whole output where the bases
+        are fused, else its adapter's ``h``."""
+        if self._parts is None or self._x is not x:
+            self._parts = self._whole(x) if self.weight is not None else self._h(x)
             self._x, self._left = x, len(self.members)
-        out = self._hs[self.members.index(member)]
+        out = self._parts[self.members.index(member)]
         self._left -= 1
         if self._left == 0:
-            self._x = self._hs = None
+            self._x = self._parts = None
         return out
+
+    def _h(self, x: torch.Tensor) -> list[torch.Tensor]:
+        a = torch.cat([m.lora_A.weight for m in self.members])
+        h = torch.matmul(x.to(a.dtype), a.t())
+        return list(h.split([m.rank for m in self.members], dim=-1))
+
+    def _whole(self, x: torch.Tensor) -> list[torch.Tensor]:
+        assert self.weight is not None
+        a = torch.cat([m.lora_A.weight for m in self.members])
+        bd = torch.block_diag(*[m.lora_B.weight for m in self.members])
+        scaling = self.members[0].scaling
+        h = torch.matmul(x.to(a.dtype), a.t())
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        if h.dtype == y.dtype and not torch.compiler.is_compiling():
+            # eager: the update added by the same GEMM that forms it (see LoRALinear)
+            flat = y.view(-1, y.shape[-1]).addmm(h.reshape(-1, h.shape[-1]), bd.t(), alpha=scaling)
+            y = flat.view(y.shape)
+        else:  # compiled: a pointwise add the compiler fuses into the readers of y
+            y = y + torch.matmul(h * scaling, bd.t()).to(y.dtype)
+        return list(y.split([m.base_layer.out_features for m in self.members], dim=-1))
 
 
 class LoRALinear(nn.Module):
@@ -124,6 +180,9 @@ class LoRALinear(nn.Module):
         base = self.base_layer
         if self.disabled:
             return base(x)
+        group = self.shared_input
+        if group is not None and group.weight is not None:
+            return group.part(self, x)  # the whole output (fused bases, see _SharedInput)
         b = self.lora_B.weight
         if (
             self.concat
@@ -136,9 +195,8 @@ class LoRALinear(nn.Module):
         ):
             return _ConcatLoRA.apply(x, base.weight, base.bias, self.lora_A.weight, b, self.scaling)
         out = base(x)
-        group = self.shared_input
         if group is not None and not isinstance(self.lora_A.weight, DTensor):
-            h = group.h(self, x)  # no dropout: groups are formed only without it
+            h = group.part(self, x)  # no dropout: groups are formed only without it
         else:
             h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
         plain = not isinstance(b, DTensor) and not isinstance(out, DTensor)
@@ -272,6 +330,16 @@ def share_inputs(layers: nn.ModuleList) -> None:
                     group = _SharedInput(cast(list[LoRALinear], members))
                     for m in group.members:
                         m.shared_input = group
+
+
+def fuse_shared_bases(model: nn.Module) -> int:
+    """Fuse the frozen bases of every adapter group in ``model`` (see
+    :meth:`_SharedInput.fuse_bases`): call once the base weights are in place on their
+    device (loaded, not to be moved). The number of groups fused."""
+    if not FUSE_SHARED_BASES:
+        return 0
+    groups = {id(m.shared_input): m.shared_input for m in lora_modules(model) if m.shared_input}
+    return sum(g.fuse_bases() for g in groups.values())
 
 
 def _embeddings_need_grad(module: nn.Module, args: object, output: torch.Tensor) -> None:  # noqa: ARG001

@@ -33,7 +33,13 @@ from rltrain.models.loader import (
     load_model,
     load_tokenizer,
 )
-from rltrain.models.lora import blocks_see_grad_inputs, freeze_base, head_weight, inject_lora
+from rltrain.models.lora import (
+    blocks_see_grad_inputs,
+    freeze_base,
+    fuse_shared_bases,
+    head_weight,
+    inject_lora,
+)
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -208,6 +214,8 @@ class ShardedModel:
                     buf.copy_(full_buffers[hf_name(name)])
                 if self.env.world_size > 1:
                     dist.broadcast(buf, src=0)
+        if lora:  # the weights are in place: adapter groups' frozen bases become one tensor
+            fuse_shared_bases(model)
         return model
 
     @property
