@@ -119,6 +119,17 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     # and their frozen bases fused: one GEMM each for the group's bases, A's and B's
     "lora_group": {"train.lora.rank": 16},
 }
+# The variants phases lora and lora_short run beside the default (those --variants names).
+LORA_VARIANTS = (
+    "lora",
+    "lora_concat",
+    "lora_concat_all",
+    "lora_eager",
+    "cpp_wrapper",
+    "lora_cpp_wrapper",
+    "lora_shared_a",
+    "lora_group",
+)
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_concat": {("rltrain.models.lora", "CONCAT_MIN_OUT_OVER_IN"): 1.0},
@@ -428,47 +439,24 @@ def main() -> None:
                 timeout=args.compile_timeout,
             )
         ],
-        # LoRA against full fine-tuning on the same rows, both profiled (phase lora)
-        [
-            job(
-                "policy_lora",
-                "lora",
-                full_rows,
-                full(
-                    "default",
-                    "lora",
-                    "lora_concat",
-                    "lora_concat_all",
-                    "lora_eager",
-                    "cpp_wrapper",
-                    "lora_cpp_wrapper",
-                    "lora_shared_a",
-                    "lora_group",
-                ),
-                profile=["bf16", "lora", "lora_group"],
-                timeout=args.compile_timeout,
+        # LoRA against full fine-tuning on the same rows, profiled: long rows (phase lora)
+        # and the LoRA loop's short rows (phase lora_short)
+        *(
+            [
+                job(
+                    name,
+                    on,
+                    rows,
+                    full("default", *LORA_VARIANTS),
+                    profile=["bf16", "lora", "lora_group"],
+                    timeout=args.compile_timeout,
+                )
+            ]
+            for name, on, rows in (
+                ("policy_lora", "lora", full_rows),
+                ("policy_lora_short", "lora_short", loop_rows),
             )
-        ],
-        # the same on the LoRA loop's short rows (phase lora_short)
-        [
-            job(
-                "policy_lora_short",
-                "lora_short",
-                loop_rows,
-                full(
-                    "default",
-                    "lora",
-                    "lora_concat",
-                    "lora_concat_all",
-                    "cpp_wrapper",
-                    "lora_cpp_wrapper",
-                    "lora_shared_a",
-                    "lora_group",
-                ),
-                profile=["bf16", "lora", "lora_group"],
-                timeout=args.compile_timeout,
-            )
-        ],
+        ),
         [
             job(
                 "policy_full_expandable",
@@ -608,13 +596,7 @@ def main() -> None:
         # phase lora on long rows, phase lora_short (keys lora_short_*) on the loop's rows
         for phase, prefix in (("policy_lora", ""), ("policy_lora_short", "lora_short_")):
             full_s = get(phase, "bf16", "step_s")
-            for label in (
-                "lora",
-                "lora_eager",
-                "lora_concat",
-                "lora_concat_all",
-                "lora_cpp_wrapper",
-            ):
+            for label in (v for v in LORA_VARIANTS if v.startswith("lora")):
                 summary[f"{prefix}{label}_train_s_over_full"] = ratio(
                     get(phase, label, "step_s"), full_s
                 )
