@@ -419,3 +419,45 @@ def test_shared_input_adapters_match_one_gemm_per_layer(fused, monkeypatch):
     x2 = torch.randn(3, 24, dtype=dt)
     ref_k = plain.model.layers[0].self_attn.k_proj(x2)
     torch.testing.assert_close(attn.k_proj(x2), ref_k, rtol=0, atol=1e-12)
+
+
+def test_frozen_weights_are_read_in_the_compute_dtype(tmp_path, monkeypatch):
+    """Weights that stay frozen (a reference model, LoRA's base) are read in the compute
+    dtype, the trainable ones in fp32: the frozen ones equal the fp32 file cast to bf16
+    bit for bit, the trainable ones equal the file."""
+    from rltrain.models.loader import load_model, load_tokenizer
+    from rltrain.train import sharded_model
+
+    tiny = _cfg()
+    load_model(tiny, "float32").save_pretrained(tmp_path)
+    load_tokenizer(tiny).save_pretrained(tmp_path)
+    on_disk = load_model(_cfg(**{"model.path": str(tmp_path)}), "float32").state_dict()
+    reads: list[str] = []
+
+    def spy(cfg, dtype="float32"):
+        reads.append(dtype)
+        return load_model(cfg, dtype)
+
+    monkeypatch.setattr(sharded_model, "load_model", spy)
+    common = {"model.path": str(tmp_path), "precision": "bf16"}
+    full = _worker(_cfg(**common, **{"algorithm.kl_coef": 0.01}))
+    try:
+        assert reads == ["float32", "bfloat16"]  # the policy, then its reference
+        for name, p in full.model.named_parameters():
+            assert p.dtype == torch.float32 and torch.equal(p.full_tensor(), on_disk[name])
+        for name, p in full.reference.named_parameters():
+            want = on_disk[name].to(torch.bfloat16)
+            assert torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p, want), name
+    finally:
+        full.shutdown()
+    reads.clear()
+    lora = _worker(_cfg(**common, **LORA))
+    try:
+        assert reads == ["bfloat16"]
+        base = _base(lora)
+        assert base and all(
+            torch.equal(v, on_disk[k.replace(".base_layer.", ".")].to(torch.bfloat16))
+            for k, v in base.items()
+        )
+    finally:
+        lora.shutdown()

@@ -143,9 +143,20 @@ class ShardedModel:
         (a frozen copy of another model in subclasses that only run passes)."""
         return self.load_sharded_model()
 
-    def build_model(self) -> torch.nn.Module:
-        """The full fp32 initial model, read on rank 0 (subclasses swap the head)."""
-        return load_model(self.cfg, "float32")
+    def build_model(self, dtype: str = "float32") -> torch.nn.Module:
+        """The full initial model in ``dtype``, read on rank 0 (subclasses swap the head)."""
+        return load_model(self.cfg, dtype)
+
+    def read_dtype(self, model: RunConfig, trainable: bool, lora: bool) -> str:
+        """The dtype to read ``model``'s initial weights in: fp32 for the weights the
+        optimizer updates (the master copy), the compute dtype where every weight is frozen
+        (a reference model) or only adapters train (LoRA's base), since those are kept in
+        the compute dtype anyway: the same weights as a cast after an fp32 read (HF keeps
+        the rotary buffers in fp32 either way), at half the host memory and read time.
+        Adapters are built in fp32 after the read. The embedded model is built, not read:
+        fp32 (a cast of the whole module would cast its buffers too)."""
+        frozen = lora or not trainable
+        return self.cfg.precision.param_dtype if frozen and model.model.path else "float32"
 
     def build_empty_model(self) -> torch.nn.Module:
         """The same architecture, built under ``torch.device("meta")`` on every rank."""
@@ -158,19 +169,25 @@ class ShardedModel:
         ``causal_lm_of``: instead of this gang's model, the causal LM that config names,
         frozen (the policy's reference model hosted by the critic's ranks).
 
-        Rank 0 reads the full fp32 model on CPU; every rank builds the
+        Rank 0 reads the full model on CPU (fp32, or the compute dtype where it stays
+        frozen: :meth:`read_dtype`); every rank builds the
         architecture on the meta device, shards it, allocates only its shards
         and receives them from rank 0 (``set_model_state_dict`` with
         ``broadcast_from_rank0``). Buffers (e.g. rotary frequencies, not in the
         state dict) are broadcast too, so every rank ends with rank 0's weights.
         """
         lora = trainable and self.lora and causal_lm_of is None
-        build, build_empty, shard = self.build_model, self.build_empty_model, self._shard
+        build_empty, shard = self.build_empty_model, self._shard
+
+        def build() -> torch.nn.Module:
+            return self.build_model(self.read_dtype(self.cfg, trainable, lora))
+
         if causal_lm_of is not None:
             trainable = False
+            frozen_dtype = self.read_dtype(causal_lm_of, False, False)
 
             def build() -> torch.nn.Module:
-                return load_model(causal_lm_of, "float32")
+                return load_model(causal_lm_of, frozen_dtype)
 
             def build_empty() -> torch.nn.Module:
                 return build_empty_model(causal_lm_of)

@@ -97,8 +97,8 @@ class ValueWorker(FSDPTrainer):
             self.startup_phases["reference_s"] = time.perf_counter() - t0
 
     # -- set-up -----------------------------------------------------------------------
-    def build_model(self) -> torch.nn.Module:
-        causal_lm = load_model(self.cfg, "float32")
+    def build_model(self, dtype: str = "float32") -> torch.nn.Module:
+        causal_lm = load_model(self.cfg, dtype)
         return ValueModel(_backbone(causal_lm), causal_lm.config)
 
     def build_empty_model(self) -> torch.nn.Module:
