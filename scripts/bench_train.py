@@ -223,7 +223,7 @@ def _phase(rank: int, world: int, gpu0: int, ports: list[int], job: dict, out_di
                         job["steps"],
                         profile=variant["label"] in job.get("profile", ()),
                         trace_stem=(
-                            str(Path(job["trace_dir"], f"{name}-{variant['label']}"))
+                            str(Path(job["trace_dir"], f"{name}-{variant['label']}-r{rank}"))
                             if job.get("trace_dir")
                             else None
                         ),
@@ -347,7 +347,7 @@ def main() -> None:
         "--trace-dir",
         default=None,
         help="write each profiled variant's Chrome trace, its spans' GPU busy/idle table and "
-        "its operators by host time here (<job>-<label>.json.gz, .phases.txt, .cpu.txt)",
+        "its operators by host time here (<job>-<label>-r<rank>.json.gz, .phases.txt, .cpu.txt)",
     )
     args = parser.parse_args()
     smoke = args.smoke

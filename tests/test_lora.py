@@ -461,3 +461,37 @@ def test_frozen_weights_are_read_in_the_compute_dtype(tmp_path, monkeypatch):
         )
     finally:
         lora.shutdown()
+
+
+def test_no_adapter_groups_beside_the_update_inside_the_gemm_or_checkpointing(monkeypatch):
+    """Adapter groups leave out sibling sets where a layer computes its update inside its
+    base's GEMM (it would never take its part), and the trainer forms none under
+    activation checkpointing (a compiled checkpointed block cannot hold their state)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rltrain.config.schema import LORA_DEFAULT_TARGETS, LoraConfig
+    from rltrain.models import lora as lora_module
+
+    monkeypatch.setattr(lora_module, "SHARE_INPUT_ADAPTERS", True)
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    monkeypatch.setattr(lora_module, "CONCAT_MIN_OUT_OVER_IN", 1.0)  # q (24 -> 24), gate/up
+    model = Qwen2ForCausalLM(cfg)
+    lora_module.inject_lora(model, LoraConfig(rank=4, alpha=8.0), LORA_DEFAULT_TARGETS)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.concat and not layer.self_attn.k_proj.concat
+    assert all(m.shared_input is None for m in lora_module.lora_modules(model))
+    monkeypatch.setattr(lora_module, "CONCAT_MIN_OUT_OVER_IN", float("inf"))
+    for checkpointing, grouped in ((False, True), (True, False)):
+        w = _worker(_cfg(**LORA, **{"dtensor.activation_checkpointing": checkpointing}))
+        try:
+            groups = {m.shared_input for m in lora_module.lora_modules(w.model)} - {None}
+            assert bool(groups) == grouped
+        finally:
+            w.shutdown()

@@ -272,11 +272,18 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names - {"base_layer", "lora_A", "lora_B"})
 
 
-def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> list[str]:
+def inject_lora(
+    model: nn.Module,
+    lora: LoraConfig,
+    targets: Sequence[str],
+    share_inputs: bool | None = None,
+) -> list[str]:
     """Wrap every targeted linear layer of the decoder blocks (and the LM head when
     ``targets`` holds LORA_HEAD) in a :class:`LoRALinear`, in place; freeze everything
-    else. ``targets``: :func:`rltrain.config.schema.lora_targets` of the run. Returns the
-    wrapped modules' full names.
+    else. ``targets``: :func:`rltrain.config.schema.lora_targets` of the run.
+    ``share_inputs``: group the adapters of layers that read one input (see
+    :class:`_SharedInput`; None: :data:`SHARE_INPUT_ADAPTERS`). Returns the wrapped
+    modules' full names.
 
     Raises ValueError naming ``train.lora.targets`` when a target matches nothing.
     Adapters are initialised from torch's global RNG (seed it for identical adapters on
@@ -305,8 +312,8 @@ def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> l
                 if child_name in block_targets and isinstance(child, nn.Linear):
                     setattr(module, child_name, LoRALinear(child, lora.rank, alpha, dropout))
                     wrapped.append(f"model.layers.{i}.{name}.{child_name}".replace("..", "."))
-    if SHARE_INPUT_ADAPTERS and not dropout:
-        share_inputs(layers)
+    if (SHARE_INPUT_ADAPTERS if share_inputs is None else share_inputs) and not dropout:
+        group_shared_inputs(layers)
     if head:
         lm_head = getattr(model, LORA_HEAD, None)
         if not isinstance(lm_head, nn.Linear):
@@ -319,14 +326,15 @@ def inject_lora(model: nn.Module, lora: LoraConfig, targets: Sequence[str]) -> l
     return wrapped
 
 
-def share_inputs(layers: nn.ModuleList) -> None:
+def group_shared_inputs(layers: nn.ModuleList) -> None:
     """Group the adapters of :data:`SHARED_INPUT_SIBLINGS` found under one parent (all of a
-    sibling set adapted, same rank) into a :class:`_SharedInput`."""
+    sibling set adapted, none computing its update inside its base's GEMM) into a
+    :class:`_SharedInput`."""
     for layer in layers:
         for module in layer.modules():
             for names in SHARED_INPUT_SIBLINGS:
                 members = [getattr(module, n, None) for n in names]
-                if all(isinstance(m, LoRALinear) for m in members):
+                if all(isinstance(m, LoRALinear) and not m.concat for m in members):
                     group = _SharedInput(cast(list[LoRALinear], members))
                     for m in group.members:
                         m.shared_input = group

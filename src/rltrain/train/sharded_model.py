@@ -255,7 +255,10 @@ class ShardedModel:
         """Wrap the targeted layers in adapters (fp32, seeded: the same on every rank) and
         keep the frozen base in the compute dtype: no fp32 master copy of it."""
         torch.manual_seed(self.cfg.seed)
-        inject_lora(model, self.cfg.train.lora, lora_targets(self.cfg))
+        # No adapter groups under activation checkpointing: torch.compile cannot trace a
+        # group's Python state inside a checkpointed block and would run it eagerly.
+        share = False if self.cfg.dtensor.activation_checkpointing else None
+        inject_lora(model, self.cfg.train.lora, lora_targets(self.cfg), share_inputs=share)
         freeze_base(model, TORCH_DTYPES[self.cfg.precision.param_dtype])
         blocks_see_grad_inputs(model)
 
