@@ -334,6 +334,21 @@ def test_a_tied_embedding_and_head_stay_one_tensor_with_the_base_in_place(head_a
         w.shutdown()
 
 
+def _qwen2_config(layers: int):
+    """A small Qwen2 whose q (24 -> 24) and gate/up (24 -> 40) are at least as wide out as
+    in, and k/v (24 -> 12) narrower."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_shared_input_adapters_match_one_gemm_per_layer(fused, monkeypatch):
     """q/k/v and gate/up adapters form groups over their shared input (SHARE_INPUT_ADAPTERS):
@@ -343,19 +358,12 @@ def test_shared_input_adapters_match_one_gemm_per_layer(fused, monkeypatch):
     graph), and the bases get no gradient. The fused bases are views of one tensor that
     the state dict still reads per layer; adapters off (the reference) give the base
     model; a layer called alone on another input (a partial use) computes its own."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rltrain.config.schema import LORA_DEFAULT_TARGETS, LoraConfig
     from rltrain.models import lora as lora_module
 
-    cfg = Qwen2Config(
-        vocab_size=50,
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = _qwen2_config(layers=2)
     dt = torch.float64
     models = []
     for share in (False, True):
@@ -467,20 +475,13 @@ def test_no_adapter_groups_beside_the_update_inside_the_gemm_or_checkpointing(mo
     """Adapter groups leave out sibling sets where a layer computes its update inside its
     base's GEMM (it would never take its part), and the trainer forms none under
     activation checkpointing (a compiled checkpointed block cannot hold their state)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rltrain.config.schema import LORA_DEFAULT_TARGETS, LoraConfig
     from rltrain.models import lora as lora_module
 
     monkeypatch.setattr(lora_module, "SHARE_INPUT_ADAPTERS", True)
-    cfg = Qwen2Config(
-        vocab_size=50,
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = _qwen2_config(layers=1)
     monkeypatch.setattr(lora_module, "CONCAT_MIN_OUT_OVER_IN", 1.0)  # q (24 -> 24), gate/up
     model = Qwen2ForCausalLM(cfg)
     lora_module.inject_lora(model, LoraConfig(rank=4, alpha=8.0), LORA_DEFAULT_TARGETS)
