@@ -27,7 +27,8 @@ phase at a time (single-GPU phases on GPU 0):
   wrapper takes no List[int] argument of torch's varlen op); ``lora_shared_a``: the
   adapters of q/k/v and of gate/up run their A as one GEMM over the shared input;
   ``lora_group``: also their frozen bases fused, one GEMM each for a group's bases, A's
-  and B's (models/lora.py ``SHARE_INPUT_ADAPTERS``, off by default)
+  and B's (models/lora.py ``SHARE_INPUT_ADAPTERS``, off by default); ``lora_fsdp``: the
+  one-rank LoRA model under FSDP2 (the default keeps it out: train/lora.py OneRankAdapters)
 * ``policy_lora_short`` (phase ``lora_short``, not run by default) - the same variants on
   the LoRA loop's rows (scripts/bench_lora.py: 256 rows, GSM8K-length prompts, 256 new
   tokens); ``--trace-dir`` keeps each profiled variant's trace and where its host and GPU
@@ -118,6 +119,8 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_shared_a": {"train.lora.rank": 16},
     # and their frozen bases fused: one GEMM each for the group's bases, A's and B's
     "lora_group": {"train.lora.rank": 16},
+    # one rank under FSDP2, as before OneRankAdapters (the default now keeps it out)
+    "lora_fsdp": {"train.lora.rank": 16},
 }
 # The variants phases lora and lora_short run beside the default (those --variants names).
 LORA_VARIANTS = (
@@ -129,6 +132,7 @@ LORA_VARIANTS = (
     "lora_cpp_wrapper",
     "lora_shared_a",
     "lora_group",
+    "lora_fsdp",
 )
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
@@ -141,6 +145,7 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
         ("rltrain.models.lora", "FUSE_SHARED_BASES"): False,
     },
     "lora_group": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
+    "lora_fsdp": {("rltrain.train.sharded_model", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -448,7 +453,7 @@ def main() -> None:
                     on,
                     rows,
                     full("default", *LORA_VARIANTS),
-                    profile=["bf16", "lora", "lora_group"],
+                    profile=["bf16", "lora", "lora_group", "lora_fsdp"],
                     timeout=args.compile_timeout,
                 )
             ]

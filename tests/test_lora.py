@@ -496,3 +496,38 @@ def test_no_adapter_groups_beside_the_update_inside_the_gemm_or_checkpointing(mo
             assert bool(groups) == grouped
         finally:
             w.shutdown()
+
+
+def test_one_rank_adapters_train_as_under_fsdp2(monkeypatch):
+    """LoRA on one rank stays out of FSDP2: the adapters' fp32 master weights are views of
+    one buffer, the forward reads their bf16 working copy (refreshed before every forward),
+    and each micro batch's gradients are folded into fp32. Over two steps of several micro
+    batches in bf16 the adapters and logprobs match the same run with the model under
+    FSDP2 (whose mixed precision does the same casts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rltrain.train import sharded_model
+
+    cfg = _cfg(**LORA, precision="bf16", **{"train.max_tokens_per_micro_batch": 24})
+    batches = [_batch(seed=1), _batch(seed=2)]
+    runs = {}
+    for fsdp in (False, True):
+        if fsdp:
+            monkeypatch.setattr(sharded_model, "ONE_RANK_LORA_WITHOUT_FSDP", False)
+        w = _worker(cfg)
+        assert isinstance(w.model, FSDPModule) == fsdp and (w.adapters is None) == fsdp
+        if not fsdp:
+            assert len(w.plan_micro_batches(batches[0])) >= 3  # the fold runs across micros
+            master = w.adapters.master
+            assert all(
+                p.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
+                for p in w.adapters.params
+            )
+        before = _adapters(w)
+        for b in batches:
+            w.train(b, [b.size])
+        runs[fsdp] = (_adapters(w), w.compute_logprobs(batches[0]))
+        assert _moved(before, runs[fsdp][0]) > 1e-3
+        w.shutdown()
+    _close(runs[False][0], runs[True][0], "one rank vs FSDP2", atol=1e-6)
+    torch.testing.assert_close(runs[False][1], runs[True][1], atol=0, rtol=0)

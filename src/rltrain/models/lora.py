@@ -114,14 +114,15 @@ class _SharedInput:
         return out
 
     def _h(self, x: torch.Tensor) -> list[torch.Tensor]:
-        a = torch.cat([m.lora_A.weight for m in self.members])
+        a = torch.cat([m.adapter_weights()[0] for m in self.members])
         h = torch.matmul(x.to(a.dtype), a.t())
         return list(h.split([m.rank for m in self.members], dim=-1))
 
     def _whole(self, x: torch.Tensor) -> list[torch.Tensor]:
         assert self.weight is not None
-        a = torch.cat([m.lora_A.weight for m in self.members])
-        bd = torch.block_diag(*[m.lora_B.weight for m in self.members])
+        pairs = [m.adapter_weights() for m in self.members]
+        a = torch.cat([p[0] for p in pairs])
+        bd = torch.block_diag(*[p[1] for p in pairs])
         scaling = self.members[0].scaling
         h = torch.matmul(x.to(a.dtype), a.t())
         y = torch.nn.functional.linear(x, self.weight, self.bias)
@@ -153,6 +154,11 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.disabled = False  # the reference policy: the base alone
         self.shared_input: _SharedInput | None = None  # set by inject_lora (see _SharedInput)
+        # The adapters in the compute dtype as one block's flat leaf tensor (set by the
+        # one-rank trainer, rltrain.train.lora.OneRankAdapters): A and B are views of it
+        # at ``work_slices`` (offset and shape of each); None: lora_A / lora_B's weights.
+        self.work_flat: torch.Tensor | None = None
+        self.work_slices: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
         # one GEMM over [x | h] where the output is at least CONCAT_MIN_OUT_OVER_IN times
         # as wide as the input (see _ConcatLoRA)
         self.concat = base_layer.out_features >= CONCAT_MIN_OUT_OVER_IN * base_layer.in_features
@@ -165,6 +171,15 @@ class LoRALinear(nn.Module):
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(self.lora_B.weight)
 
+    def adapter_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [r, in], B [out, r]) as the forward uses them: views of the working copy where
+        the trainer keeps one (``work_flat``), else the adapters' own weights."""
+        w = self.work_flat
+        if w is None:
+            return self.lora_A.weight, self.lora_B.weight
+        oa, ra, ca, ob, rb, cb = self.work_slices
+        return w[oa : oa + ra * ca].view(ra, ca), w[ob : ob + rb * cb].view(rb, cb)
+
     def merged_weight(self) -> torch.Tensor:
         """``W + scale x B A`` in the base's dtype, differentiable in the adapters (the base
         alone while disabled): the LM head's weight for the trainer's chunked logprob head,
@@ -173,7 +188,8 @@ class LoRALinear(nn.Module):
         w = self.base_layer.weight
         if self.disabled:
             return w
-        update = self.lora_B.weight @ self.lora_A.weight
+        a, b = self.adapter_weights()
+        update = b @ a
         return w + (update * self.scaling).to(w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +199,7 @@ class LoRALinear(nn.Module):
         group = self.shared_input
         if group is not None and group.weight is not None:
             return group.part(self, x)  # the whole output (fused bases, see _SharedInput)
-        b = self.lora_B.weight
+        a, b = self.adapter_weights()
         if (
             self.concat
             and isinstance(self.dropout, nn.Identity)
@@ -193,12 +209,14 @@ class LoRALinear(nn.Module):
             and not base.weight.requires_grad
             and (base.bias is None or not base.bias.requires_grad)
         ):
-            return _ConcatLoRA.apply(x, base.weight, base.bias, self.lora_A.weight, b, self.scaling)
+            return _ConcatLoRA.apply(x, base.weight, base.bias, a, b, self.scaling)
         out = base(x)
-        if group is not None and not isinstance(self.lora_A.weight, DTensor):
+        if group is not None and not isinstance(a, DTensor):
             h = group.part(self, x)  # no dropout: groups are formed only without it
-        else:
-            h = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))
+        elif self.work_flat is not None:
+            h = torch.nn.functional.linear(self.dropout(x.to(a.dtype)), a)
+        else:  # the module call: a tensor-parallel adapter's layout hooks run on it
+            h = self.lora_A(self.dropout(x.to(a.dtype)))
         plain = not isinstance(b, DTensor) and not isinstance(out, DTensor)
         if plain and h.dtype == out.dtype:
             if torch.compiler.is_compiling():
@@ -218,7 +236,8 @@ class LoRALinear(nn.Module):
             return flat.view(out.shape)
         # tensor-parallel adapters (the module applies their layout), or adapters in
         # another dtype than the base's output
-        return out + (self.lora_B(h) * self.scaling).to(out.dtype)
+        up = torch.nn.functional.linear(h, b) if self.work_flat is not None else self.lora_B(h)
+        return out + (up * self.scaling).to(out.dtype)
 
 
 class _ConcatLoRA(torch.autograd.Function):

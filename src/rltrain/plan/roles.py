@@ -118,8 +118,12 @@ def role_plans(
         rollout_threads = threads or max(1, num_cpus // ro.replicas)
 
     mesh = {"dp": dp, "tp": d.tp}
+    one_rank_lora = cfg.train.lora.rank > 0 and trainer_world == 1 and not d.cpu_offload
     trainer_notes = [
-        f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
+        "one rank, no FSDP2: the LoRA adapters' fp32 weights and a working copy in the "
+        f"compute dtype ({p.param_dtype})"
+        if one_rank_lora
+        else f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
         f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
     ]
     if p.grad_scaler.enabled:

@@ -145,11 +145,12 @@ class FSDPTrainer(ShardedModel):
         """
         if getattr(self, "_step", None) is None:
             raise RuntimeError("train_microbatch outside a step; call begin_train_step first")
-        defer = not last and self.grad_sync == "step"
-        cast(FSDPModule, self.model).set_requires_gradient_sync(not defer)
-        # Blocks kept gathered from forward to backward stay gathered until the step's
-        # last backward: the next micro batch needs no all-gather (same peak memory).
-        cast(FSDPModule, self.model).set_reshard_after_backward(last or self.reshard_after_forward)
+        defer = not last and self.grad_sync == "step" and isinstance(self.model, FSDPModule)
+        if isinstance(self.model, FSDPModule):  # not LoRA on one rank (OneRankAdapters)
+            self.model.set_requires_gradient_sync(not defer)
+            # Blocks kept gathered from forward to backward stay gathered until the step's
+            # last backward: the next micro batch needs no all-gather (same peak memory).
+            self.model.set_reshard_after_backward(last or self.reshard_after_forward)
         # set before the backward: a failed one leaves unreduced gradients for abort to drop
         self._deferred = defer or self._deferred
         if micro is None:
@@ -166,6 +167,8 @@ class FSDPTrainer(ShardedModel):
         scaled = loss_sum / self.loss_prescale
         with span("micro.backward"):
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            if self.adapters is not None:
+                self.adapters.fold_grads()
         self._deferred = defer  # the last micro batch's backward reduced everything
         if counts is None:
             counts = (micro.response_mask_RS.sum(), micro.num_sequences)
@@ -237,6 +240,8 @@ class FSDPTrainer(ShardedModel):
         Gradients accumulated unsharded (``dtensor.grad_sync=step``) are dropped too.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        if self.adapters is not None:
+            self.adapters.drop_grads()
         end_accumulation(self.model, drop_grads=self._deferred)
         self._deferred = False
         self._step = None

@@ -1,9 +1,12 @@
-"""LoRA on the trainer side: the adapter export in PEFT's format and the merged model.
+"""LoRA on the trainer side: the one-rank adapters' working copy, the adapter export in
+PEFT's format and the merged model.
 
 The adapter layer and its injection are in :mod:`rltrain.models.lora` (the torch rollout
 engine uses them too); :class:`rltrain.train.sharded_model.ShardedModel` wraps the policy's
 layers before tensor parallelism and FSDP2, keeps the frozen base in the compute dtype,
 and :func:`rltrain.train.parallel.lora_tp_plan` shards the adapters next to their base.
+On one rank (no dp, no tp) nothing is sharded: the model stays out of FSDP2 and
+:class:`OneRankAdapters` gives the adapters the compute dtype FSDP2's mixed precision would.
 """
 
 from __future__ import annotations
@@ -17,14 +20,118 @@ import torch
 
 from rltrain.models.lora import (
     PEFT_PREFIX,
+    LoRALinear,
     base_name,
     is_adapter_name,
+    lora_modules,
     merge_into,
     peft_adapter_config,
 )
 
 if TYPE_CHECKING:
     from rltrain.config.schema import LoraConfig
+
+
+class OneRankAdapters:
+    """A LoRA policy's adapters on one rank, without FSDP2.
+
+    FSDP2 on one rank shards nothing, yet per block and micro batch it runs hooks around
+    forward and backward and casts and accumulates each adapter's gradient on its own: a
+    few dozen small launches a block, on a step that already waits on the host launching
+    the adapters' small GEMMs. Here instead:
+
+    * the fp32 adapters (the master weights the optimizer, checkpoints, the refit and the
+      export see, under their usual names) are views of one flat buffer;
+    * the forward reads a copy in the compute dtype, one flat leaf tensor per decoder block
+      (the LM head's adapter has its own), sliced into each layer's A and B
+      (``LoRALinear.work_flat``): every block's slices sit at the same offsets, so the
+      compiled blocks keep sharing one graph. The copy is refreshed by one cast of the
+      whole buffer before every forward of the model (a few microseconds), so it can
+      never be stale, whatever wrote the master weights (optimizer step, checkpoint load);
+    * after each micro batch's backward, :meth:`fold_grads` adds the blocks' leaf
+      gradients into the fp32 gradient buffer whose views are the master weights'
+      ``.grad`` (fp32 accumulation across micro batches, as FSDP2's with an fp32 reduce
+      dtype), and drops them.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        groups: list[list[LoRALinear]] = [list(lora_modules(layer)) for layer in layers or ()]
+        seen = {id(m) for g in groups for m in g}
+        groups.append([m for m in lora_modules(model) if id(m) not in seen])
+        groups = [g for g in groups if g]
+        mods = [m for g in groups for m in g]
+        self.params = [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)]
+        device = self.params[0].device
+        total = sum(p.numel() for p in self.params)
+        self.master = torch.empty(total, dtype=torch.float32, device=device)
+        self.work = torch.empty(total, dtype=dtype, device=device)
+        self.grad: torch.Tensor | None = None
+        self.leaves: list[torch.Tensor] = []
+        self.spans: list[tuple[int, int]] = []
+        offset = 0
+        with torch.no_grad():
+            for group in groups:
+                start = offset
+                slices = []
+                for m in group:
+                    local = []
+                    for p in (m.lora_A.weight, m.lora_B.weight):
+                        n = p.numel()
+                        view = self.master[offset : offset + n]
+                        view.copy_(p.detach().reshape(-1))
+                        p.data = view.view(p.shape)
+                        local += [offset - start, *p.shape]
+                        offset += n
+                    slices.append((m, tuple(local)))
+                leaf = self.work[start:offset].detach().requires_grad_(True)
+                for m, local in slices:
+                    m.work_flat, m.work_slices = leaf, local
+                self.leaves.append(leaf)
+                self.spans.append((start, offset))
+        self.refresh()
+        model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: torch.nn.Module, args: object) -> None:  # noqa: ARG002
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The working copy := the fp32 adapters, cast (one kernel)."""
+        self.work.copy_(self.master)
+
+    def fold_grads(self) -> None:
+        """Add the working copy's gradients (this micro batch's) into the fp32 adapters'
+        ``.grad`` and drop them; the first fold of a step (``.grad`` None after the
+        optimizer's ``zero_grad``) starts from zero."""
+        pairs = [(i, leaf.grad) for i, leaf in enumerate(self.leaves) if leaf.grad is not None]
+        if not pairs:
+            return
+        if self.grad is None or self.params[0].grad is None:
+            if self.grad is None:
+                self.grad = torch.zeros_like(self.master)
+            else:
+                self.grad.zero_()
+            for p in self.params:
+                p.grad = self._grad_view(p)
+        with torch.no_grad():
+            torch._foreach_add_(
+                [self.grad[self.spans[i][0] : self.spans[i][1]] for i, _ in pairs],
+                [g for _, g in pairs],
+            )
+        self.drop_grads()
+
+    def _grad_view(self, p: torch.Tensor) -> torch.Tensor:
+        assert self.grad is not None
+        offset = p.data_ptr() - self.master.data_ptr()
+        start = offset // self.master.element_size()
+        return self.grad[start : start + p.numel()].view(p.shape)
+
+    def drop_grads(self) -> None:
+        """Drop the working copy's gradients (a micro batch folded, or a step aborted)."""
+        for leaf in self.leaves:
+            leaf.grad = None
+
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -176,8 +176,10 @@ def end_accumulation(model: torch.nn.Module, drop_grads: bool) -> None:
 
     if drop_grads:
         drop_unreduced_grads(model)
-    cast(FSDPModule, model).set_requires_gradient_sync(True)
-    cast(FSDPModule, model).set_reshard_after_backward(True)
+    if not isinstance(model, FSDPModule):  # LoRA on one rank: no FSDP2 (OneRankAdapters)
+        return
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

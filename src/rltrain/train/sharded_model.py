@@ -58,8 +58,13 @@ from rltrain.train.kernels import (
     resolve_speed_knobs,
     unfreeze_gc,
 )
+from rltrain.train.lora import OneRankAdapters
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths
 from rltrain.train.parallel import apply_tensor_parallel, decoder_layers
+
+# LoRA on one rank without FSDP2 (OneRankAdapters); False keeps the model under FSDP2 as on
+# several ranks (scripts/bench_train.py's lora_fsdp variant compares the two).
+ONE_RANK_LORA_WITHOUT_FSDP = True
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -132,6 +137,8 @@ class ShardedModel:
         self.startup_phases["tokenizer_s"] = time.perf_counter() - t0
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
+        # the policy's adapters on one rank (one_rank_lora), set by load_sharded_model
+        self.adapters: OneRankAdapters | None = None
         self.model = self.load_primary_model()
         self.startup_phases["weights_s"] = time.perf_counter() - t0
         self.causal_rows = resolve_causal_rows(cfg, bool(self.compiled))
@@ -233,12 +240,22 @@ class ShardedModel:
                     dist.broadcast(buf, src=0)
         if lora:  # the weights are in place: adapter groups' frozen bases become one tensor
             fuse_shared_bases(model)
+            if self.one_rank_lora:
+                dtype = TORCH_DTYPES[self.cfg.precision.param_dtype]
+                self.adapters = OneRankAdapters(model, dtype)
         return model
 
     @property
     def lora(self) -> bool:
         """The policy trains low-rank adapters (``train.lora.rank > 0``) on a frozen base."""
         return self.cfg.train.lora.rank > 0
+
+    @property
+    def one_rank_lora(self) -> bool:
+        """LoRA on a gang of one rank (no dp, no tp, no CPU offload): the policy stays out
+        of FSDP2, its adapters in :class:`rltrain.train.lora.OneRankAdapters`."""
+        one = self.env.world_size == 1 and not self.cfg.dtensor.cpu_offload
+        return self.lora and one and ONE_RANK_LORA_WITHOUT_FSDP
 
     def _prepare(self, model: torch.nn.Module, lora: bool, trainable: bool) -> None:
         """Before sharding: the adapters of a LoRA policy, or a frozen model (a reference)
@@ -288,6 +305,10 @@ class ShardedModel:
         if self.compiled:
             # after TP and AC, before fully_shard
             compile_blocks(decoder_layers(model), self.compile_backend)
+        if trainable and self.one_rank_lora:
+            # Nothing to shard and only adapters train: no FSDP2 (see OneRankAdapters,
+            # which load_sharded_model sets up once the weights are in place).
+            return model
         mp = MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype]
         )
