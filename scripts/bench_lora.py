@@ -70,6 +70,14 @@ def parse_args() -> argparse.Namespace:
         help="also a third loop: LoRA at this train.max_tokens_per_micro_batch (e.g. full "
         "fine-tuning's own size); its ratios to the full run go under summary.lora_micro",
     )
+    p.add_argument(
+        "--lora-override",
+        action="append",
+        default=[],
+        help="key=value for the LoRA loop only (repeatable), e.g. "
+        "train.max_tokens_per_micro_batch=12288: LoRA at a smaller micro batch than full "
+        "fine-tuning's auto size",
+    )
     p.add_argument("--timeout", type=float, default=1500.0, help="bound on each loop (s)")
     p.add_argument("--out", default=None, help="also write the result into this folder")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, torch engine, 2 steps")
@@ -313,7 +321,7 @@ def main() -> None:
     if parts:
         result["model"] = benchlib.ensure_qwen_model(model_dir, args.smoke)
     runs = result.get("runs", {})
-    loops = [("full", []), ("lora", [f"train.lora.rank={args.rank}"])]
+    loops = [("full", []), ("lora", [f"train.lora.rank={args.rank}", *args.lora_override])]
     if args.lora_micro_tokens:
         loops.append(
             (

@@ -27,8 +27,9 @@ phase at a time (single-GPU phases on GPU 0):
   wrapper takes no List[int] argument of torch's varlen op); ``lora_shared_a``: the
   adapters of q/k/v and of gate/up run their A as one GEMM over the shared input;
   ``lora_group``: also their frozen bases fused, one GEMM each for a group's bases, A's
-  and B's (models/lora.py ``SHARE_INPUT_ADAPTERS``, off by default); ``lora_fsdp``: the
-  one-rank LoRA model under FSDP2 (the default keeps it out: train/lora.py OneRankAdapters)
+  and B's (the one-GPU default; models/lora.py ``SHARE_INPUT_ADAPTERS``); ``lora_fsdp``: the
+  one-rank LoRA model under FSDP2 (the default keeps it out: train/lora.py OneRankAdapters);
+  ``lora_ungrouped``: no adapter groups (on one GPU the default forms them)
 * ``policy_lora_short`` (phase ``lora_short``, not run by default) - the same variants on
   the LoRA loop's rows (scripts/bench_lora.py: 256 rows, GSM8K-length prompts, 256 new
   tokens); ``--trace-dir`` keeps each profiled variant's trace and where its host and GPU
@@ -121,6 +122,8 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_group": {"train.lora.rank": 16},
     # one rank under FSDP2, as before OneRankAdapters (the default now keeps it out)
     "lora_fsdp": {"train.lora.rank": 16},
+    # no adapter groups (the one-GPU default forms them: ShardedModel.adapter_groups)
+    "lora_ungrouped": {"train.lora.rank": 16},
 }
 # The variants phases lora and lora_short run beside the default (those --variants names).
 LORA_VARIANTS = (
@@ -133,6 +136,7 @@ LORA_VARIANTS = (
     "lora_shared_a",
     "lora_group",
     "lora_fsdp",
+    "lora_ungrouped",
 )
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
@@ -146,6 +150,7 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     },
     "lora_group": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
     "lora_fsdp": {("rltrain.train.sharded_model", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
+    "lora_ungrouped": {("rltrain.train.sharded_model", "ADAPTER_GROUPS"): False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -453,7 +458,7 @@ def main() -> None:
                     on,
                     rows,
                     full("default", *LORA_VARIANTS),
-                    profile=["bf16", "lora", "lora_group", "lora_fsdp"],
+                    profile=["bf16", "lora", "lora_group", "lora_fsdp", "lora_ungrouped"],
                     timeout=args.compile_timeout,
                 )
             ]
