@@ -340,6 +340,8 @@ def main() -> None:
         if loop["returncode"] != 0:
             result["errors"][mode] = loop.get("log_tail")
         runs[mode] = {"command": ["rltrain", "grpo", *overrides], **loop_figures(loop)}
+        if mode == "lora_micro":
+            runs[mode]["micro_tokens"] = args.lora_micro_tokens
         result["runs"] = runs
         save()
     import importlib.util
@@ -394,7 +396,7 @@ def main() -> None:
     if "lora_micro" in runs:  # LoRA at the micro batch size --lora-micro-tokens named
         micro = runs["lora_micro"]
         result["summary"]["lora_micro"] = {
-            "micro_tokens": args.lora_micro_tokens,
+            "micro_tokens": micro.get("micro_tokens", args.lora_micro_tokens),
             **over_full(micro),
             **{k: micro[k] for k in ("trainer_peak_allocated_gib", "train_s", "step_s")},
         }
