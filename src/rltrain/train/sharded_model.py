@@ -265,8 +265,9 @@ class ShardedModel:
         (:class:`rltrain.models.lora._SharedInput`: one GEMM for their A's, and with their
         frozen bases fused one for the bases and one for the B's): :data:`ADAPTER_GROUPS`
         where set; else on for LoRA on one GPU rank, where the step waits on the host
-        launching the adapters' small GEMMs (scripts/bench_train.py, phase lora_short:
-        grouped 1.80 s a step against 2.16 s on an H200), and as
+        launching the adapters' small GEMMs (scripts/bench_train.py, phase lora_short, on
+        an H200: half the profiled GPU idle time; a step of 1.80 s against 2.16 s in one
+        run, 1.81 s against 1.83 s in another), and as
         ``models.lora.SHARE_INPUT_ADAPTERS`` says elsewhere. Never under activation
         checkpointing: torch.compile cannot trace a group's Python state inside a
         checkpointed block and would run it eagerly."""
