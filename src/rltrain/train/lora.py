@@ -73,9 +73,9 @@ class OneRankAdapters:
         with torch.no_grad():
             for group in groups:
                 start = offset
-                slices = []
+                slices: list[tuple[LoRALinear, list[int]]] = []
                 for m in group:
-                    local = []
+                    local: list[int] = []
                     for p in (m.lora_A.weight, m.lora_B.weight):
                         n = p.numel()
                         view = self.master[offset : offset + n]
@@ -83,10 +83,10 @@ class OneRankAdapters:
                         p.data = view.view(p.shape)
                         local += [offset - start, *p.shape]
                         offset += n
-                    slices.append((m, tuple(local)))
+                    slices.append((m, local))
                 leaf = self.work[start:offset].detach().requires_grad_(True)
-                for m, local in slices:
-                    m.work_flat, m.work_slices = leaf, local
+                for m, (oa, ra, ca, ob, rb, cb) in slices:
+                    m.work_flat, m.work_slices = leaf, (oa, ra, ca, ob, rb, cb)
                 self.leaves.append(leaf)
                 self.spans.append((start, offset))
         self.refresh()
