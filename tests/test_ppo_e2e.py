@@ -99,3 +99,33 @@ def test_ppo_dp2_both_workers_warmup_and_checkpoints(tmp_path):
 
     head = load_file(ckpt / "value" / "model.safetensors")["value_head.weight"]
     assert head.shape[0] == 1 and str(head.dtype) == "torch.float32"
+
+
+@pytest.mark.timeout(300)
+def test_ppo_lora_policy_beside_a_full_critic(tmp_path):
+    """`rltrain ppo train.lora.rank=8`: the policy trains adapters only (every refit sends
+    exactly the adapter tensors, the export is a PEFT adapter) while the critic trains in
+    full (its export is a whole model)."""
+    from safetensors import safe_open
+
+    out = tmp_path / "ppo_lora"
+    proc = _run_cli(
+        "ppo",
+        "train.lora.rank=8",
+        "max_steps=3",
+        f"output_dir={out}",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _metrics(out)
+    assert len(rows) == 3 and all(r["policy_trained"] == 1.0 for r in rows)
+    step = sorted((out / "checkpoints").glob("step_*"))[-1]
+    with safe_open(str(step / "adapter_model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        adapter_bytes = sum(f.get_tensor(n).numel() * 4 for n in names)
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert all(r["refit/bytes"] == adapter_bytes for r in rows)
+    assert (step / "value" / "model.safetensors").exists()
+    value_losses = [r["value/loss"] for r in rows]
+    assert all(v == v and v > 0 for v in value_losses)  # finite, trained every step
