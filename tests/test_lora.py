@@ -527,6 +527,15 @@ def test_one_rank_adapters_train_as_under_fsdp2(monkeypatch):
         for b in batches:
             w.train(b, [b.size])
         runs[fsdp] = (_adapters(w), w.compute_logprobs(batches[0]))
+        if not fsdp:
+            # the working copy is rewritten only after a master weight changed: a second
+            # forward before the first one's backward leaves the first graph intact
+            ids = batches[0].input_ids_BT
+            first = w.model(input_ids=ids).logits.float().square().mean()
+            w.model(input_ids=ids)
+            first.backward()
+            assert all(leaf.grad is not None for leaf in w.adapters.leaves)
+            w.adapters.drop_grads()
         assert _moved(before, runs[fsdp][0]) > 1e-3
         w.shutdown()
     _close(runs[False][0], runs[True][0], "one rank vs FSDP2", atol=1e-6)

@@ -45,9 +45,11 @@ class OneRankAdapters:
     * the forward reads a copy in the compute dtype, one flat leaf tensor per decoder block
       (the LM head's adapter has its own), sliced into each layer's A and B
       (``LoRALinear.work_flat``): every block's slices sit at the same offsets, so the
-      compiled blocks keep sharing one graph. The copy is refreshed by one cast of the
-      whole buffer before every forward of the model (a few microseconds), so it can
-      never be stale, whatever wrote the master weights (optimizer step, checkpoint load);
+      compiled blocks keep sharing one graph. Before every forward of the model the copy
+      is refreshed by one cast of the whole buffer if any master weight was written since
+      (their version counters, which every in-place write bumps: the optimizer step, a
+      checkpoint load), so it is never stale, and a graph still holding the copy (a second
+      forward before a backward) never sees it rewritten with the same values;
     * after each micro batch's backward, :meth:`fold_grads` adds the blocks' leaf
       gradients into the fp32 gradient buffer whose views are the master weights'
       ``.grad`` (fp32 accumulation across micro batches, as FSDP2's with an fp32 reduce
@@ -89,11 +91,15 @@ class OneRankAdapters:
                     m.work_flat, m.work_slices = leaf, (oa, ra, ca, ob, rb, cb)
                 self.leaves.append(leaf)
                 self.spans.append((start, offset))
+        self._versions: tuple[int, ...] | None = None
         self.refresh()
         model.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:  # noqa: ARG002
-        self.refresh()
+        versions = tuple(p._version for p in self.params)
+        if versions != self._versions:
+            self.refresh()
+            self._versions = versions
 
     @torch.no_grad()
     def refresh(self) -> None:
