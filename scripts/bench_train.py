@@ -149,8 +149,8 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
         ("rltrain.models.lora", "FUSE_SHARED_BASES"): False,
     },
     "lora_group": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
-    "lora_fsdp": {("rltrain.train.sharded_model", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
-    "lora_ungrouped": {("rltrain.train.sharded_model", "ADAPTER_GROUPS"): False},
+    "lora_fsdp": {("rltrain.plan.parts", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
+    "lora_ungrouped": {("rltrain.train.lora", "ADAPTER_GROUPS"): False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.

@@ -506,14 +506,14 @@ def test_one_rank_adapters_train_as_under_fsdp2(monkeypatch):
     FSDP2 (whose mixed precision does the same casts)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from rltrain.train import sharded_model
+    from rltrain.plan import parts
 
     cfg = _cfg(**LORA, precision="bf16", **{"train.max_tokens_per_micro_batch": 24})
     batches = [_batch(seed=1), _batch(seed=2)]
     runs = {}
     for fsdp in (False, True):
         if fsdp:
-            monkeypatch.setattr(sharded_model, "ONE_RANK_LORA_WITHOUT_FSDP", False)
+            monkeypatch.setattr(parts, "ONE_RANK_LORA_WITHOUT_FSDP", False)
         w = _worker(cfg)
         assert isinstance(w.model, FSDPModule) == fsdp and (w.adapters is None) == fsdp
         if not fsdp:

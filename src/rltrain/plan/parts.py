@@ -50,6 +50,18 @@ KV_BLOCK_TOKENS = 16  # vLLM's default block size on GPU
 COMPILE_MIN_PARAMS = 100_000_000
 
 
+# LoRA on one rank without FSDP2 (rltrain.train.lora.OneRankAdapters); False keeps the model
+# under FSDP2 as on several ranks (scripts/bench_train.py's lora_fsdp variant compares them).
+ONE_RANK_LORA_WITHOUT_FSDP = True
+
+
+def one_rank_lora(cfg: RunConfig, world_size: int) -> bool:
+    """A LoRA policy on a gang of one rank (no dp, no tp, no CPU offload): it stays out of
+    FSDP2, its adapters in ``OneRankAdapters`` (read by the trainer and the plan's notes)."""
+    one = world_size == 1 and not cfg.dtensor.cpu_offload
+    return cfg.train.lora.rank > 0 and one and ONE_RANK_LORA_WITHOUT_FSDP
+
+
 def compile_default(choice: bool | None, cuda: bool, num_params: int) -> bool:
     """``train.compile`` resolved: explicit true/false win; null = on with CUDA for models
     of at least :data:`COMPILE_MIN_PARAMS` parameters, off otherwise (CPU, small models)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from rltrain.config.resolved import reference_on_critic
 from rltrain.config.schema import RunConfig
 from rltrain.plan.gpus import GpuLayout, colocated_engine_notes
+from rltrain.plan.parts import one_rank_lora
 
 # Each process's share of a rollout GPU that a replica and its copy of the reference model
 # share (rollout.hosts_reference): Ray gives both the same GPU.
@@ -118,11 +119,10 @@ def role_plans(
         rollout_threads = threads or max(1, num_cpus // ro.replicas)
 
     mesh = {"dp": dp, "tp": d.tp}
-    one_rank_lora = cfg.train.lora.rank > 0 and trainer_world == 1 and not d.cpu_offload
     trainer_notes = [
         "one rank, no FSDP2: the LoRA adapters' fp32 weights and a working copy in the "
         f"compute dtype ({p.param_dtype})"
-        if one_rank_lora
+        if one_rank_lora(cfg, trainer_world)
         else f"FSDP2 fully_shard over dp={dp}" + (f", DTensor tp={d.tp}" if d.tp > 1 else ""),
         f"fp32 master weights, compute {p.param_dtype}, grad reduce {p.reduce_dtype}",
     ]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrain.models import lora as lora_module
 from rltrain.models.lora import (
     PEFT_PREFIX,
     LoRALinear,
@@ -29,7 +30,28 @@ from rltrain.models.lora import (
 )
 
 if TYPE_CHECKING:
-    from rltrain.config.schema import LoraConfig
+    from rltrain.config.schema import LoraConfig, RunConfig
+
+# The policy's adapter groups (adapter_groups): None decides per run.
+ADAPTER_GROUPS: bool | None = None
+
+
+def adapter_groups(cfg: RunConfig, one_rank: bool, cuda: bool) -> bool:
+    """Whether the policy's adapters over a shared input (q/k/v, gate/up) form groups
+    (:class:`rltrain.models.lora._SharedInput`: one GEMM for their A's, and with their
+    frozen bases fused one for the bases and one for the B's): :data:`ADAPTER_GROUPS`
+    where set; else on for LoRA on one GPU rank (``one_rank``, ``cuda``), where the step
+    waits on the host launching the adapters' small GEMMs (scripts/bench_train.py, phase
+    lora_short, on an H200: half the profiled GPU idle time; a step of 1.80 s against
+    2.16 s in one run, 1.81 s against 1.83 s in another), and as
+    ``models.lora.SHARE_INPUT_ADAPTERS`` says elsewhere. Never under activation
+    checkpointing: torch.compile cannot trace a group's Python state inside a
+    checkpointed block and would run it eagerly."""
+    if cfg.dtensor.activation_checkpointing:
+        return False
+    if ADAPTER_GROUPS is not None:
+        return ADAPTER_GROUPS
+    return lora_module.SHARE_INPUT_ADAPTERS or (one_rank and cuda)
 
 
 class OneRankAdapters:
@@ -71,6 +93,7 @@ class OneRankAdapters:
         self.grad: torch.Tensor | None = None
         self.leaves: list[torch.Tensor] = []
         self.spans: list[tuple[int, int]] = []
+        self.offsets: list[int] = []  # each master weight's start in the flat buffer
         offset = 0
         with torch.no_grad():
             for group in groups:
@@ -80,6 +103,7 @@ class OneRankAdapters:
                     local: list[int] = []
                     for p in (m.lora_A.weight, m.lora_B.weight):
                         n = p.numel()
+                        self.offsets.append(offset)
                         view = self.master[offset : offset + n]
                         view.copy_(p.detach().reshape(-1))
                         p.data = view.view(p.shape)
@@ -118,20 +142,14 @@ class OneRankAdapters:
                 self.grad = torch.zeros_like(self.master)
             else:
                 self.grad.zero_()
-            for p in self.params:
-                p.grad = self._grad_view(p)
+            for p, start in zip(self.params, self.offsets, strict=True):
+                p.grad = self.grad[start : start + p.numel()].view(p.shape)
         with torch.no_grad():
             torch._foreach_add_(
                 [self.grad[self.spans[i][0] : self.spans[i][1]] for i, _ in pairs],
                 [g for _, g in pairs],
             )
         self.drop_grads()
-
-    def _grad_view(self, p: torch.Tensor) -> torch.Tensor:
-        assert self.grad is not None
-        offset = p.data_ptr() - self.master.data_ptr()
-        start = offset // self.master.element_size()
-        return self.grad[start : start + p.numel()].view(p.shape)
 
     def drop_grads(self) -> None:
         """Drop the working copy's gradients (a micro batch folded, or a step aborted)."""

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from rltrain.config.resolved import pass_micro_batch_scale
 from rltrain.config.schema import RunConfig, lora_targets
-from rltrain.models import lora as lora_module
 from rltrain.models.loader import (
     TORCH_DTYPES,
     blocked_token_ids,
@@ -41,6 +40,7 @@ from rltrain.models.lora import (
     head_weight,
     inject_lora,
 )
+from rltrain.plan.parts import one_rank_lora
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -59,15 +59,9 @@ from rltrain.train.kernels import (
     resolve_speed_knobs,
     unfreeze_gc,
 )
-from rltrain.train.lora import OneRankAdapters
+from rltrain.train.lora import OneRankAdapters, adapter_groups
 from rltrain.train.packing import MicroBatch, pack, plan_micro_batches, row_lengths
 from rltrain.train.parallel import apply_tensor_parallel, decoder_layers
-
-# LoRA on one rank without FSDP2 (OneRankAdapters); False keeps the model under FSDP2 as on
-# several ranks (scripts/bench_train.py's lora_fsdp variant compares the two).
-ONE_RANK_LORA_WITHOUT_FSDP = True
-# The policy's adapter groups (ShardedModel.adapter_groups): None decides per run.
-ADAPTER_GROUPS: bool | None = None
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -255,29 +249,9 @@ class ShardedModel:
 
     @property
     def one_rank_lora(self) -> bool:
-        """LoRA on a gang of one rank (no dp, no tp, no CPU offload): the policy stays out
-        of FSDP2, its adapters in :class:`rltrain.train.lora.OneRankAdapters`."""
-        one = self.env.world_size == 1 and not self.cfg.dtensor.cpu_offload
-        return self.lora and one and ONE_RANK_LORA_WITHOUT_FSDP
-
-    def adapter_groups(self) -> bool:
-        """Whether the policy's adapters over a shared input (q/k/v, gate/up) form groups
-        (:class:`rltrain.models.lora._SharedInput`: one GEMM for their A's, and with their
-        frozen bases fused one for the bases and one for the B's): :data:`ADAPTER_GROUPS`
-        where set; else on for LoRA on one GPU rank, where the step waits on the host
-        launching the adapters' small GEMMs (scripts/bench_train.py, phase lora_short, on
-        an H200: half the profiled GPU idle time; a step of 1.80 s against 2.16 s in one
-        run, 1.81 s against 1.83 s in another), and as
-        ``models.lora.SHARE_INPUT_ADAPTERS`` says elsewhere. Never under activation
-        checkpointing: torch.compile cannot trace a group's Python state inside a
-        checkpointed block and would run it eagerly."""
-        if self.cfg.dtensor.activation_checkpointing:
-            return False
-        if ADAPTER_GROUPS is not None:
-            return ADAPTER_GROUPS
-        return lora_module.SHARE_INPUT_ADAPTERS or (
-            self.one_rank_lora and self.device.type == "cuda"
-        )
+        """LoRA on a gang of one rank: the policy stays out of FSDP2, its adapters in
+        :class:`rltrain.train.lora.OneRankAdapters` (:func:`rltrain.plan.parts.one_rank_lora`)."""
+        return one_rank_lora(self.cfg, self.env.world_size)
 
     def _prepare(self, model: torch.nn.Module, lora: bool, trainable: bool) -> None:
         """Before sharding: the adapters of a LoRA policy, or a frozen model (a reference)
@@ -294,7 +268,7 @@ class ShardedModel:
         """Wrap the targeted layers in adapters (fp32, seeded: the same on every rank) and
         keep the frozen base in the compute dtype: no fp32 master copy of it."""
         torch.manual_seed(self.cfg.seed)
-        share = self.adapter_groups()
+        share = adapter_groups(self.cfg, self.one_rank_lora, self.device.type == "cuda")
         inject_lora(model, self.cfg.train.lora, lora_targets(self.cfg), share_inputs=share)
         freeze_base(model, TORCH_DTYPES[self.cfg.precision.param_dtype])
         blocks_see_grad_inputs(model)
