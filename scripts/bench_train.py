@@ -122,7 +122,7 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_group": {"train.lora.rank": 16},
     # one rank under FSDP2, as before OneRankAdapters (the default now keeps it out)
     "lora_fsdp": {"train.lora.rank": 16},
-    # no adapter groups (the one-GPU default forms them: ShardedModel.adapter_groups)
+    # no adapter groups (the one-GPU default forms them: train/lora.py adapter_groups)
     "lora_ungrouped": {"train.lora.rank": 16},
 }
 # The variants phases lora and lora_short run beside the default (those --variants names).
