@@ -22,6 +22,13 @@ never samples EOS: every row runs to the limit). Modes:
 - ``decode_graphs_lora_dual``: the same with vLLM's LoRA kernels on a second CUDA stream
   beside the base layers' (``rollout.vllm.lora_dual_stream=true``, the default for LoRA).
 
+``--cycle`` runs each call after one part of the colocated loop's cycle, to find which
+part slows the loop's generation (the calls in :data:`CYCLE`, each labelled): the engine's
+sleep and wake (``rollout.colocated=true``: level 1, the weights to host memory and
+back), a refit (with LoRA: a new random adapter over the CUDA IPC transport from this
+process, as the trainer sends it; nothing to send without LoRA), and ``--burn-s`` of
+matmuls in this process while the engine sleeps (the trainer's step).
+
 Each mode runs with Triton and vLLM caches of its own (fresh folders under the system's
 temporary folder): every mode's start-up is that of a host's first run.
 
@@ -118,8 +125,27 @@ def parse_args() -> argparse.Namespace:
         help="after the calls, this many rounds of the sampling VARIANTS on the last call's "
         "prompts (what logprobs, per-request seeds, stop ids, streamed outputs cost)",
     )
+    p.add_argument(
+        "--cycle",
+        action="store_true",
+        help="the calls of CYCLE, each after its part of the colocated loop's cycle "
+        "(sleep and wake, an adapter refit, a burn)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+# --cycle: what comes before each call ("+"-joined parts; "plain": nothing).
+CYCLE = (
+    "plain",
+    "plain",
+    "sleep",
+    "refit",
+    "sleep+refit",
+    "burn+sleep+refit",
+    "burn+sleep+refit",
+    "plain",
+)
 
 
 def burn(seconds: float) -> None:
@@ -167,13 +193,24 @@ def worker(spec: dict) -> None:
         engine._lora_request = random_adapter(cfg, Path(spec["adapter_dir"]))
     tokenizer = load_tokenizer(cfg)
     task = build_task(cfg.data, cfg.seed, tokenizer, cfg.reward)
+    cycle = spec.get("cycle", False)
+    kinds = list(CYCLE) if cycle else ["plain"] * spec["calls"]
+    refit = AdapterRefit(cfg, engine) if cycle and cfg.train.lora.rank > 0 else None
     calls = []
-    for call in range(1, spec["calls"] + 1):
+    for call, kind in enumerate(kinds, start=1):
         prompt_ids = encode_groups(
             tokenizer, task.sample(cfg.algorithm.prompts_per_step), cfg.algorithm.samples_per_prompt
         )
         sampling = replace(sampling_params(cfg), seed=step_seed(cfg.seed, call))
-        burn(spec.get("burn_s", 0.0))
+        parts = kind.split("+")
+        if "sleep" in parts:
+            engine.sleep()
+        if "burn" in parts or not cycle:
+            burn(spec.get("burn_s", 0.0))
+        if "sleep" in parts:
+            engine.wake_up()
+        if "refit" in parts and refit is not None:
+            refit.send(call)
         clock = sm_clock_mhz()
         t = time.perf_counter()
         out = engine.generate(prompt_ids, sampling)
@@ -181,6 +218,7 @@ def worker(spec: dict) -> None:
         tokens = sum(len(r) for r in out.response_ids)
         calls.append(
             {
+                "kind": kind,
                 "seconds": seconds,
                 "tokens": tokens,
                 "tokens_per_s": tokens / seconds,
@@ -192,6 +230,74 @@ def worker(spec: dict) -> None:
     engine.shutdown()
     out_doc = {"startup_s": startup, "calls": calls, "variants": variants}
     print("RESULT " + json.dumps(out_doc), flush=True)
+
+
+class AdapterRefit:
+    """``--cycle`` with LoRA: this process as the trainer's refit end (rank 0 of a CUDA IPC
+    refit group with the engine), sending a new random adapter of the run's targets."""
+
+    def __init__(self, cfg, engine):
+        import threading
+
+        import torch
+
+        from rltrain.refit import make_refit_sender
+        from rltrain.refit.base import RefitGroup, plan_refit
+        from rltrain.train.distributed import free_port
+
+        self.engine = engine
+        self.shapes = adapter_shapes(cfg)
+        r = cfg.refit
+        manifest = plan_refit(self.shapes, "bfloat16", r.bucket_bytes, r.num_buffers)
+        port = free_port()
+        box: dict = {}
+        t = threading.Thread(
+            target=lambda: box.update(
+                s=make_refit_sender("ipc", manifest, "127.0.0.1", port, 2, 120.0, "cuda:0")
+            )
+        )
+        t.start()
+        engine.init_refit(RefitGroup(manifest, "127.0.0.1", port, 2, "ipc"), 1)
+        t.join()
+        self.sender = box["s"]
+        self.torch = torch
+
+    def send(self, version: int) -> None:
+        import threading
+
+        from rltrain.refit.base import fill_from
+
+        torch = self.torch
+        g = torch.Generator(device="cuda").manual_seed(version)
+        tensors = {
+            n: torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.01
+            for n, shape in self.shapes
+        }
+        t = threading.Thread(target=lambda: self.sender.send(fill_from(tensors), version))
+        t.start()
+        self.engine.refit_receive()
+        t.join()
+
+
+def adapter_shapes(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """Name and shape of every adapter tensor the trainer refits, for the run's targets of
+    the model at ``model.path``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rltrain.config.schema import lora_targets
+
+    hf = AutoConfig.from_pretrained(cfg.model.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    targets = lora_targets(cfg)
+    r = cfg.train.lora.rank
+    shapes = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            shapes.append((f"{name}.lora_A.weight", (r, mod.in_features)))
+            shapes.append((f"{name}.lora_B.weight", (mod.out_features, r)))
+    return shapes
 
 
 def random_adapter(cfg, path: Path):
@@ -316,8 +422,9 @@ def main() -> None:
         f"algorithm.samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
         "rollout=vllm",
-        "rollout.colocated=false",
-        "rollout.vllm.gpu_memory_utilization=0.5",
+        # --cycle: colocated (sleep mode on), the loop's share of the GPU
+        f"rollout.colocated={str(args.cycle).lower()}",
+        f"rollout.vllm.gpu_memory_utilization={0.3 if args.cycle else 0.5}",
         f"rollout.vllm.max_model_len={512 + args.max_new_tokens}",
         "precision=bf16",
         "cluster.device=cuda",
@@ -330,6 +437,7 @@ def main() -> None:
             "calls": args.calls,
             "burn_s": args.burn_s,
             "variant_rounds": args.variant_rounds,
+            "cycle": args.cycle,
             "adapter_dir": str(caches / "adapter"),
         }
         env = child_env(
@@ -359,6 +467,9 @@ def main() -> None:
         result["modes"][mode] = run
         if "calls" in run:
             steady = run["calls"][1:] or run["calls"]
+            by_kind: dict[str, list[float]] = {}
+            for c in steady:
+                by_kind.setdefault(c.get("kind", "plain"), []).append(c["tokens_per_s"])
             result["summary"][mode] = {
                 **{
                     f"{name}_tokens_per_s": statistics.median(v["tokens_per_s"])
@@ -368,8 +479,12 @@ def main() -> None:
                 "tokens_per_s": statistics.median(c["tokens_per_s"] for c in steady),
                 "call_s": statistics.median(c["seconds"] for c in steady),
             }
+            if args.cycle:
+                result["summary"][mode]["tokens_per_s_after"] = {
+                    k: statistics.median(v) for k, v in by_kind.items()
+                }
         print(mode, json.dumps(result["summary"].get(mode) or run.get("error", "")[-500:]))
-    suffix = "-burn" if args.burn_s else ""
+    suffix = ("-cycle" if args.cycle else "") + ("-burn" if args.burn_s else "")
     write_json(result, result_paths(f"bench_vllm_modes-{device}{suffix}.json", args.out))
 
 

@@ -123,6 +123,24 @@ def test_colocated_engine_meets_the_trainers_pools_while_generating():
     assert mem.gpus[1].phases == {}  # policy rank 1 alone
 
 
+@pytest.mark.parametrize("keeps", [None, False])
+def test_a_lora_engine_keeps_its_weights_while_asleep(keeps):
+    """With LoRA a colocated vLLM engine sleeps keeping its weights in GPU memory
+    (rollout.vllm.sleep_keeps_weights=null: refits are adapters, the base never changes):
+    the train phase counts them beside the trainer. Set false, it holds its context only."""
+    overrides = [*_bench_overrides("grpo", "dp2"), "train.lora.rank=16"]
+    if keeps is not None:
+        overrides.append(f"rollout.vllm.sleep_keeps_weights={str(keeps).lower()}")
+    cfg, choices = compose(overrides, algorithm="grpo")
+    gpu0 = make_plan(cfg, Resources(num_cpus=16, num_gpus=2), choices).memory.gpus[0]
+    policy, engine = gpu0.processes
+    weights = 2 * 1_543_714_304
+    assert engine.parts["engine_weights"] == weights
+    kept = weights if keeps is None else 0
+    assert engine.asleep_bytes == kept + CONTEXT_BYTES
+    assert gpu0.phases["train"] == policy.total_bytes + kept + CONTEXT_BYTES
+
+
 # -- the refusal through the CLI -------------------------------------------------------------
 PPO_2GPU = [
     "plan",

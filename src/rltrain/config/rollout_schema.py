@@ -61,6 +61,12 @@ class VLLMEngineConfig:
     # the base layers' GEMMs (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM), so that a decode step's
     # small adapter kernels overlap the base's. null = auto: on for LoRA on GPUs.
     lora_dual_stream: bool | None = None
+    # Colocated (rollout.colocated), asleep while the trainers train: keep the weights in GPU
+    # memory and free only the KV cache (true), or not (false: discarded where every refit
+    # overwrites them all, else moved to host memory and back, vLLM's sleep levels 2 and 1).
+    # null = auto: kept with LoRA (train.lora.rank > 0), whose refits are adapters: the base
+    # is not copied out and back each step, at the cost of its bytes beside the trainer.
+    sleep_keeps_weights: bool | None = None
     # vLLM's kernel warm-up at engine start (GPUs, its V2 model runner): run = one pass with
     # the run's own sampling (rollout.temperature, top_p, top_k, the sampled token's logprob),
     # so that start-up compiles only the Triton kernels the run samples with; all = vLLM's

@@ -62,6 +62,15 @@ def one_rank_lora(cfg: RunConfig, world_size: int) -> bool:
     return cfg.train.lora.rank > 0 and one and ONE_RANK_LORA_WITHOUT_FSDP
 
 
+def sleep_keeps_weights(cfg: RunConfig) -> bool:
+    """``rollout.vllm.sleep_keeps_weights`` resolved: whether a colocated vLLM engine keeps
+    its weights in GPU memory while it sleeps (freeing only its KV cache). null = auto: with
+    LoRA, whose refits are adapters and leave the base as it is. Read by the engine and the
+    memory plan."""
+    v = cfg.rollout.vllm.sleep_keeps_weights
+    return cfg.train.lora.rank > 0 if v is None else v
+
+
 def compile_default(choice: bool | None, cuda: bool, num_params: int) -> bool:
     """``train.compile`` resolved: explicit true/false win; null = on with CUDA for models
     of at least :data:`COMPILE_MIN_PARAMS` parameters, off otherwise (CPU, small models)."""
@@ -219,10 +228,12 @@ def engine_parts(
     cfg: RunConfig, shape: ModelShape, colocated: bool, capacity: int | None, gpu_name: str
 ) -> tuple[dict[str, int], int, str]:
     """(bytes by part of one rollout replica's process on each of its GPUs, bytes it keeps
-    while asleep, how its size is set)."""
+    while asleep, how its size is set). A vLLM engine that sleeps keeping its weights
+    (:func:`sleep_keeps_weights`) keeps their bytes."""
     ro, v = cfg.rollout, cfg.rollout.vllm
     rb = DTYPE_BYTES[cfg.precision.rollout_dtype]
     weights = rb * shape.num_params // ro.tp
+    kept = weights if sleep_keeps_weights(cfg) else 0
     if ro.engine != "vllm":
         rows = -(-cfg.rollout_batch() // ro.replicas)
         length = (cfg.data.max_prompt_tokens or 0) + ro.max_new_tokens
@@ -248,11 +259,11 @@ def engine_parts(
         share = v.gpu_memory_utilization
         if capacity is None:
             how = f"gpu_memory_utilization={share:g} of the GPU (its size unknown)"
-            return {**parts, "engine_weights": weights}, 0, how
+            return {**parts, "engine_weights": weights}, kept, how
         budget = int(share * capacity)
         return (
             {**parts, "gpu_memory_utilization": budget},
-            0,
+            kept,
             f"rollout.vllm.gpu_memory_utilization={share:g} of the GPU: weights, KV cache, buffers",
         )
     seqs = (
@@ -263,4 +274,4 @@ def engine_parts(
     parts.update(
         engine_weights=weights, kv_cache=kv, sampler=seqs * shape.vocab_size * VLLM_SAMPLER_BYTES
     )
-    return parts, 0, how
+    return parts, kept, how

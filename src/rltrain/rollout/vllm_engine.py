@@ -37,10 +37,12 @@ How it stays on-policy with the trainer:
   worker's ``reload_weights`` (checkpoint-format names, so the HF names of the
   trainer load as they are). Then the prefix cache is dropped so no KV
   computed with the old weights is reused;
-* colocated with the trainer, the engine sleeps between generate calls. When
-  every parameter lands directly, it sleeps at level 2 (weights discarded,
-  not copied to host memory and back: the next refit overwrites all of them;
-  vLLM keeps the model's buffers) and refuses to generate until a refit landed.
+* colocated with the trainer, the engine sleeps between generate calls. With
+  LoRA (``rollout.vllm.sleep_keeps_weights``) only its KV cache is freed: the
+  base never changes, so it stays in GPU memory. Otherwise, when every parameter
+  lands directly, it sleeps at level 2 (weights discarded, not copied to host
+  memory and back: the next refit overwrites all of them; vLLM keeps the model's
+  buffers) and refuses to generate until a refit landed; else at level 1.
 
 Engine settings come from ``rollout.vllm`` (config fields, no environment):
 CUDA graphs on GPUs and eager mode on CPU (``rollout.vllm.enforce_eager=null``),
@@ -66,6 +68,7 @@ from rltrain import env
 from rltrain.config.resolved import engine_logprob_stride
 from rltrain.config.schema import RunConfig
 from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
+from rltrain.plan.parts import sleep_keeps_weights
 from rltrain.refit import RefitReceiver
 from rltrain.rollout.base import OnRow, RolloutBatch, SamplingParams
 from rltrain.rollout.vllm_capture import MARK
@@ -200,6 +203,8 @@ class VLLMEngine(VLLMRefit, VLLMTurns):
         self._request_ids = itertools.count()
         self._asleep = False
         self._weights_discarded = False  # level-2 sleep: no generate before the next refit
+        # asleep: only the KV cache freed (rollout.vllm.sleep_keeps_weights)
+        self._keeps_weights = sleep_keeps_weights(cfg)
         # Prompt prefixes may be cached since the last reset (a generate ran): a refit drops
         # them (computed with the old weights).
         self._prefix_cache_used = False
@@ -456,8 +461,20 @@ class VLLMEngine(VLLMRefit, VLLMTurns):
 
     # -- sleep / wake (GPUs, colocated with the trainer) ----------------------
     def sleep(self) -> None:
-        """Free the GPU memory for the trainer: drop the KV cache, and discard the weights when
-        every refit overwrites all of them (level 2), else offload them to host memory (level 1)."""
+        """Free the GPU memory for the trainer: drop the KV cache. The weights stay in GPU
+        memory where ``rollout.vllm.sleep_keeps_weights`` resolves so (LoRA: refits never
+        change them); else they are discarded when every refit overwrites all of them
+        (level 2), or offloaded to host memory (level 1)."""
+        if self._keeps_weights:
+            # a sleep of the KV cache alone, through the worker (vLLM's levels move weights)
+            if not self._loop.run(self.llm.reset_prefix_cache()):  # KV contents are lost
+                raise RuntimeError(
+                    f"rollout replica {self.replica_index}: sleep while requests are in flight"
+                )
+            self._rpc("rltrain_sleep_kv_cache")
+            self._asleep = True
+            self._prefix_cache_used = False
+            return
         level = 2 if self.landing_note.startswith("direct") else 1
         self._loop.run(self.llm.sleep(level=level))  # also drops the prefix cache
         self._asleep = True
@@ -467,7 +484,10 @@ class VLLMEngine(VLLMRefit, VLLMTurns):
     def wake_up(self) -> None:
         """Bring weights and KV cache back; a no-op when awake."""
         if self._asleep:
-            self._loop.run(self.llm.wake_up())
+            if self._keeps_weights:
+                self._rpc("rltrain_wake_kv_cache")
+            else:
+                self._loop.run(self.llm.wake_up())
             self._asleep = False
 
     def shutdown(self) -> None:

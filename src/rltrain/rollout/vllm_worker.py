@@ -278,6 +278,39 @@ class RefitWorkerExtension:
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora.id)
 
+    def rltrain_sleep_kv_cache(self) -> int:
+        """Free the KV cache's GPU memory and keep the weights mapped: vLLM's level-1 sleep
+        without moving the weights to host memory and back (``rollout.vllm.
+        sleep_keeps_weights``). vLLM's sleep allocator tags each allocation ``weights`` or
+        ``kv_cache``; the ``kv_cache`` ones are released, as vLLM's own sleep releases them.
+        The caller has dropped the prefix cache (the KV's contents do not survive). Returns
+        the bytes freed."""
+        import gc
+
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+        torch.cuda.synchronize()
+        allocator = CuMemAllocator.get_instance()
+        freed = 0
+        for data in allocator.pointer_to_data.values():
+            if data.tag == "kv_cache" and not data.is_asleep:
+                unmap_and_release(data.handle)
+                data.is_asleep = True
+                freed += data.handle[1]
+        gc.collect()
+        torch.cuda.empty_cache()
+        return freed
+
+    def rltrain_wake_kv_cache(self) -> None:
+        """Map the KV cache back after :meth:`rltrain_sleep_kv_cache`, as vLLM's wake-up does
+        for its ``kv_cache`` allocations (then its model runner's step after a KV wake-up)."""
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        CuMemAllocator.get_instance().wake_up(tags=["kv_cache"])
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        if hasattr(runner, "post_kv_cache_wake_up"):
+            runner.post_kv_cache_wake_up()
+
     def rltrain_capture_logprobs(self) -> str:
         """Keep every sampled token's logprob in this worker (``vllm_capture.py``): "" once
         installed, else why this model runner cannot."""
