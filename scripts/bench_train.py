@@ -29,7 +29,9 @@ phase at a time (single-GPU phases on GPU 0):
   ``lora_group``: also their frozen bases fused, one GEMM each for a group's bases, A's
   and B's (the one-GPU default; models/lora.py ``SHARE_INPUT_ADAPTERS``); ``lora_fsdp``: the
   one-rank LoRA model under FSDP2 (the default keeps it out: train/lora.py OneRankAdapters);
-  ``lora_ungrouped``: no adapter groups (on one GPU the default forms them)
+  ``lora_ungrouped``: no adapter groups (on one GPU the default forms them);
+  ``lora_group_add``: a group's update as a GEMM of its own added to the bases' output
+  (the default computes it inside the bases' GEMM: models/lora.py ``GROUP_UPDATE_IN_GEMM``)
 * ``policy_lora_short`` (phase ``lora_short``, not run by default) - the same variants on
   the LoRA loop's rows (scripts/bench_lora.py: 256 rows, GSM8K-length prompts, 256 new
   tokens); ``--trace-dir`` keeps each profiled variant's trace and where its host and GPU
@@ -124,6 +126,8 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_fsdp": {"train.lora.rank": 16},
     # no adapter groups (the one-GPU default forms them: train/lora.py adapter_groups)
     "lora_ungrouped": {"train.lora.rank": 16},
+    # a group's update added after the bases' GEMM (the default puts it inside)
+    "lora_group_add": {"train.lora.rank": 16},
 }
 # The variants phases lora and lora_short run beside the default (those --variants names).
 LORA_VARIANTS = (
@@ -137,6 +141,7 @@ LORA_VARIANTS = (
     "lora_group",
     "lora_fsdp",
     "lora_ungrouped",
+    "lora_group_add",
 )
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
@@ -151,6 +156,7 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_group": {("rltrain.models.lora", "SHARE_INPUT_ADAPTERS"): True},
     "lora_fsdp": {("rltrain.plan.parts", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
     "lora_ungrouped": {("rltrain.train.lora", "ADAPTER_GROUPS"): False},
+    "lora_group_add": {("rltrain.models.lora", "GROUP_UPDATE_IN_GEMM"): False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.
@@ -458,7 +464,14 @@ def main() -> None:
                     on,
                     rows,
                     full("default", *LORA_VARIANTS),
-                    profile=["bf16", "lora", "lora_group", "lora_fsdp", "lora_ungrouped"],
+                    profile=[
+                        "bf16",
+                        "lora",
+                        "lora_group",
+                        "lora_fsdp",
+                        "lora_ungrouped",
+                        "lora_group_add",
+                    ],
                     timeout=args.compile_timeout,
                 )
             ]
