@@ -502,17 +502,24 @@ def test_no_adapter_groups_beside_the_update_inside_the_gemm_or_checkpointing(mo
             w.shutdown()
 
 
-def test_one_rank_adapters_train_as_under_fsdp2(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_one_rank_adapters_train_as_under_fsdp2(monkeypatch, fused):
     """LoRA on one rank stays out of FSDP2: the adapters' fp32 master weights are views of
-    one buffer, the forward reads their bf16 working copy (refreshed before every forward),
-    and each micro batch's gradients are folded into fp32. Over two steps of several micro
-    batches in bf16 the adapters and logprobs match the same run with the model under
-    FSDP2 (whose mixed precision does the same casts)."""
+    one buffer, the forward reads their bf16 working copy (refreshed after every optimizer
+    step and write), and each micro batch's gradients are folded into fp32. Over two steps
+    of several micro batches in bf16 the adapters and logprobs match the same run with the
+    model under FSDP2 (whose mixed precision does the same casts), with AdamW's foreach
+    path (CPU's default) and its fused kernel (GPUs' default, which writes the weights
+    without bumping their version counters)."""
     from torch.distributed.fsdp import FSDPModule
 
     from rltrain.plan import parts
 
-    cfg = _cfg(**LORA, precision="bf16", **{"train.max_tokens_per_micro_batch": 24})
+    cfg = _cfg(
+        **LORA,
+        precision="bf16",
+        **{"train.max_tokens_per_micro_batch": 24, "optim.fused": fused},
+    )
     batches = [_batch(seed=1), _batch(seed=2)]
     runs = {}
     for fsdp in (False, True):

@@ -72,6 +72,8 @@ class FSDPTrainer(ShardedModel):
             o = replace(o, lr=lora_lr(cfg))
         # Only what trains has optimizer state (with LoRA: the adapters, not the frozen base).
         self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad], o)
+        if self.adapters is not None:  # LoRA on one rank: its working copy follows each step
+            self.adapters.watch(self.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, o, total_optimizer_steps(cfg))
         self.optimizer_steps = 0  # optimizer steps attempted (skipped fp16 steps included)
         self._deferred = False  # gradients accumulated unsharded, not yet reduced

@@ -68,10 +68,12 @@ class OneRankAdapters:
       (the LM head's adapter has its own), sliced into each layer's A and B
       (``LoRALinear.work_flat``): every block's slices sit at the same offsets, so the
       compiled blocks keep sharing one graph. Before every forward of the model the copy
-      is refreshed by one cast of the whole buffer if any master weight was written since
-      (their version counters, which every in-place write bumps: the optimizer step, a
-      checkpoint load), so it is never stale, and a graph still holding the copy (a second
-      forward before a backward) never sees it rewritten with the same values;
+      is refreshed by one cast of the whole buffer if any master weight was written since:
+      an optimizer step (:meth:`watch`: its step hook; torch's fused AdamW, the default on
+      GPUs, writes the weights without bumping their version counters) or any other
+      in-place write (their version counters: a checkpoint load, a test's edit). So it is
+      never stale, and a graph still holding the copy (a second forward before a backward)
+      never sees it rewritten with the same values;
     * after each micro batch's backward, :meth:`fold_grads` adds the blocks' leaf
       gradients into the fp32 gradient buffer whose views are the master weights'
       ``.grad`` (fp32 accumulation across micro batches, as FSDP2's with an fp32 reduce
@@ -116,14 +118,25 @@ class OneRankAdapters:
                 self.leaves.append(leaf)
                 self.spans.append((start, offset))
         self._versions: tuple[int, ...] | None = None
+        self._stepped = False  # an optimizer step wrote the master weights (watch)
         self.refresh()
         model.register_forward_pre_hook(self._before_forward)
 
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refresh the working copy after each of ``optimizer``'s steps (fused optimizers
+        write the master weights without bumping their version counters)."""
+
+        def stepped(*_: object) -> None:
+            self._stepped = True
+
+        optimizer.register_step_post_hook(stepped)
+
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:  # noqa: ARG002
         versions = tuple(p._version for p in self.params)
-        if versions != self._versions:
+        if self._stepped or versions != self._versions:
             self.refresh()
             self._versions = versions
+            self._stepped = False
 
     @torch.no_grad()
     def refresh(self) -> None:
