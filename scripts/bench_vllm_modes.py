@@ -24,8 +24,8 @@ never samples EOS: every row runs to the limit). Modes:
 
 ``--cycle`` runs each call after one part of the colocated loop's cycle, to find which
 part slows the loop's generation (the calls in :data:`CYCLE`, each labelled): the engine's
-sleep and wake (``rollout.colocated=true``: level 1, the weights to host memory and
-back), a refit (with LoRA: a new random adapter over the CUDA IPC transport from this
+sleep and wake (``rollout.colocated=true``: vLLM's level-1 sleep, the weights to host memory
+and back; with LoRA the KV cache alone, ``rollout.vllm.sleep_keeps_weights``), a refit (with LoRA: a new random adapter over the CUDA IPC transport from this
 process, as the trainer sends it; nothing to send without LoRA), and ``--burn-s`` of
 matmuls in this process while the engine sleeps (the trainer's step).
 

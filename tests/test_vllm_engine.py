@@ -683,3 +683,70 @@ def test_worker_logprobs_fall_back_to_vllms_own_where_its_runner_cannot_keep_the
     out = engine.generate(_encode(engine, PROMPTS[:2]), SamplingParams(max_new_tokens=4, seed=1))
     assert all(len(lp) == len(ids) and not any(math.isnan(x) for x in lp)
                for ids, lp in zip(out.response_ids, out.response_logprobs, strict=True))  # fmt: skip
+
+
+def test_sleep_keeping_weights_pauses_releases_and_resumes():
+    """``rollout.vllm.sleep_keeps_weights`` (null = on with LoRA): asleep, the engine has
+    paused vLLM's scheduler (dropping the prefix cache) before its workers release the KV
+    cache, and refuses to generate; woken, the workers map the cache back before the
+    scheduler resumes. Without LoRA vLLM's own sleep levels are used. (vLLM's side is the
+    gpu tier's tests/gpu/test_vllm_cuda.py::test_lora_engine_sleeps_keeping_its_weights.)"""
+    from dataclasses import replace
+
+    from rltrain.plan.parts import sleep_keeps_weights
+    from rltrain.rollout.vllm_engine import VLLMEngine, _EventLoop
+
+    cfg = RunConfig()
+    lora = replace(cfg, train=replace(cfg.train, lora=replace(cfg.train.lora, rank=8)))
+    off = replace(
+        lora,
+        rollout=replace(lora.rollout, vllm=replace(lora.rollout.vllm, sleep_keeps_weights=False)),
+    )
+    assert sleep_keeps_weights(lora) and not sleep_keeps_weights(cfg)
+    assert not sleep_keeps_weights(off)
+
+    calls: list[tuple] = []
+
+    class FakeLLM:
+        async def pause_generation(self, **kw):
+            calls.append(("pause", kw))
+
+        async def resume_generation(self):
+            calls.append(("resume",))
+
+        async def collective_rpc(self, method, timeout=None, args=()):
+            calls.append((method,))
+            return [1 << 30] if method == "rltrain_sleep_kv_cache" else [None]
+
+        async def sleep(self, level):
+            calls.append(("vllm_sleep", level))
+
+        async def wake_up(self):
+            calls.append(("vllm_wake",))
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.replica_index, engine.llm = 0, FakeLLM()
+    engine._loop = _EventLoop("test-sleep")
+    engine.landing_note = "adapter: vLLM's LoRA manager"
+    engine._asleep = engine._weights_discarded = engine._prefix_cache_used = False
+    try:
+        engine._keeps_weights = sleep_keeps_weights(lora)
+        engine.sleep()
+        assert calls == [
+            ("pause", {"mode": "abort", "clear_cache": True}),
+            ("rltrain_sleep_kv_cache",),
+        ]
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine._check_awake()
+        engine.wake_up()
+        engine.wake_up()  # a no-op when awake
+        assert calls[2:] == [("rltrain_wake_kv_cache",), ("resume",)]
+        engine._check_awake()
+
+        calls.clear()
+        engine._keeps_weights = sleep_keeps_weights(off)
+        engine.sleep()
+        engine.wake_up()
+        assert calls == [("vllm_sleep", 1), ("vllm_wake",)]
+    finally:
+        engine._loop.close()

@@ -125,6 +125,57 @@ def _engine_checks(rank: int) -> dict:
     return out
 
 
+def _lora_sleep_checks(rank: int) -> dict:
+    """Runs in a spawned process: a LoRA engine (bf16: vLLM's LoRA kernels) sleeps keeping
+    its weights (rollout.vllm.sleep_keeps_weights=null), then wakes and samples as before."""
+    import torch
+
+    from rltrain.rollout.base import SamplingParams
+    from rltrain.rollout.vllm_engine import VLLMEngine
+
+    cfg = _cfg()
+    cfg.train.lora.rank = 8
+    cfg.precision.rollout_dtype = "bfloat16"
+    engine = VLLMEngine(cfg, device="cuda")
+    prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS] * 8
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    out: dict = {"keeps_weights": engine._keeps_weights}
+    before = engine.generate(prompts, sampling)
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    try:
+        engine.generate(prompts, sampling)
+        out["generate_while_asleep"] = "returned"
+    except RuntimeError as exc:
+        out["generate_while_asleep"] = str(exc)
+    engine.wake_up()
+    free_woken = torch.cuda.mem_get_info()[0]
+    out.update(
+        freed_bytes=free_asleep - free_awake,
+        retaken_bytes=free_asleep - free_woken,
+        before_sleep=before,
+        after_wake=engine.generate(prompts, sampling),
+    )
+    engine.shutdown()
+    return out
+
+
+def test_lora_engine_sleeps_keeping_its_weights(tmp_path_factory):
+    """With LoRA the engine frees only its KV cache while asleep (its base never changes)
+    and, woken, samples the same seeded rows with the same logprobs."""
+    (m,) = run_ranks(_lora_sleep_checks, 1, (), tmp_path_factory.mktemp("vllm_lora_sleep"), 800)
+    assert m["keeps_weights"]
+    kv_bytes = KV_GIB * 2**30
+    assert m["freed_bytes"] >= kv_bytes, (m["freed_bytes"], kv_bytes)
+    assert m["retaken_bytes"] >= kv_bytes, (m["retaken_bytes"], kv_bytes)
+    assert "asleep" in m["generate_while_asleep"]
+    before, after = m["before_sleep"], m["after_wake"]
+    assert after.response_ids == before.response_ids
+    assert _max_logprob_gap(after, before) < 1e-5
+
+
 # The logprobs kept in vLLM's worker (rollout.vllm.worker_logprobs, vllm_capture.py): a KV
 # cache of a few sequences, so that vLLM preempts rows and resumes them in other slots.
 CAPTURE_KV_TOKENS = 4 * 192

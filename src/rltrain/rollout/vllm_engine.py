@@ -55,6 +55,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import tempfile
 import threading
 import time
@@ -88,6 +89,8 @@ from rltrain.rollout.vllm_settings import (
 )
 from rltrain.rollout.vllm_turns import VLLMTurns, _Row
 from rltrain.rollout.vllm_worker import from_wire, to_wire
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -466,14 +469,19 @@ class VLLMEngine(VLLMRefit, VLLMTurns):
         change them); else they are discarded when every refit overwrites all of them
         (level 2), or offloaded to host memory (level 1)."""
         if self._keeps_weights:
-            # a sleep of the KV cache alone, through the worker (vLLM's levels move weights)
-            if not self._loop.run(self.llm.reset_prefix_cache()):  # KV contents are lost
-                raise RuntimeError(
-                    f"rollout replica {self.replica_index}: sleep while requests are in flight"
-                )
-            self._rpc("rltrain_sleep_kv_cache")
-            self._asleep = True
+            # A sleep of the KV cache alone, through the workers (vLLM's levels move the
+            # weights). As vLLM's own sleep: the scheduler paused first (no step touches the
+            # unmapped cache) and the prefix cache dropped (its contents do not survive).
+            self._loop.run(self.llm.pause_generation(mode="abort", clear_cache=True))
+            self._asleep = True  # from here on, wake_up maps back whatever was released
             self._prefix_cache_used = False
+            freed = sum(self._rpc("rltrain_sleep_kv_cache"))
+            if freed == 0:
+                log.warning(
+                    "rollout replica %d: sleep freed no KV cache (not in vLLM's sleep "
+                    "allocator); rollout.vllm.sleep_keeps_weights=false uses vLLM's sleep",
+                    self.replica_index,
+                )
             return
         level = 2 if self.landing_note.startswith("direct") else 1
         self._loop.run(self.llm.sleep(level=level))  # also drops the prefix cache
@@ -486,6 +494,7 @@ class VLLMEngine(VLLMRefit, VLLMTurns):
         if self._asleep:
             if self._keeps_weights:
                 self._rpc("rltrain_wake_kv_cache")
+                self._loop.run(self.llm.resume_generation())
             else:
                 self._loop.run(self.llm.wake_up())
             self._asleep = False

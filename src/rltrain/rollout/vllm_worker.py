@@ -283,8 +283,8 @@ class RefitWorkerExtension:
         without moving the weights to host memory and back (``rollout.vllm.
         sleep_keeps_weights``). vLLM's sleep allocator tags each allocation ``weights`` or
         ``kv_cache``; the ``kv_cache`` ones are released, as vLLM's own sleep releases them.
-        The caller has dropped the prefix cache (the KV's contents do not survive). Returns
-        the bytes freed."""
+        The caller has paused vLLM's scheduler and dropped the prefix cache (no step runs on
+        the unmapped cache; its contents do not survive). Returns the bytes freed."""
         import gc
 
         from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
@@ -294,19 +294,25 @@ class RefitWorkerExtension:
         freed = 0
         for data in allocator.pointer_to_data.values():
             if data.tag == "kv_cache" and not data.is_asleep:
-                unmap_and_release(data.handle)
-                data.is_asleep = True
+                try:
+                    unmap_and_release(data.handle)
+                finally:  # as vLLM's sleep: a failed release is not mapped again blindly
+                    data.is_asleep = True
                 freed += data.handle[1]
         gc.collect()
         torch.cuda.empty_cache()
         return freed
 
     def rltrain_wake_kv_cache(self) -> None:
-        """Map the KV cache back after :meth:`rltrain_sleep_kv_cache`, as vLLM's wake-up does
-        for its ``kv_cache`` allocations (then its model runner's step after a KV wake-up)."""
-        from vllm.device_allocator.cumem import CuMemAllocator
+        """Map the KV cache back after :meth:`rltrain_sleep_kv_cache` (only what it released,
+        at the same addresses, so CUDA graphs stay valid), then the model runner's step after
+        a KV wake-up, as vLLM's own wake-up does."""
+        from vllm.device_allocator.cumem import CuMemAllocator, create_and_map
 
-        CuMemAllocator.get_instance().wake_up(tags=["kv_cache"])
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "kv_cache" and data.is_asleep:
+                create_and_map(data.handle)
+                data.is_asleep = False
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         if hasattr(runner, "post_kv_cache_wake_up"):
             runner.post_kv_cache_wake_up()
