@@ -136,7 +136,10 @@ def test_a_lora_engine_keeps_its_weights_while_asleep(keeps):
     policy, engine = gpu0.processes
     weights = 2 * 1_543_714_304
     assert engine.parts["engine_weights"] == weights
-    kept = weights if keeps is None else 0
+    # vLLM's LoRA slots: A and B of every adapted layer at rank 16 in bf16 (18,464,768
+    # adapter parameters at Qwen2.5-1.5B shapes, the refit's 1.2 %)
+    assert engine.parts["lora_slots"] == 2 * 18_464_768
+    kept = weights + 2 * 18_464_768 if keeps is None else 0
     assert engine.asleep_bytes == kept + CONTEXT_BYTES
     assert gpu0.phases["train"] == policy.total_bytes + kept + CONTEXT_BYTES
 

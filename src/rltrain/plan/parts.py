@@ -62,6 +62,22 @@ def one_rank_lora(cfg: RunConfig, world_size: int) -> bool:
     return cfg.train.lora.rank > 0 and one and ONE_RANK_LORA_WITHOUT_FSDP
 
 
+# vLLM's allowed max_lora_rank values: an engine holds its adapter slots at the smallest
+# one that holds train.lora.rank (rltrain.rollout.vllm_settings.vllm_lora_rank).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_slot_bytes(cfg: RunConfig, shape: ModelShape) -> int:
+    """Bytes of a vLLM engine's LoRA slots (``max_loras=1``): A and B of every adapted
+    layer at vLLM's rank, in the engine's dtype, on each of its GPUs (0 without LoRA)."""
+    rank = cfg.train.lora.rank
+    if rank <= 0:
+        return 0
+    slot_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+    rb = DTYPE_BYTES[cfg.precision.rollout_dtype]
+    return rb * lora_params(cfg, shape) // rank * slot_rank // cfg.rollout.tp
+
+
 def sleep_keeps_weights(cfg: RunConfig) -> bool:
     """``rollout.vllm.sleep_keeps_weights`` resolved: whether a colocated vLLM engine keeps
     its weights in GPU memory while it sleeps (freeing only its KV cache). null = auto: with
@@ -229,11 +245,12 @@ def engine_parts(
 ) -> tuple[dict[str, int], int, str]:
     """(bytes by part of one rollout replica's process on each of its GPUs, bytes it keeps
     while asleep, how its size is set). A vLLM engine that sleeps keeping its weights
-    (:func:`sleep_keeps_weights`) keeps their bytes."""
+    (:func:`sleep_keeps_weights`) keeps their bytes, its LoRA slots included."""
     ro, v = cfg.rollout, cfg.rollout.vllm
     rb = DTYPE_BYTES[cfg.precision.rollout_dtype]
     weights = rb * shape.num_params // ro.tp
-    kept = weights if sleep_keeps_weights(cfg) else 0
+    slots = vllm_lora_slot_bytes(cfg, shape) if ro.engine == "vllm" else 0
+    kept = weights + slots if sleep_keeps_weights(cfg) else 0
     if ro.engine != "vllm":
         rows = -(-cfg.rollout_batch() // ro.replicas)
         length = (cfg.data.max_prompt_tokens or 0) + ro.max_new_tokens
@@ -244,7 +261,7 @@ def engine_parts(
             "logits": rows * shape.vocab_size * 12,
         }
         return torch_parts, weights, "torch engine: weights, a KV cache of a step's rows, logits"
-    parts: dict[str, int] = {}
+    parts: dict[str, int] = {"lora_slots": slots} if slots else {}
     if not colocated and cfg.refit.transport in ("auto", "nccl"):
         parts["refit_buffers"] = cfg.refit.num_buffers * cfg.refit.bucket_bytes
     kv: int | None = None
@@ -260,7 +277,8 @@ def engine_parts(
         if capacity is None:
             how = f"gpu_memory_utilization={share:g} of the GPU (its size unknown)"
             return {**parts, "engine_weights": weights}, kept, how
-        budget = int(share * capacity)
+        budget = int(share * capacity)  # vLLM's share holds its LoRA slots too
+        parts.pop("lora_slots", None)
         return (
             {**parts, "gpu_memory_utilization": budget},
             kept,

@@ -17,12 +17,13 @@ from rltrain.config.resolved import engine_logprob_stride
 from rltrain.config.schema import RunConfig
 from rltrain.models.shapes import ModelShape, shape_from_config_json
 from rltrain.plan.memory import colocated_kv_cache_bytes as plan_kv_cache_bytes
+from rltrain.plan.parts import VLLM_LORA_RANKS
 from rltrain.rollout.vllm_core import vllm_attr_swapped
 
 
 def vllm_lora_rank(rank: int) -> int:
     """The smallest rank vLLM's ``max_lora_rank`` accepts that holds ``rank``."""
-    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+    for allowed in VLLM_LORA_RANKS:
         if rank <= allowed:
             return allowed
     raise ValueError(f"train.lora.rank={rank} is above vLLM's largest max_lora_rank (512)")
