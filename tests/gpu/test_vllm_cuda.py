@@ -99,8 +99,20 @@ def _engine_checks(rank: int) -> dict:
             out["score_0.7_at_1"] = _score(model, blocked, batch, 1.0)
 
     # sleep frees the engine's GPU memory; after wake-up it samples exactly as before
+    out.update(_sleep_and_wake(engine, prompts))
+    engine.shutdown()
+    return out
+
+
+def _sleep_and_wake(engine, prompts: list[list[int]]) -> dict:
+    """Generate, sleep (the GPU memory freed, a generate refused), wake (the memory taken
+    back) and generate the same seeded call again."""
+    import torch
+
+    from rltrain.rollout.base import SamplingParams
+
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
-    before = engine.generate(prompts, sampling)
+    out: dict = {"before_sleep": engine.generate(prompts, sampling)}
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
@@ -113,24 +125,15 @@ def _engine_checks(rank: int) -> dict:
         out["generate_while_asleep"] = str(exc)
     engine.wake_up()
     torch.cuda.synchronize()
-    free_woken = torch.cuda.mem_get_info()[0]
-    after = engine.generate(prompts, sampling)
-    out.update(
-        freed_bytes=free_asleep - free_awake,
-        retaken_bytes=free_asleep - free_woken,
-        before_sleep=before,
-        after_wake=after,
-    )
-    engine.shutdown()
+    out["retaken_bytes"] = free_asleep - torch.cuda.mem_get_info()[0]
+    out["freed_bytes"] = free_asleep - free_awake
+    out["after_wake"] = engine.generate(prompts, sampling)
     return out
 
 
 def _lora_sleep_checks(rank: int) -> dict:
     """Runs in a spawned process: a LoRA engine (bf16: vLLM's LoRA kernels) sleeps keeping
     its weights (rollout.vllm.sleep_keeps_weights=null), then wakes and samples as before."""
-    import torch
-
-    from rltrain.rollout.base import SamplingParams
     from rltrain.rollout.vllm_engine import VLLMEngine
 
     cfg = _cfg()
@@ -138,26 +141,7 @@ def _lora_sleep_checks(rank: int) -> dict:
     cfg.precision.rollout_dtype = "bfloat16"
     engine = VLLMEngine(cfg, device="cuda")
     prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS] * 8
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
-    out: dict = {"keeps_weights": engine._keeps_weights}
-    before = engine.generate(prompts, sampling)
-    torch.cuda.synchronize()
-    free_awake = torch.cuda.mem_get_info()[0]
-    engine.sleep()
-    free_asleep = torch.cuda.mem_get_info()[0]
-    try:
-        engine.generate(prompts, sampling)
-        out["generate_while_asleep"] = "returned"
-    except RuntimeError as exc:
-        out["generate_while_asleep"] = str(exc)
-    engine.wake_up()
-    free_woken = torch.cuda.mem_get_info()[0]
-    out.update(
-        freed_bytes=free_asleep - free_awake,
-        retaken_bytes=free_asleep - free_woken,
-        before_sleep=before,
-        after_wake=engine.generate(prompts, sampling),
-    )
+    out = {"keeps_weights": engine._keeps_weights, **_sleep_and_wake(engine, prompts)}
     engine.shutdown()
     return out
 
@@ -167,13 +151,20 @@ def test_lora_engine_sleeps_keeping_its_weights(tmp_path_factory):
     and, woken, samples the same seeded rows with the same logprobs."""
     (m,) = run_ranks(_lora_sleep_checks, 1, (), tmp_path_factory.mktemp("vllm_lora_sleep"), 800)
     assert m["keeps_weights"]
+    _check_sleep_and_wake(m)
+
+
+def _check_sleep_and_wake(m: dict) -> None:
+    """What :func:`_sleep_and_wake` measured: at least the KV cache freed and taken back,
+    a generate refused while asleep, the same rows and logprobs after the wake-up."""
     kv_bytes = KV_GIB * 2**30
     assert m["freed_bytes"] >= kv_bytes, (m["freed_bytes"], kv_bytes)
     assert m["retaken_bytes"] >= kv_bytes, (m["retaken_bytes"], kv_bytes)
     assert "asleep" in m["generate_while_asleep"]
     before, after = m["before_sleep"], m["after_wake"]
     assert after.response_ids == before.response_ids
-    assert _max_logprob_gap(after, before) < 1e-5
+    worst = _max_logprob_gap(after, before)
+    assert worst < 1e-5, worst
 
 
 # The logprobs kept in vLLM's worker (rollout.vllm.worker_logprobs, vllm_capture.py): a KV
@@ -279,11 +270,4 @@ def test_logprobs_match_the_trainer(measured, temperature):
 def test_sleep_frees_memory_and_wake_samples_as_before(measured):
     # Sleep gives back what vLLM mapped (the KV cache of KV_GIB and the weights); wake-up maps
     # it again.
-    kv_bytes = KV_GIB * 2**30
-    assert measured["freed_bytes"] >= kv_bytes, (measured["freed_bytes"], kv_bytes)
-    assert measured["retaken_bytes"] >= kv_bytes, (measured["retaken_bytes"], kv_bytes)
-    assert "asleep" in measured["generate_while_asleep"]
-    before, after = measured["before_sleep"], measured["after_wake"]
-    assert after.response_ids == before.response_ids
-    worst = _max_logprob_gap(after, before)
-    assert worst < 1e-5, worst
+    _check_sleep_and_wake(measured)
