@@ -81,7 +81,7 @@ def test_one_gpu_plans(algorithm, engine):
     on_gpu = ["policy rank 0"] + (["value rank 0"] if ppo else []) + ["rollout rank 0"]
     assert lay.shared == (tuple(on_gpu),) and lay.share == share
     assert any(f"{engine} engine" in n for n in roles["rollout"].notes)
-    sleeps = "weights to host memory" if engine == "vllm" else "cached GPU blocks freed"
+    sleeps = "else to host memory" if engine == "vllm" else "cached GPU blocks freed"
     assert any(sleeps in n for n in roles["rollout"].notes)
     if ppo:
         assert plan.value_batch is not None and plan.value_batch.dp == 1

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from rltrain.config.errors import ConfigError
 from rltrain.config.schema import DTensorConfig, RunConfig
+from rltrain.plan.parts import sleep_keeps_weights
 
 
 @dataclass
@@ -199,11 +200,15 @@ def gpu_layout(cfg: RunConfig, vd: DTensorConfig | None, num_gpus: int) -> tuple
 
 def colocated_engine_notes(cfg: RunConfig, share: float) -> list[str]:
     """What a colocated engine does between steps (one line for the plan)."""
-    what = (
-        "weights to host memory, KV cache freed"
-        if cfg.rollout.engine == "vllm"
-        else "its cached GPU blocks freed; the weights stay, the refit writes into them"
-    )
+    if cfg.rollout.engine != "vllm":
+        what = "its cached GPU blocks freed; the weights stay, the refit writes into them"
+    elif sleep_keeps_weights(cfg):
+        what = "KV cache freed; the weights stay in GPU memory, rollout.vllm.sleep_keeps_weights"
+    else:
+        what = (
+            "KV cache freed; weights discarded where every refit overwrites them all, "
+            "else to host memory"
+        )
     return [
         f"on policy rank 0's GPU ({share:g} of it each): sleeps after generate ({what}), "
         "wakes for the refit"
