@@ -305,25 +305,18 @@ def random_adapter(cfg, path: Path):
     target of the model at ``model.path``, written to ``path``; vLLM's request for it."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
     from vllm.lora.request import LoRARequest
 
     from rltrain.config.schema import lora_targets
     from rltrain.models.lora import PEFT_PREFIX, peft_adapter_config
 
-    hf = AutoConfig.from_pretrained(cfg.model.path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf)
     targets = lora_targets(cfg)
     g = torch.Generator().manual_seed(0)
-    r = cfg.train.lora.rank
     tensors = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            a = torch.randn(r, mod.in_features, generator=g) / mod.in_features**0.5
-            b = torch.randn(mod.out_features, r, generator=g) * 1e-3
-            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.to(torch.bfloat16)
-            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.to(torch.bfloat16)
+    for name, shape in adapter_shapes(cfg):  # A [r, in] then B [out, r], layer by layer
+        t = torch.randn(shape, generator=g)
+        t = t / shape[1] ** 0.5 if name.endswith("lora_A.weight") else t * 1e-3
+        tensors[PEFT_PREFIX + name] = t.to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = peft_adapter_config(cfg.train.lora, targets, cfg.model.path)

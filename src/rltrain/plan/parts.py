@@ -261,7 +261,8 @@ def engine_parts(
             "logits": rows * shape.vocab_size * 12,
         }
         return torch_parts, weights, "torch engine: weights, a KV cache of a step's rows, logits"
-    parts: dict[str, int] = {"lora_slots": slots} if slots else {}
+    parts: dict[str, int] = {}
+    slot_part = {"lora_slots": slots} if slots else {}  # beside the weights where listed
     if not colocated and cfg.refit.transport in ("auto", "nccl"):
         parts["refit_buffers"] = cfg.refit.num_buffers * cfg.refit.bucket_bytes
     kv: int | None = None
@@ -276,9 +277,8 @@ def engine_parts(
         share = v.gpu_memory_utilization
         if capacity is None:
             how = f"gpu_memory_utilization={share:g} of the GPU (its size unknown)"
-            return {**parts, "engine_weights": weights}, kept, how
+            return {**parts, **slot_part, "engine_weights": weights}, kept, how
         budget = int(share * capacity)  # vLLM's share holds its LoRA slots too
-        parts.pop("lora_slots", None)
         return (
             {**parts, "gpu_memory_utilization": budget},
             kept,
@@ -290,6 +290,9 @@ def engine_parts(
         else 1024
     )
     parts.update(
-        engine_weights=weights, kv_cache=kv, sampler=seqs * shape.vocab_size * VLLM_SAMPLER_BYTES
+        slot_part,
+        engine_weights=weights,
+        kv_cache=kv,
+        sampler=seqs * shape.vocab_size * VLLM_SAMPLER_BYTES,
     )
     return parts, kept, how
