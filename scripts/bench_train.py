@@ -31,7 +31,12 @@ phase at a time (single-GPU phases on GPU 0):
   one-rank LoRA model under FSDP2 (the default keeps it out: train/lora.py OneRankAdapters);
   ``lora_ungrouped``: no adapter groups (on one GPU the default forms them);
   ``lora_group_add``: a group's update as a GEMM of its own added to the bases' output
-  (the default computes it inside the bases' GEMM: models/lora.py ``GROUP_UPDATE_IN_GEMM``)
+  (the default computes it inside the bases' GEMM: models/lora.py ``GROUP_UPDATE_IN_GEMM``);
+  ``lora_keep_all``: the compiled blocks keep every activation
+  (``train.activation_memory_budget=1.0``; LoRA's default is 0.8); ``lora_dy_twice``: that
+  GEMM's backward reads the output's gradient twice (``BACKWARD_ONE_READ_OF_DY`` off);
+  ``lora_narrow_add``: the down projection's input gradient as two GEMMs and an add
+  (``NARROW_INPUT_GRAD_IN_ONE_GEMM`` off)
 * ``policy_lora_short`` (phase ``lora_short``, not run by default) - the same variants on
   the LoRA loop's rows (scripts/bench_lora.py: 256 rows, GSM8K-length prompts, 256 new
   tokens); ``--trace-dir`` keeps each profiled variant's trace and where its host and GPU
@@ -128,6 +133,12 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_ungrouped": {"train.lora.rank": 16},
     # a group's update added after the bases' GEMM (the default puts it inside)
     "lora_group_add": {"train.lora.rank": 16},
+    # the compiled blocks keep every activation (LoRA's default budget is 0.8)
+    "lora_keep_all": {"train.lora.rank": 16, "train.activation_memory_budget": 1.0},
+    # the in-GEMM groups' backward reading the output's gradient twice (default: once)
+    "lora_dy_twice": {"train.lora.rank": 16},
+    # the down projection's input gradient as two GEMMs and an add (default: one GEMM)
+    "lora_narrow_add": {"train.lora.rank": 16},
 }
 # The variants phases lora and lora_short run beside the default (those --variants names).
 LORA_VARIANTS = (
@@ -142,6 +153,9 @@ LORA_VARIANTS = (
     "lora_fsdp",
     "lora_ungrouped",
     "lora_group_add",
+    "lora_keep_all",
+    "lora_dy_twice",
+    "lora_narrow_add",
 )
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
@@ -157,6 +171,8 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_fsdp": {("rltrain.plan.parts", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
     "lora_ungrouped": {("rltrain.train.lora", "ADAPTER_GROUPS"): False},
     "lora_group_add": {("rltrain.models.lora", "GROUP_UPDATE_IN_GEMM"): False},
+    "lora_dy_twice": {("rltrain.models.lora", "BACKWARD_ONE_READ_OF_DY"): False},
+    "lora_narrow_add": {("rltrain.models.lora", "NARROW_INPUT_GRAD_IN_ONE_GEMM"): False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.

@@ -204,6 +204,7 @@ def run_policy(
 
     ``profile``: one more step under torch.profiler (CUDA), summarised in ``out["profile"]``
     (and written as a trace under ``trace_stem``, see :func:`profile_step`)."""
+    from rltrain.plan.parts import activation_memory_budget
     from rltrain.train.policy_worker import PolicyWorker
 
     worker = PolicyWorker(cfg, env)
@@ -253,6 +254,7 @@ def run_policy(
         "first_grad_norm": first["grad_norm"],
         "fused_adamw": bool(worker.optimizer.defaults.get("fused")),
         "compiled": worker.compiled,
+        "activation_memory_budget": activation_memory_budget(cfg),
         "causal_rows": worker.causal_rows,
         "reshard_after_forward": worker.reshard_after_forward,
         "grad_sync": worker.grad_sync,

@@ -73,6 +73,8 @@ def bench_train_rows(path: Path = RESULTS / "bench_train-h200.json") -> list[dic
             cfg.train.compile = got["compiled"]
             if label.startswith("lora"):  # bench_train's LoRA variants: rank 16, default targets
                 cfg.train.lora.rank = 16
+            # the compiled blocks' budget (runs before the key was recorded kept everything)
+            cfg.train.activation_memory_budget = got.get("activation_memory_budget", 1.0)
             if phase == "policy_rl_mix":
                 # 64 rows, prompts of 128-512 tokens, responses of 32-4096
                 cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens = 512, 4096

@@ -121,6 +121,8 @@ CASES = [
          "context parallelism is not a key: lists the mesh keys there are"),
     Case("pass-micro-batch-scale-zero", C, ["grpo", "train.pass_micro_batch_scale=0"],
          ["train.pass_micro_batch_scale=0", ">= 1"], "names the key and the bound"),
+    Case("activation-memory-budget-above-one", C, ["grpo", "train.activation_memory_budget=1.5"],
+         ["train.activation_memory_budget=1.5", "in (0, 1]"], "names the key and the range"),
     Case("profile-step-past-the-run", C, ["grpo", "max_steps=3", "logger.profile_step=5"],
          ["logger.profile_step=5", "max_steps=3", "from 1 to 3"], "names the run's steps"),
     Case("unknown-option", C, ["grpo", "precision=fp8"], ["'fp8'", "bf16, fp16, fp32"],

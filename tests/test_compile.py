@@ -367,3 +367,37 @@ def test_lora_blocks_compile_as_often_as_full(monkeypatch):
         counts[name] = (metrics[0]["compile/compiles"], metrics[0]["compile/recompiles"])
         torch._dynamo.reset()
     assert counts["lora"] == counts["full"], counts
+
+
+def test_a_lora_policy_keeps_the_budgets_share_of_its_activations(monkeypatch):
+    """train.activation_memory_budget reaches the compiler: a LoRA policy's compiled blocks
+    (null = 0.8, min-cut partitioner) keep fewer activation bytes for backward than at 1.0,
+    and train to the same metrics (what is recomputed is recomputed exactly)."""
+    import torch._functorch.config as functorch_config
+
+    from tests.test_train_step import _cfg
+
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", 1.0)
+    kept, metrics = {}, {}
+    for budget in ("null", "1.0"):
+        cfg = _cfg(**BASE, **{"train.lora.rank": 4, "train.activation_memory_budget": budget})
+        worker = _policy(cfg, monkeypatch, "aot_eager_decomp_partition")
+        assert functorch_config.activation_memory_budget == (0.8 if budget == "null" else 1.0)
+        params = {p.untyped_storage().data_ptr() for p in worker.model.parameters()}
+        saved: dict[int, int] = {}
+
+        def keep(t: torch.Tensor, saved=saved, params=params) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        batch = _batch(4, 40, False, seed=0)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            metrics[budget] = worker.train(batch, [batch.size]).metrics
+        worker.shutdown()
+        kept[budget] = sum(saved.values())
+        torch._dynamo.reset()
+    assert kept["null"] < 0.85 * kept["1.0"], kept
+    for key in ("loss", "grad_norm"):
+        assert metrics["null"][key] == pytest.approx(metrics["1.0"][key], rel=1e-6, abs=1e-9)

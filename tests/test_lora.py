@@ -275,16 +275,36 @@ def test_lora_linear_compiled_matches_eager(shape):
     assert eager[2].abs().sum() > 0 and eager[1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("one_read", [True, False], ids=["dy-once", "dy-twice"])
 @pytest.mark.parametrize("out_features", [20, 12, 5])
-def test_lora_update_inside_the_base_gemm_matches_the_plain_form(out_features, monkeypatch):
+def test_lora_update_inside_the_base_gemm_matches_the_plain_form(
+    out_features, one_read, monkeypatch
+):
     """With the update inside the base's GEMM where the output is at least as wide as the
-    input (20, 12; narrower layers, 5, add it after): outputs and the input's, A's and B's
-    gradients equal the plain ``base(x) + s B(A(x))`` in float64, eager and compiled, 2-D
-    and 3-D, with the base's bias; the base gets no gradient."""
+    input (20, 12; its backward reading the output's gradient once or twice), and a narrower
+    layer's (5) input gradient as one GEMM when compiled (_NarrowLoRA): outputs and the
+    input's, A's and B's gradients equal the plain ``base(x) + s B(A(x))`` in float64, eager
+    and compiled, 2-D and 3-D, with the base's bias; the base gets no gradient."""
     from rltrain.models import lora as lora_module
     from rltrain.models.lora import LoRALinear
 
     monkeypatch.setattr(lora_module, "CONCAT_MIN_OUT_OVER_IN", 1.0)
+    monkeypatch.setattr(lora_module, "BACKWARD_ONE_READ_OF_DY", one_read)
+    torch._dynamo.reset()  # LoRALinear.forward's graphs of the other cases: a fresh limit
+    narrow_calls = []
+    narrow_apply = lora_module._NarrowLoRA.apply
+
+    def counted(*args):  # dynamo traces the class's own apply: this sees eager calls only
+        narrow_calls.append(1)
+        return narrow_apply(*args)
+
+    monkeypatch.setattr(lora_module._NarrowLoRA, "apply", counted)
+
+    def as_if_compiled(x):  # the compiled blocks' path, run eagerly
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            return layer(x)
+
     torch.manual_seed(0)
     dt = torch.float64
     layer = LoRALinear(torch.nn.Linear(12, out_features, bias=True, dtype=dt), rank=4, alpha=8.0)
@@ -308,10 +328,13 @@ def test_lora_update_inside_the_base_gemm_matches_the_plain_form(out_features, m
             return layer.base_layer(x) + layer.scaling * layer.lora_B(layer.lora_A(x))
 
         ref = run(plain)
-        for got in (run(layer), run(torch.compile(layer, backend="aot_eager", fullgraph=True))):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        for got in (run(layer), run(compiled), run(as_if_compiled)):
             for a, b in zip(got, ref, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         assert ref[2].abs().sum() > 0 and ref[3].abs().sum() > 0
+    # the narrow layer takes _NarrowLoRA on the compiled path (once per input shape)
+    assert len(narrow_calls) == (2 if out_features < 12 else 0)
 
 
 @pytest.mark.parametrize("head_adapter", [False, True])

@@ -453,6 +453,33 @@ def test_trainer_parts_in_bytes():
     assert critic["optimizer"] == 8 * (n + 1537)
 
 
+def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
+    """train.activation_memory_budget: null = 0.8 for a LoRA policy (1.0 for full fine-tuning
+    and for the critic); the plan counts that share of a compiled block's activations, and
+    the whole where blocks run eager."""
+    from rltrain.config.schema import RunConfig, value_run_config
+    from rltrain.plan.parts import activation_memory_budget, trainer_parts
+
+    shape = known_shape("Qwen/Qwen2.5-1.5B")
+    per_token = 2 * 28 * (8 * 1536 + 2 * 256 + 3 * 8960)
+    cfg = RunConfig()
+    cfg.precision.param_dtype = "bfloat16"
+    cfg.train.pass_micro_batch_scale = 1
+    assert activation_memory_budget(cfg) == 1.0
+    full = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
+    assert full == 16384 * per_token
+    cfg.train.lora.rank = 16
+    assert activation_memory_budget(cfg) == 0.8
+    assert activation_memory_budget(value_run_config(cfg), "value") == 1.0
+    lora = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
+    assert lora == int(16384 * per_token * 0.8)
+    cfg.train.activation_memory_budget = 1.0
+    assert trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"] == full
+    cfg.train.activation_memory_budget, cfg.train.compile = 0.5, False
+    eager = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
+    assert eager == int(16384 * per_token * 1.5)  # eager blocks: no budget
+
+
 def test_recipe_model_is_sized_without_a_download():
     """`rltrain plan ppo recipe=qwen1.5b-gsm8k` on this CPU machine: the hub id's sizes."""
     result = runner.invoke(app, ["plan", "ppo", "recipe=qwen1.5b-gsm8k", "--json"])

@@ -68,6 +68,13 @@ def validate(cfg: RunConfig) -> None:
     check_positive("train.logprob_chunk_tokens", t.logprob_chunk_tokens)
     if t.pass_micro_batch_scale is not None:
         check_positive("train.pass_micro_batch_scale", t.pass_micro_batch_scale)
+    b = t.activation_memory_budget
+    if b is not None and not 0.0 < b <= 1.0:
+        raise ConfigError(
+            f"train.activation_memory_budget={b} must be in (0, 1]: the share of the "
+            "activations compiled blocks keep for backward (1 = all the compiler would "
+            "keep); use null for the default."
+        )
     if cfg.dtensor.grad_sync is not None:
         check_choice("dtensor.grad_sync", cfg.dtensor.grad_sync, GRAD_SYNCS)
     check_choice("train.attention", t.attention, ATTENTIONS)

@@ -54,6 +54,12 @@ FUSE_SHARED_BASES = True  # read by fuse_shared_bases
 # (``[x | h] @ [W | s blockdiag(B)]^T``, _ConcatLoRA) instead of a GEMM of its own and an
 # add over the group's whole output. Read at each forward.
 GROUP_UPDATE_IN_GEMM = True
+# _ConcatLoRA's backward: the input's and the adapters' gradients from one GEMM over the
+# output's gradient (read once) instead of two. Read at each backward.
+BACKWARD_ONE_READ_OF_DY = True
+# Compiled blocks: a layer whose output is narrower than its input (the MLP's down
+# projection) forms its input's gradient as one GEMM (_NarrowLoRA). Read at each forward.
+NARROW_INPUT_GRAD_IN_ONE_GEMM = True
 
 
 class _SharedInput:
@@ -223,6 +229,19 @@ class LoRALinear(nn.Module):
             and (base.bias is None or not base.bias.requires_grad)
         ):
             return _ConcatLoRA.apply(x, base.weight, base.bias, a, b, self.scaling)
+        if (
+            NARROW_INPUT_GRAD_IN_ONE_GEMM
+            and torch.compiler.is_compiling()
+            and group is None
+            and base.out_features < base.in_features
+            and isinstance(self.dropout, nn.Identity)
+            and not isinstance(b, DTensor)
+            and not isinstance(base.weight, DTensor)
+            and x.dtype == base.weight.dtype == b.dtype
+            and not base.weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad)
+        ):
+            return _NarrowLoRA.apply(x, base.weight, base.bias, a, b, self.scaling)
         out = base(x)
         if group is not None and not isinstance(a, DTensor):
             h = group.part(self, x)  # no dropout: groups are formed only without it
@@ -286,8 +305,47 @@ class _ConcatLoRA(torch.autograd.Function):
         x, h, weight, a, b = ctx.saved_tensors
         n, r = x.shape[-1], h.shape[-1]
         dy2 = dy.reshape(-1, dy.shape[-1])
+        if BACKWARD_ONE_READ_OF_DY:
+            # [dh | dy W] = dy [s B | W]: one GEMM reads the (wide) output gradient once. The
+            # widened weight is built in the other order than the forward's, so the compiler
+            # rebuilds it here rather than keeping the forward's from step to backward.
+            both = torch.matmul(dy2, torch.cat([b * ctx.scaling, weight], dim=1))
+            dh, dx_base = both[:, :r], both[:, r:]
+            dx = torch.addmm(dx_base, dh, a)
+        else:
+            dh = torch.matmul(dy2, b) * ctx.scaling
+            dx = torch.addmm(torch.matmul(dy2, weight), dh, a)
+        da = torch.matmul(dh.t(), x.reshape(-1, n))
+        db = torch.matmul(dy2.t(), h.reshape(-1, r)) * ctx.scaling
+        return dx.view(x.shape), None, None, da, db, None
+
+
+class _NarrowLoRA(torch.autograd.Function):
+    """``base(x) + s (x A^T) B^T`` for a layer whose output is narrower than its input (the
+    MLP's down projection: 1536 out of 8960 at Qwen2.5-1.5B shapes), in compiled blocks.
+
+    The forward is the usual one (the update's add is over the narrow output). The input's
+    gradient ``dy W + dh A`` is one GEMM, ``[dy | dh] @ [W ; A]``: the separate form writes
+    two input-wide products (``dy W`` and the rank-16 ``dh A``) and the next kernel reads
+    both back; here one input-wide tensor is written, at the cost of copying the narrow
+    ``[dy | dh]`` and the weight stacked with ``A``. The base stays frozen (no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling):  # noqa: ANN001
+        h = torch.matmul(x, a.t())
+        y = torch.nn.functional.linear(x, weight, bias) + torch.matmul(h * scaling, b.t())
+        ctx.save_for_backward(x, h, weight, a, b)
+        ctx.scaling = scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001
+        x, h, weight, a, b = ctx.saved_tensors
+        n, r = x.shape[-1], h.shape[-1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
         dh = torch.matmul(dy2, b) * ctx.scaling
-        dx = torch.addmm(torch.matmul(dy2, weight), dh, a)
+        dx = torch.matmul(torch.cat([dy2, dh], dim=1), torch.cat([weight, a], dim=0))
         da = torch.matmul(dh.t(), x.reshape(-1, n))
         db = torch.matmul(dy2.t(), h.reshape(-1, r)) * ctx.scaling
         return dx.view(x.shape), None, None, da, db, None

@@ -52,7 +52,9 @@ def compiled_layout_minimums(
     return (2 if several_rows else 1), (256 if one_row and attention == "flex" else 2)
 
 
-def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> None:
+def compile_blocks(
+    layers: torch.nn.ModuleList, backend: str = "inductor", memory_budget: float | None = None
+) -> None:
     """``torch.compile`` the forward of each decoder block, after TP and activation
     checkpointing and before ``fully_shard``.
 
@@ -67,7 +69,11 @@ def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> No
     duck sizing is off so a length is never tied to a width of the same value.
     The recompile limit is raised so the one-time variants (see the module
     docstring) and a guard that differs per block never push blocks back to
-    eager. ``backend``: inductor; CPU tests pass ``aot_eager``.
+    eager. ``backend``: inductor; CPU tests pass ``aot_eager``. ``memory_budget``
+    (a trained model's :func:`rltrain.plan.parts.activation_memory_budget`) sets torch's
+    ``activation_memory_budget`` for the process's compiles: the share of the activations
+    the partitioner would keep for backward that it may keep (it recomputes the cheapest
+    of the rest); None leaves it as it is.
     """
     import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as shapes_config
@@ -93,6 +99,11 @@ def compile_blocks(layers: torch.nn.ModuleList, backend: str = "inductor") -> No
         dynamo_config.accumulated_recompile_limit = max(
             dynamo_config.accumulated_recompile_limit, 4 * limit
         )
+    if memory_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        # read when a block's forward and backward graphs are partitioned (its first call)
+        functorch_config.activation_memory_budget = memory_budget
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
 

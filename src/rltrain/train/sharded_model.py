@@ -40,7 +40,7 @@ from rltrain.models.lora import (
     head_weight,
     inject_lora,
 )
-from rltrain.plan.parts import one_rank_lora
+from rltrain.plan.parts import activation_memory_budget, one_rank_lora
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -297,8 +297,10 @@ class ShardedModel:
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
         if self.compiled:
-            # after TP and AC, before fully_shard
-            compile_blocks(decoder_layers(model), self.compile_backend)
+            # after TP and AC, before fully_shard; the trained model's budget (a reference
+            # model runs no backward and leaves it as it is)
+            budget = activation_memory_budget(self.cfg) if trainable else None
+            compile_blocks(decoder_layers(model), self.compile_backend, budget)
         if trainable and self.one_rank_lora:
             # Nothing to shard and only adapters train: no FSDP2 (see OneRankAdapters,
             # which load_sharded_model sets up once the weights are in place).
