@@ -228,7 +228,12 @@ def ppo_split_oom_rows() -> list[dict]:
 
 
 def all_rows() -> list[dict]:
-    rows = bench_train_rows() + bench_e2e_rows() + ppo_split_oom_rows()
+    rows = (
+        bench_train_rows()
+        + bench_train_rows(RESULTS / "bench_train-h200-lora-budget.json")
+        + bench_e2e_rows()
+        + ppo_split_oom_rows()
+    )
     for r in rows:
         r["ratio"] = round(r["estimate_gib"] / r["measured_gib"], 3)
     return rows

@@ -455,8 +455,10 @@ def test_trainer_parts_in_bytes():
 
 def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
     """train.activation_memory_budget: null = 0.8 for a LoRA policy (1.0 for full fine-tuning
-    and for the critic); the plan counts that share of a compiled block's activations, and
-    the whole where blocks run eager."""
+    and for the critic); the plan counts the share of a compiled block's activations the
+    compiler was measured to keep under it (0.84 of the budget), and the whole where blocks
+    run eager. The estimate against the H200's measured peaks: see
+    test_estimates_are_within_15_percent_of_every_measured_figure."""
     from rltrain.config.schema import RunConfig, value_run_config
     from rltrain.plan.parts import activation_memory_budget, trainer_parts
 
@@ -472,7 +474,7 @@ def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
     assert activation_memory_budget(cfg) == 0.8
     assert activation_memory_budget(value_run_config(cfg), "value") == 1.0
     lora = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
-    assert lora == int(16384 * per_token * 0.8)
+    assert lora == int(16384 * per_token * 0.8 * 0.84)  # the compiler keeps 0.84 of the bound
     cfg.train.activation_memory_budget = 1.0
     assert trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"] == full
     cfg.train.activation_memory_budget, cfg.train.compile = 0.5, False

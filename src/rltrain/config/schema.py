@@ -135,9 +135,10 @@ class TrainConfig:
     # Compiled blocks: the share of the activations they would keep for backward that they
     # may keep (torch's activation_memory_budget; the compiler recomputes the cheapest of
     # the rest in backward, pointwise ops first). null = auto: 0.8 for a LoRA policy, whose
-    # activations are most of its memory (the MLP's SiLU x up product is then recomputed:
-    # 31 % fewer bytes a token at 1.5B shapes, so it runs the same micro batches as full
-    # fine-tuning at half its memory), 1.0 otherwise. No effect on eager blocks.
+    # activations are most of its memory (the MLP's SiLU x up product and other pointwise
+    # results are then recomputed: a third fewer bytes a token at 1.5B shapes, so it runs
+    # full fine-tuning's micro batches at under half its memory), 1.0 otherwise. No effect
+    # on eager blocks.
     activation_memory_budget: float | None = None
     # liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA; liger-kernel installed).
     liger: bool = False
