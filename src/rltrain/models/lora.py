@@ -211,6 +211,19 @@ class LoRALinear(nn.Module):
         update = b @ a
         return w + (update * self.scaling).to(w.dtype)
 
+    def _plain_frozen(self, x: torch.Tensor, b: torch.Tensor) -> bool:
+        """The forms of one autograd function (_ConcatLoRA, _NarrowLoRA) apply: no dropout,
+        no tensor-parallel layout, one dtype throughout, and a frozen base."""
+        base = self.base_layer
+        return (
+            isinstance(self.dropout, nn.Identity)
+            and not isinstance(b, DTensor)
+            and not isinstance(base.weight, DTensor)
+            and x.dtype == base.weight.dtype == b.dtype
+            and not base.weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         if self.disabled:
@@ -219,27 +232,14 @@ class LoRALinear(nn.Module):
         if group is not None and group.weight is not None:
             return group.part(self, x)  # the whole output (fused bases, see _SharedInput)
         a, b = self.adapter_weights()
-        if (
-            self.concat
-            and isinstance(self.dropout, nn.Identity)
-            and not isinstance(b, DTensor)
-            and not isinstance(base.weight, DTensor)
-            and x.dtype == base.weight.dtype == b.dtype
-            and not base.weight.requires_grad
-            and (base.bias is None or not base.bias.requires_grad)
-        ):
+        if self.concat and self._plain_frozen(x, b):
             return _ConcatLoRA.apply(x, base.weight, base.bias, a, b, self.scaling)
         if (
             NARROW_INPUT_GRAD_IN_ONE_GEMM
             and torch.compiler.is_compiling()
             and group is None
             and base.out_features < base.in_features
-            and isinstance(self.dropout, nn.Identity)
-            and not isinstance(b, DTensor)
-            and not isinstance(base.weight, DTensor)
-            and x.dtype == base.weight.dtype == b.dtype
-            and not base.weight.requires_grad
-            and (base.bias is None or not base.bias.requires_grad)
+            and self._plain_frozen(x, b)
         ):
             return _NarrowLoRA.apply(x, base.weight, base.bias, a, b, self.scaling)
         out = base(x)
