@@ -120,13 +120,16 @@ def fresh_dynamo():
     """Each test compiles from scratch (dynamo's caches outlive a worker in this process)
     and leaves the process's shape settings as it found them."""
     import torch._dynamo
+    import torch._functorch.config as functorch_config
     import torch.fx.experimental._config as shapes_config
 
     duck = shapes_config.use_duck_shape
+    budget = functorch_config.activation_memory_budget  # a LoRA worker sets the process's
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
     shapes_config.use_duck_shape = duck
+    functorch_config.activation_memory_budget = budget
 
 
 BASE = {
@@ -396,6 +399,17 @@ def test_a_lora_policy_keeps_the_budgets_share_of_its_activations(monkeypatch):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             metrics[budget] = worker.train(batch, [batch.size]).metrics
         worker.shutdown()
+        if budget == "null":
+            # a critic built next in the same process (an in-process PPO run) trains in
+            # full and asks for no budget: the policy's stays the process's
+            from rltrain.train.distributed import DistEnv, free_port
+            from rltrain.train.value_worker import ValueWorker
+
+            env = DistEnv(0, 1, "127.0.0.1", free_port(), "gloo", 60.0)
+            critic = ValueWorker(cfg, env, num_threads=1)
+            assert critic.compiled and not critic.lora
+            critic.shutdown()
+            assert functorch_config.activation_memory_budget == 0.8
         kept[budget] = sum(saved.values())
         torch._dynamo.reset()
     assert kept["null"] < 0.85 * kept["1.0"], kept

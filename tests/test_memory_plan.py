@@ -460,7 +460,7 @@ def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
     run eager. The estimate against the H200's measured peaks: see
     test_estimates_are_within_15_percent_of_every_measured_figure."""
     from rltrain.config.schema import RunConfig, value_run_config
-    from rltrain.plan.parts import activation_memory_budget, trainer_parts
+    from rltrain.plan.parts import activation_memory_budget, kept_activation_share, trainer_parts
 
     shape = known_shape("Qwen/Qwen2.5-1.5B")
     per_token = 2 * 28 * (8 * 1536 + 2 * 256 + 3 * 8960)
@@ -474,9 +474,19 @@ def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
     assert activation_memory_budget(cfg) == 0.8
     assert activation_memory_budget(value_run_config(cfg), "value") == 1.0
     lora = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
-    assert lora == int(16384 * per_token * 0.8 * 0.84)  # the compiler keeps 0.84 of the bound
+    assert lora == int(16384 * per_token * 0.8 * 0.84)  # as measured: 0.84 of the bound
     cfg.train.activation_memory_budget = 1.0
     assert trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"] == full
+    # no jump below 1: interpolated from the measured 0.8 to all of them at 1.0
+    shares = [kept_activation_share(b) for b in (0.5, 0.8, 0.9, 0.99, 1.0)]
+    assert shares[0] == pytest.approx(0.42) and shares[1] == pytest.approx(0.672)
+    assert shares[2] == pytest.approx(0.836) and shares == sorted(shares)
+    assert shares[4] - shares[3] < 0.02
+    # activation checkpointing: the recomputed block's working set is not budgeted
+    cfg.train.activation_memory_budget, cfg.dtensor.activation_checkpointing = None, True
+    ac = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
+    assert ac == 16384 * 2 * (28 * 1536 + 8 * 1536 + 2 * 256 + 3 * 8960)
+    cfg.dtensor.activation_checkpointing = False
     cfg.train.activation_memory_budget, cfg.train.compile = 0.5, False
     eager = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
     assert eager == int(16384 * per_token * 1.5)  # eager blocks: no budget

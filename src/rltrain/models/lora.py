@@ -286,9 +286,11 @@ class _ConcatLoRA(torch.autograd.Function):
     adds is the widened copy of ``x``. Measured on an H200 at 1.5B shapes with compiled
     blocks (``scripts/bench_train.py --phases lora``): 2 % off LoRA's train step, but with
     the backward rebuilding ``[W | s B]`` the compiler kept that weight-sized tensor from
-    the forward instead (+1.9 GB at 8192 tokens a micro batch). The backward below uses
-    ``W`` and ``B`` as they are (``dy W`` and ``dy B`` as two GEMMs), so nothing beyond
-    ``x`` and ``h`` is kept (the groups' peak memory equals the separate update's).
+    the forward instead (+1.9 GB at 8192 tokens a micro batch). The backward below builds
+    its own widened weight, in the other order (``[s B | W]``, ``BACKWARD_ONE_READ_OF_DY``:
+    ``[dh | dy W]`` from one GEMM that reads ``dy`` once; off: ``dy W`` and ``dy B`` as two
+    GEMMs), so nothing beyond ``x`` and ``h`` is kept either way (same peak memory; the two
+    measured within noise of each other: ``bench_train-h200-lora-budget.json``).
     """
 
     @staticmethod

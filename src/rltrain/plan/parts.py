@@ -60,6 +60,20 @@ LORA_ACTIVATION_MEMORY_BUDGET = 0.8
 KEPT_PER_BUDGET = 0.84
 
 
+def kept_activation_share(budget: float) -> float:
+    """The share of a compiled block's activations the plan counts under ``budget``: measured
+    at 0.8 (:data:`KEPT_PER_BUDGET` of the bound), interpolated from there to all of them at
+    1.0 (no jump just below 1), and that share of the bound below 0.8 (only 0.8 was
+    measured)."""
+    if budget >= 1.0:
+        return 1.0
+    at = LORA_ACTIVATION_MEMORY_BUDGET
+    measured = at * KEPT_PER_BUDGET
+    if budget >= at:
+        return measured + (1.0 - measured) * (budget - at) / (1.0 - at)
+    return budget * KEPT_PER_BUDGET
+
+
 def activation_memory_budget(cfg: RunConfig, role: str = "policy") -> float:
     """``train.activation_memory_budget`` resolved for a trainer ``role``: set values win;
     null = :data:`LORA_ACTIVATION_MEMORY_BUDGET` for a LoRA policy, 1.0 otherwise.
@@ -197,14 +211,14 @@ def trainer_parts(
         parts["reference"] = reference_bytes(cfg, shape, dp)
     h, layers = shape.hidden_size, shape.num_layers
     per_layer = _layer_elements(cfg, shape, n, cuda)
-    # compiled blocks keep a share of it for backward under a budget below 1 (at most the
-    # budget's; KEPT_PER_BUDGET of it as measured); a pass keeps nothing for backward
+    # compiled blocks keep a share of it for backward under a budget below 1
+    # (kept_activation_share); a pass keeps nothing for backward
     kept = per_layer
-    budget = activation_memory_budget(cfg, role)
-    if budget < 1.0 and compile_default(cfg.train.compile, cuda, n):
-        kept *= budget * KEPT_PER_BUDGET
+    if compile_default(cfg.train.compile, cuda, n):
+        kept *= kept_activation_share(activation_memory_budget(cfg, role))
     # activation checkpointing: the blocks' inputs are kept; one block recomputed at a time
-    elements = layers * h + kept if d.activation_checkpointing else layers * kept
+    # (its whole working set: the budget does not shrink it)
+    elements = layers * h + per_layer if d.activation_checkpointing else layers * kept
     pass_tokens = tokens * pass_micro_batch_scale(cfg, "cuda" if cuda else "cpu")
     parts["activations"] = int(max(tokens * elements, pass_tokens * (h + per_layer)) * cb)
     if role == "policy":

@@ -297,9 +297,13 @@ class ShardedModel:
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
         if self.compiled:
-            # after TP and AC, before fully_shard; the trained model's budget (a reference
-            # model runs no backward and leaves it as it is)
-            budget = activation_memory_budget(self.cfg) if trainable else None
+            # after TP and AC, before fully_shard. The budget is the process's: only a
+            # trained model that asks for one sets it (a set key, or a LoRA policy's
+            # default), so a critic built beside a LoRA policy in one process (an
+            # in-process run) leaves the policy's in place; a reference runs no backward.
+            budget = None
+            if trainable and (self.cfg.train.activation_memory_budget is not None or self.lora):
+                budget = activation_memory_budget(self.cfg)
             compile_blocks(decoder_layers(model), self.compile_backend, budget)
         if trainable and self.one_rank_lora:
             # Nothing to shard and only adapters train: no FSDP2 (see OneRankAdapters,
