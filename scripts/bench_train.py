@@ -36,7 +36,9 @@ phase at a time (single-GPU phases on GPU 0):
   (``train.activation_memory_budget=1.0``; LoRA's default is 0.8); ``lora_dy_twice``: that
   GEMM's backward reads the output's gradient twice (``BACKWARD_ONE_READ_OF_DY`` off);
   ``lora_narrow_add``: the down projection's input gradient as two GEMMs and an add
-  (``NARROW_INPUT_GRAD_IN_ONE_GEMM`` off)
+  (``NARROW_INPUT_GRAD_IN_ONE_GEMM`` off); ``lora_grads_cat``: the in-GEMM group's
+  output as one tensor split after it, its gradient concatenated (``GROUP_OUTPUTS_APART``
+  off)
 * ``policy_lora_short`` (phase ``lora_short``, not run by default) - the same variants on
   the LoRA loop's rows (scripts/bench_lora.py: 256 rows, GSM8K-length prompts, 256 new
   tokens); ``--trace-dir`` keeps each profiled variant's trace and where its host and GPU
@@ -139,6 +141,8 @@ FULL_VARIANTS: dict[str, dict[str, object]] = {
     "lora_dy_twice": {"train.lora.rank": 16},
     # the down projection's input gradient as two GEMMs and an add (default: one GEMM)
     "lora_narrow_add": {"train.lora.rank": 16},
+    # the in-GEMM group's output as one tensor, split after (its gradient concatenated)
+    "lora_grads_cat": {"train.lora.rank": 16},
 }
 # The variants phases lora and lora_short run beside the default (those --variants names).
 LORA_VARIANTS = (
@@ -156,6 +160,7 @@ LORA_VARIANTS = (
     "lora_keep_all",
     "lora_dy_twice",
     "lora_narrow_add",
+    "lora_grads_cat",
 )
 # Module attributes a variant sets in its process before it builds (and resets after).
 VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
@@ -173,6 +178,7 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_group_add": {("rltrain.models.lora", "GROUP_UPDATE_IN_GEMM"): False},
     "lora_dy_twice": {("rltrain.models.lora", "BACKWARD_ONE_READ_OF_DY"): False},
     "lora_narrow_add": {("rltrain.models.lora", "NARROW_INPUT_GRAD_IN_ONE_GEMM"): False},
+    "lora_grads_cat": {("rltrain.models.lora", "GROUP_OUTPUTS_APART"): False},
 }
 # dp=2 variants (same rows per rank as the single-GPU runs); ``same_knobs`` is what
 # the single-GPU default resolves to, so dp2_scaling compares like with like.

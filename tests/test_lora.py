@@ -373,13 +373,16 @@ def _qwen2_config(layers: int):
 
 
 @pytest.mark.parametrize(
-    ("fused", "in_gemm"), [(False, False), (True, False), (True, True)], ids=str
+    ("fused", "in_gemm", "apart"),
+    [(False, False, True), (True, False, True), (True, True, True), (True, True, False)],
+    ids=str,
 )
-def test_shared_input_adapters_match_one_gemm_per_layer(fused, in_gemm, monkeypatch):
+def test_shared_input_adapters_match_one_gemm_per_layer(fused, in_gemm, apart, monkeypatch):
     """q/k/v and gate/up adapters form groups over their shared input (SHARE_INPUT_ADAPTERS):
     their A run as one GEMM, and with the group's frozen bases fused into one tensor
     (``fused``) the bases and the updates too; compiled, the update goes inside the bases'
-    GEMM (``in_gemm``: GROUP_UPDATE_IN_GEMM). A Qwen2 model's logits and every adapter's
+    GEMM (``in_gemm``: GROUP_UPDATE_IN_GEMM), the members' outputs returned apart or split
+    after it (``apart``: GROUP_OUTPUTS_APART). A Qwen2 model's logits and every adapter's
     and the input's gradients equal the per-layer form in float64, eager and compiled (one
     graph), and the bases get no gradient. The fused bases are views of one tensor that
     the state dict still reads per layer; adapters off (the reference) give the base
@@ -392,6 +395,7 @@ def test_shared_input_adapters_match_one_gemm_per_layer(fused, in_gemm, monkeypa
     cfg = _qwen2_config(layers=2)
     dt = torch.float64
     monkeypatch.setattr(lora_module, "GROUP_UPDATE_IN_GEMM", in_gemm)
+    monkeypatch.setattr(lora_module, "GROUP_OUTPUTS_APART", apart)  # with in_gemm
     models = []
     for share in (False, True):
         monkeypatch.setattr(lora_module, "SHARE_INPUT_ADAPTERS", share)
