@@ -284,6 +284,17 @@ class LoRALinear(nn.Module):
         return out + (up * self.scaling).to(out.dtype)
 
 
+def _concat_forward(ctx, x, weight, bias, a, b, scaling):  # noqa: ANN001, ANN202
+    """The forward of :class:`_ConcatLoRA` and :class:`_GroupConcatLoRA`: ``[x | h] @
+    [W | s B]^T`` with ``h = x A^T``, keeping ``x``, ``h`` and the weights for backward."""
+    h = torch.matmul(x, a.t())
+    wide = torch.cat([weight, b * scaling], dim=1)
+    y = torch.nn.functional.linear(torch.cat([x, h], dim=-1), wide, bias)
+    ctx.save_for_backward(x, h, weight, a, b)
+    ctx.scaling = scaling
+    return y
+
+
 class _ConcatLoRA(torch.autograd.Function):
     """``base(x) + s x (x A^T) B^T`` as one GEMM over the input widened by the rank:
     ``[x | h] @ [W | s B]^T`` with ``h = x A^T``; the base stays frozen (no gradient).
@@ -307,12 +318,7 @@ class _ConcatLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, scaling):  # noqa: ANN001
-        h = torch.matmul(x, a.t())
-        wide = torch.cat([weight, b * scaling], dim=1)
-        y = torch.nn.functional.linear(torch.cat([x, h], dim=-1), wide, bias)
-        ctx.save_for_backward(x, h, weight, a, b)
-        ctx.scaling = scaling
-        return y
+        return _concat_forward(ctx, x, weight, bias, a, b, scaling)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001
@@ -352,11 +358,8 @@ class _GroupConcatLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, scaling, sizes, ranks):  # noqa: ANN001
-        h = torch.matmul(x, a.t())
-        wide = torch.cat([weight, b * scaling], dim=1)
-        y = torch.nn.functional.linear(torch.cat([x, h], dim=-1), wide, bias)
-        ctx.save_for_backward(x, h, weight, a, b)
-        ctx.scaling, ctx.sizes, ctx.ranks = scaling, sizes, ranks
+        y = _concat_forward(ctx, x, weight, bias, a, b, scaling)
+        ctx.sizes, ctx.ranks = sizes, ranks
         return tuple(y.split(sizes, dim=-1))
 
     @staticmethod
