@@ -204,12 +204,16 @@ def run_policy(
 
     ``profile``: one more step under torch.profiler (CUDA), summarised in ``out["profile"]``
     (and written as a trace under ``trace_stem``, see :func:`profile_step`)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
     from rltrain.plan.parts import activation_memory_budget
     from rltrain.train.policy_worker import PolicyWorker
 
     worker = PolicyWorker(cfg, env)
     device = worker.device
     times, times_all, compiles = [], [], []
+    compilation_time_metrics.clear()  # this variant's compilation alone
+    compile_s: dict[str, float] = {}
     real = float(batch.attention_mask_BT.sum())
     gc_s = _GcTimer()
     for i in range(warmup + steps):
@@ -220,6 +224,9 @@ def run_policy(
         _sync(device)
         if i == 0:
             first = metrics  # before any update: the same in every variant up to bf16 noise
+            # where the first step's compilation went: torch's timed compile stages (each
+            # stage's total over the step's graphs; the stages nest, so they do not add up)
+            compile_s = {k: round(sum(v), 3) for k, v in compilation_time_metrics.items()}
         times_all.append(time.perf_counter() - t0)  # the first includes compilation
         compiles.append(metrics["compile/compiles"])  # 0 after the first step
         if i >= warmup:
@@ -247,6 +254,7 @@ def run_policy(
         "micro_batches": len(worker.plan_micro_batches(batch)),
         "loss": metrics["loss"],
         "first_step_s": times_all[0],
+        "first_step_compile_s": compile_s,
         "steps_s": times_all,
         "gc_full_collection_s": gc_s.per_step,
         "compiles_per_step": compiles,
