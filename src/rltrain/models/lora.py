@@ -322,19 +322,15 @@ class _ConcatLoRA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001
+        if BACKWARD_ONE_READ_OF_DY:
+            r = ctx.saved_tensors[1].shape[-1]
+            dx, da, (db,) = _concat_backward(ctx, (dy,), (dy.shape[-1],), (r,))
+            return dx, None, None, da, db, None
         x, h, weight, a, b = ctx.saved_tensors
         n, r = x.shape[-1], h.shape[-1]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if BACKWARD_ONE_READ_OF_DY:
-            # [dh | dy W] = dy [s B | W]: one GEMM reads the (wide) output gradient once. The
-            # widened weight is built in the other order than the forward's, so the compiler
-            # rebuilds it here rather than keeping the forward's from step to backward.
-            both = torch.matmul(dy2, torch.cat([b * ctx.scaling, weight], dim=1))
-            dh, dx_base = both[:, :r], both[:, r:]
-            dx = torch.addmm(dx_base, dh, a)
-        else:
-            dh = torch.matmul(dy2, b) * ctx.scaling
-            dx = torch.addmm(torch.matmul(dy2, weight), dh, a)
+        dh = torch.matmul(dy2, b) * ctx.scaling
+        dx = torch.addmm(torch.matmul(dy2, weight), dh, a)
         da = torch.matmul(dh.t(), x.reshape(-1, n))
         db = torch.matmul(dy2.t(), h.reshape(-1, r)) * ctx.scaling
         return dx.view(x.shape), None, None, da, db, None
@@ -364,25 +360,38 @@ class _GroupConcatLoRA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):  # noqa: ANN001
-        x, h, weight, a, b = ctx.saved_tensors
-        n, s = x.shape[-1], ctx.scaling
-        h2 = h.reshape(-1, h.shape[-1])
-        dx = None
-        dhs, dbs = [], []
-        row = col = 0
-        for dy, out, r in zip(dys, ctx.sizes, ctx.ranks, strict=True):
-            dy2 = dy.reshape(-1, out)
-            b_i = b[row : row + out, col : col + r]
-            both = torch.matmul(dy2, torch.cat([b_i * s, weight[row : row + out]], dim=1))
-            dhs.append(both[:, :r])
-            dx = both[:, r:] if dx is None else dx + both[:, r:]
-            dbs.append(torch.matmul(dy2.t(), h2[:, col : col + r]) * s)
-            row, col = row + out, col + r
-        assert dx is not None  # a group has members
-        dh = torch.cat(dhs, dim=1)
-        dx = torch.addmm(dx, dh, a)
-        da = torch.matmul(dh.t(), x.reshape(-1, n))
-        return dx.view(x.shape), None, None, da, torch.block_diag(*dbs), None, None, None
+        dx, da, dbs = _concat_backward(ctx, dys, ctx.sizes, ctx.ranks)
+        return dx, None, None, da, torch.block_diag(*dbs), None, None, None
+
+
+def _concat_backward(ctx, dys, sizes, ranks):  # noqa: ANN001, ANN202
+    """The backward of :func:`_concat_forward` with its output taken as parts of widths
+    ``sizes`` (adapter ranks ``ranks``), each part's gradient in ``dys``: the input's
+    gradient, A's, and each part's diagonal block of B's gradient.
+
+    Per part, ``[dh_i | dy_i W_i] = dy_i [s B_i | W_i]``: one GEMM reads the (wide) output
+    gradient once. The widened weight is built in the other order than the forward's, so
+    the compiler rebuilds it here rather than keeping the forward's from step to backward.
+    """
+    x, h, weight, a, b = ctx.saved_tensors
+    n, s = x.shape[-1], ctx.scaling
+    h2 = h.reshape(-1, h.shape[-1])
+    dx = None
+    dhs, dbs = [], []
+    row = col = 0
+    for dy, out, r in zip(dys, sizes, ranks, strict=True):
+        dy2 = dy.reshape(-1, out)
+        b_i = b[row : row + out, col : col + r]
+        both = torch.matmul(dy2, torch.cat([b_i * s, weight[row : row + out]], dim=1))
+        dhs.append(both[:, :r])
+        dx = both[:, r:] if dx is None else dx + both[:, r:]
+        dbs.append(torch.matmul(dy2.t(), h2[:, col : col + r]) * s)
+        row, col = row + out, col + r
+    assert dx is not None  # at least one part
+    dh = dhs[0] if len(dhs) == 1 else torch.cat(dhs, dim=1)
+    dx = torch.addmm(dx, dh, a)
+    da = torch.matmul(dh.t(), x.reshape(-1, n))
+    return dx.view(x.shape), da, dbs
 
 
 class _NarrowLoRA(torch.autograd.Function):
