@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import tiny_config
+from tests.ranks import run_ranks
 from tests.test_distributed import _batch
 
 # cosine with warm-up: the restored scheduler must give step 2 the same lr.
@@ -124,12 +123,7 @@ def _checks(rank: int, world: int, ports: list[int], out_dir: str) -> None:
 
 def _entry(rank: int, world: int, ports: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        _checks(rank, world, ports, out_dir)
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    _checks(rank, world, ports, out_dir)
 
 
 @pytest.mark.dist
@@ -138,11 +132,7 @@ def test_checkpoint_resume_reshard_and_fp16_scaler(tmp_path):
     from rltrain.train.distributed import free_port
 
     ports = [free_port() for _ in range(5)]
-    try:
-        mp.spawn(_entry, args=(2, ports, str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_entry, 2, (2, ports, str(tmp_path)), tmp_path, 210, exit_hard=True)
     results = torch.load(tmp_path / "results.pt")
     # Step 2 ends the 2-step warm-up: the full lr (a scheduler not restored would give half).
     assert results["lr_step2"] == pytest.approx(0.01)

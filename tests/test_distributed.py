@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_config
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -136,16 +137,11 @@ def _refit_roundtrip(rank: int, port: int) -> None:
 
 def _worker(rank: int, world: int, ports: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        dp2 = _train_parallel(rank, world, ports[0], dp=2, tp=1)
-        tp2 = _train_parallel(rank, world, ports[1], dp=1, tp=2)
-        _refit_roundtrip(rank, ports[2])
-        if rank == 0:
-            torch.save({"dp2": dp2, "tp2": tp2}, os.path.join(out_dir, "params.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    dp2 = _train_parallel(rank, world, ports[0], dp=2, tp=1)
+    tp2 = _train_parallel(rank, world, ports[1], dp=1, tp=2)
+    _refit_roundtrip(rank, ports[2])
+    if rank == 0:
+        torch.save({"dp2": dp2, "tp2": tp2}, os.path.join(out_dir, "params.pt"))
 
 
 @pytest.mark.timeout(240)
@@ -153,11 +149,7 @@ def test_fsdp_tp_and_refit_match_reference(tmp_path):
     from rltrain.train.distributed import free_port
 
     ports = [free_port() for _ in range(3)]
-    try:
-        mp.spawn(_worker, args=(2, ports, str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_worker, 2, (2, ports, str(tmp_path)), tmp_path, 210, exit_hard=True)
     got = torch.load(tmp_path / "params.pt")
 
     cfg = _cfg(1, 1)

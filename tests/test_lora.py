@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import run_ranks
 from tests.test_packing import mixed_batch
 from tests.test_train_step import _cfg, _close, _moved, _weights, _worker
 
@@ -204,24 +203,19 @@ def test_lora_refit_into_the_torch_engine_matches_the_trainer():
 
 def _sharded_rank(rank: int, port_dp: int, port_tp: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        batch = _batch(seed=5)
-        out = {}
-        for name, port, extra in (
-            ("dp", port_dp, {}),
-            ("tp", port_tp, {"dtensor.tp": 2}),
-        ):
-            w = _worker(_cfg(**LORA, **extra), rank, 2, port)
-            rows = batch if name == "tp" else batch.select([0, 2, 4] if rank == 0 else [1, 3, 5])
-            w.train(rows, [rows.size])
-            out[name] = _adapters(w)
-            w.shutdown()
-        if rank == 0:
-            torch.save(out, os.path.join(out_dir, "sharded.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    batch = _batch(seed=5)
+    out = {}
+    for name, port, extra in (
+        ("dp", port_dp, {}),
+        ("tp", port_tp, {"dtensor.tp": 2}),
+    ):
+        w = _worker(_cfg(**LORA, **extra), rank, 2, port)
+        rows = batch if name == "tp" else batch.select([0, 2, 4] if rank == 0 else [1, 3, 5])
+        w.train(rows, [rows.size])
+        out[name] = _adapters(w)
+        w.shutdown()
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, "sharded.pt"))
 
 
 @pytest.mark.timeout(300)
@@ -231,11 +225,9 @@ def test_lora_dp2_and_tp2_match_one_rank(tmp_path):
     adapters."""
     from rltrain.train.distributed import free_port
 
-    try:
-        mp.spawn(_sharded_rank, args=(free_port(), free_port(), str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(
+        _sharded_rank, 2, (free_port(), free_port(), str(tmp_path)), tmp_path, 270, exit_hard=True
+    )
     got = torch.load(tmp_path / "sharded.pt")
     w = _worker(_cfg(**LORA))
     before = _adapters(w)

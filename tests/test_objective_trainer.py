@@ -5,15 +5,14 @@ one padded batch (loss, gradient norm, updated weights) and the reference formul
 from __future__ import annotations
 
 import os
-import traceback
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rltrain.algorithms.losses import Objective
 from tests.objective_refs import TOL, ref_policy_loss
+from tests.ranks import run_ranks
 
 # -- the trainer: dp=2 x several micro batches == one big batch ----------------------------------
 
@@ -90,21 +89,16 @@ def _weights(worker) -> dict[str, torch.Tensor]:
 
 def _dp_rank(rank: int, ports: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        results = {}
-        for case, port in zip(OBJECTIVE_CASES, ports, strict=True):
-            w = _worker(_cfg(case, micro_tokens=16), rank, 2, port)
-            shard = _objective_batch(case).select(SHARDS[rank])
-            n_micro = len(w.plan_micro_batches(shard))
-            metrics, _ = w.train(shard, [shard.size])
-            results[case] = {"metrics": metrics, "weights": _weights(w), "micro": n_micro}
-            w.shutdown()
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, "dp2.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    results = {}
+    for case, port in zip(OBJECTIVE_CASES, ports, strict=True):
+        w = _worker(_cfg(case, micro_tokens=16), rank, 2, port)
+        shard = _objective_batch(case).select(SHARDS[rank])
+        n_micro = len(w.plan_micro_batches(shard))
+        metrics, _ = w.train(shard, [shard.size])
+        results[case] = {"metrics": metrics, "weights": _weights(w), "micro": n_micro}
+        w.shutdown()
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "dp2.pt"))
 
 
 @pytest.mark.dist
@@ -116,11 +110,7 @@ def test_dp2_micro_batches_match_one_big_batch_and_the_reference(tmp_path):
     from rltrain.train.distributed import free_port
 
     ports = [free_port() for _ in OBJECTIVE_CASES]
-    try:
-        mp.spawn(_dp_rank, args=(ports, str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_dp_rank, 2, (ports, str(tmp_path)), tmp_path, 370, exit_hard=True)
     got = torch.load(tmp_path / "dp2.pt")
     for case in OBJECTIVE_CASES:
         assert got[case]["micro"] > 1, case

@@ -15,13 +15,12 @@ One spawn of 4 processes runs every check (imports dominate its cost):
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import tiny_config
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -160,24 +159,19 @@ def _transport_checks(rank: int, ports: list[int]) -> None:
 
 def _worker(rank: int, world: int, ports: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        # 1. dp x tp = 2 x 2 over all four processes.
-        worker = _policy(rank, 4, ports[0], dp=2, tp=2)
-        for dtype in ("float32", "bfloat16"):
-            _check_gather(worker, dtype, bucket_bytes=16 * 1024)
+    # 1. dp x tp = 2 x 2 over all four processes.
+    worker = _policy(rank, 4, ports[0], dp=2, tp=2)
+    for dtype in ("float32", "bfloat16"):
+        _check_gather(worker, dtype, bucket_bytes=16 * 1024)
+    worker.shutdown()
+    # 2 and 3 run side by side on disjoint processes.
+    _engine_refit(rank, ports, out_dir)
+    if rank < 2:
+        worker = _policy(rank, 2, ports[3], dp=1, tp=2)
+        _check_gather(worker, "bfloat16", bucket_bytes=16 * 1024)
         worker.shutdown()
-        # 2 and 3 run side by side on disjoint processes.
-        _engine_refit(rank, ports, out_dir)
-        if rank < 2:
-            worker = _policy(rank, 2, ports[3], dp=1, tp=2)
-            _check_gather(worker, "bfloat16", bucket_bytes=16 * 1024)
-            worker.shutdown()
-        else:
-            _transport_checks(rank, ports[4:])
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    else:
+        _transport_checks(rank, ports[4:])
 
 
 @pytest.mark.timeout(300)
@@ -185,11 +179,7 @@ def test_refit_gather_transports_and_verify(tmp_path):
     from rltrain.train.distributed import free_port
 
     ports = [free_port() for _ in range(4 + 7)]  # 4 groups of steps 1-2, 7 transport checks
-    try:
-        mp.spawn(_worker, args=(4, ports, str(tmp_path)), nprocs=4, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_worker, 4, (4, ports, str(tmp_path)), tmp_path, 270, exit_hard=True)
     trainer = torch.load(tmp_path / "trainer_dp2.pt")
     engine = torch.load(tmp_path / "engine_dp2.pt")
     assert set(trainer) == set(engine)

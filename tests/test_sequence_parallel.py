@@ -6,12 +6,11 @@ The batch has 9 positions, which tp=2 shards unevenly (5 + 4).
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import run_ranks
 from tests.test_distributed import _batch, _cfg, reference_step
 
 pytestmark = pytest.mark.dist
@@ -19,29 +18,24 @@ pytestmark = pytest.mark.dist
 
 def _train_sp(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        from rltrain.train.distributed import DistEnv
-        from rltrain.train.policy_worker import PolicyWorker
+    from rltrain.train.distributed import DistEnv
+    from rltrain.train.policy_worker import PolicyWorker
 
-        cfg = _cfg(1, 2)
-        cfg.dtensor.sequence_parallel = True
-        worker = PolicyWorker(cfg, DistEnv(rank, world, "127.0.0.1", port, "gloo", 60.0), 1)
-        norm = worker.model.model.layers[0].input_layernorm.weight
-        assert "Replicate" in str(norm.placements), norm.placements  # the norm is TP-managed
-        batch = _batch(cfg)
-        before = worker.compute_logprobs(batch)
-        worker.train(batch)
-        params = worker.full_tensors()  # collective: every rank
-        if rank == 0:
-            torch.save(
-                {"params": params, "logprobs": before},
-                os.path.join(out_dir, "sp.pt"),
-            )
-        worker.shutdown()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    cfg = _cfg(1, 2)
+    cfg.dtensor.sequence_parallel = True
+    worker = PolicyWorker(cfg, DistEnv(rank, world, "127.0.0.1", port, "gloo", 60.0), 1)
+    norm = worker.model.model.layers[0].input_layernorm.weight
+    assert "Replicate" in str(norm.placements), norm.placements  # the norm is TP-managed
+    batch = _batch(cfg)
+    before = worker.compute_logprobs(batch)
+    worker.train(batch)
+    params = worker.full_tensors()  # collective: every rank
+    if rank == 0:
+        torch.save(
+            {"params": params, "logprobs": before},
+            os.path.join(out_dir, "sp.pt"),
+        )
+    worker.shutdown()
 
 
 @pytest.mark.timeout(240)
@@ -50,11 +44,7 @@ def test_sequence_parallel_matches_reference(tmp_path):
     from rltrain.models.loader import blocked_token_ids, load_model, load_tokenizer
     from rltrain.train.distributed import free_port
 
-    try:
-        mp.spawn(_train_sp, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_train_sp, 2, (2, free_port(), str(tmp_path)), tmp_path, 210, exit_hard=True)
     got = torch.load(tmp_path / "sp.pt")
     cfg = _cfg(1, 1)
     batch = _batch(cfg)

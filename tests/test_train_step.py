@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rltrain.train.batch import PolicyBatch
 from tests.conftest import tiny_config
+from tests.ranks import run_ranks
 from tests.test_packing import mixed_batch
 
 pytestmark = pytest.mark.dist
@@ -217,67 +216,60 @@ def _dp_rank(rank: int, port_train: int, port_sync: int, out_dir: str) -> None:
     from rltrain.train.metrics import MetricKind, StepMetrics
 
     torch.set_num_threads(1)
+    w = _worker(_cfg(**DP_CFG), rank, 2, port_train)
+    batch = _dp_batch()
+    shard = batch.select(list(SHARDS[rank]))
+    n_micro = len(w.plan_micro_batches(shard))
+    metrics, old = w.train(shard, [shard.size])
+    weights = _weights(w)
+    # per-kind reduction across ranks: a count, a token mean, a min and a max
+    m = StepMetrics()
+    m.add_counts(tokens=[4, 6][rank], sequences=[1, 3][rank])
+    m.add("count", MetricKind.SUM, [4, 6][rank])
+    m.add("mean", MetricKind.TOKEN_MEAN, [2.0, 8.0][rank])
+    m.add("lo", MetricKind.MIN, [-1.0, 3.0][rank])
+    m.add("hi", MetricKind.MAX, [5.0, 2.0][rank])
+    reduced = m.reduce(w.dp_sum, w.dp_all_max)
+    w.shutdown()
+    # Gradients reduced once per step, blocks kept gathered from forward to
+    # backward; first an aborted step whose one micro batch deferred its sync.
+    w = _worker(
+        _cfg(**DP_CFG, **{"dtensor.grad_sync": "step", "dtensor.reshard_after_forward": "false"}),
+        rank,
+        2,
+        port_sync,
+    )
+    w.begin_train_step()
+    w.train_microbatch(w.make_micro_batch(shard, w.plan_micro_batches(shard)[0]), last=False)
+    w.abort_train_step()
+    w.begin_train_step()  # finishing after a deferred micro batch is refused
+    w.train_microbatch(w.make_micro_batch(shard, w.plan_micro_batches(shard)[0]), last=False)
     try:
-        w = _worker(_cfg(**DP_CFG), rank, 2, port_train)
-        batch = _dp_batch()
-        shard = batch.select(list(SHARDS[rank]))
-        n_micro = len(w.plan_micro_batches(shard))
-        metrics, old = w.train(shard, [shard.size])
-        weights = _weights(w)
-        # per-kind reduction across ranks: a count, a token mean, a min and a max
-        m = StepMetrics()
-        m.add_counts(tokens=[4, 6][rank], sequences=[1, 3][rank])
-        m.add("count", MetricKind.SUM, [4, 6][rank])
-        m.add("mean", MetricKind.TOKEN_MEAN, [2.0, 8.0][rank])
-        m.add("lo", MetricKind.MIN, [-1.0, 3.0][rank])
-        m.add("hi", MetricKind.MAX, [5.0, 2.0][rank])
-        reduced = m.reduce(w.dp_sum, w.dp_all_max)
-        w.shutdown()
-        # Gradients reduced once per step, blocks kept gathered from forward to
-        # backward; first an aborted step whose one micro batch deferred its sync.
-        w = _worker(
-            _cfg(
-                **DP_CFG, **{"dtensor.grad_sync": "step", "dtensor.reshard_after_forward": "false"}
-            ),
-            rank,
-            2,
-            port_sync,
+        w.finish_train_step()
+        refused = False
+    except RuntimeError as exc:
+        refused = "never reduced" in str(exc)
+    sync_metrics, _ = w.train(shard, [shard.size])
+    sync_weights = _weights(w)
+    # a second step: blocks kept gathered across its micro batches must be the new weights
+    w.train(shard, [shard.size])
+    sync_weights2 = _weights(w)
+    w.shutdown()
+    if rank == 0:
+        torch.save(
+            {
+                "weights": weights,
+                "metrics": metrics,
+                "reduced": reduced,
+                "old": old,
+                "sync_weights": sync_weights,
+                "sync_weights2": sync_weights2,
+                "sync_metrics": sync_metrics,
+                "refused": refused,
+            },
+            os.path.join(out_dir, "dp2.pt"),
         )
-        w.begin_train_step()
-        w.train_microbatch(w.make_micro_batch(shard, w.plan_micro_batches(shard)[0]), last=False)
-        w.abort_train_step()
-        w.begin_train_step()  # finishing after a deferred micro batch is refused
-        w.train_microbatch(w.make_micro_batch(shard, w.plan_micro_batches(shard)[0]), last=False)
-        try:
-            w.finish_train_step()
-            refused = False
-        except RuntimeError as exc:
-            refused = "never reduced" in str(exc)
-        sync_metrics, _ = w.train(shard, [shard.size])
-        sync_weights = _weights(w)
-        # a second step: blocks kept gathered across its micro batches must be the new weights
-        w.train(shard, [shard.size])
-        sync_weights2 = _weights(w)
-        w.shutdown()
-        if rank == 0:
-            torch.save(
-                {
-                    "weights": weights,
-                    "metrics": metrics,
-                    "reduced": reduced,
-                    "old": old,
-                    "sync_weights": sync_weights,
-                    "sync_weights2": sync_weights2,
-                    "sync_metrics": sync_metrics,
-                    "refused": refused,
-                },
-                os.path.join(out_dir, "dp2.pt"),
-            )
-        torch.save(n_micro, os.path.join(out_dir, f"micro{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    torch.save(n_micro, os.path.join(out_dir, f"micro{rank}.pt"))
 
 
 @pytest.mark.timeout(300)
@@ -287,11 +279,7 @@ def test_dp2_with_unequal_micro_batches_matches_dp1(tmp_path):
     deferred its gradient sync, for two steps."""
     from rltrain.train.distributed import free_port
 
-    try:
-        mp.spawn(_dp_rank, args=(free_port(), free_port(), str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_dp_rank, 2, (free_port(), free_port(), str(tmp_path)), tmp_path, 270, exit_hard=True)
     got = torch.load(tmp_path / "dp2.pt")
     assert [torch.load(tmp_path / f"micro{r}.pt") for r in (0, 1)] == [3, 3]  # padded to 3
     reduced, tokens, sequences = got["reduced"]

@@ -4,11 +4,11 @@ explained variance exact across micro batches and dp ranks, the fp32 head under 
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -131,14 +131,9 @@ def _bf16_head(port: int, out_dir: str) -> None:
 
 def _worker(rank: int, ports: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
-    try:
-        _dp2(rank, ports[0], out_dir)
-        if rank == 1:
-            _bf16_head(ports[1], out_dir)
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    _dp2(rank, ports[0], out_dir)
+    if rank == 1:
+        _bf16_head(ports[1], out_dir)
 
 
 @pytest.mark.timeout(240)
@@ -147,11 +142,7 @@ def test_value_worker_dp2_parity_explained_variance_and_fp32_head(tmp_path):
     from rltrain.train.distributed import free_port
 
     ports = [free_port() for _ in range(2)]
-    try:
-        mp.spawn(_worker, args=(ports, str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in tmp_path.glob("error*.txt"))
-        pytest.fail(f"a rank failed:\n{errors}")
+    run_ranks(_worker, 2, (ports, str(tmp_path)), tmp_path, 210, exit_hard=True)
     got = torch.load(tmp_path / "dp2.pt")
     cfg = _cfg()
     batch = _batch()

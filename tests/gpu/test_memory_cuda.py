@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rltrain.config.schema import RunConfig
-from tests.gpu.common import HOST, gpu_config, run_ranks
+from tests.gpu.common import HOST, gpu_config
+from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]

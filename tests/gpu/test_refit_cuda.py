@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from rltrain.refit.base import RefitGroup
-from tests.gpu.common import HOST, gpu_config, needs, run_ranks
+from tests.gpu.common import HOST, gpu_config, needs
+from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from tests.gpu.common import HOST, gpu_config, run_ranks
+from tests.gpu.common import HOST, gpu_config
+from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.common import BLOCKED, gpu_config, needs, run_ranks
+from tests.gpu.common import BLOCKED, gpu_config, needs
+from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, needs("vllm"), pytest.mark.timeout(900)]
 
