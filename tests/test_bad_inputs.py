@@ -102,6 +102,15 @@ SETUPS = {
         ),
         _jsonl(tmp, "rows.jsonl", [{"question": "1+1", "answer": "#### 2"}] * 3),
     ),
+    "full_checkpoint": lambda tmp: _folder(
+        tmp, "ckpt", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    ),
+    "lone_adapter": lambda tmp: (
+        (tmp / "adapter").mkdir(),
+        (tmp / "adapter" / "adapter_config.json").write_text(
+            json.dumps({"r": 4, "lora_alpha": 8, "base_model_name_or_path": None})
+        ),
+    ),
     "causal_and_empty": lambda tmp: (
         _folder(tmp, "qwen", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}),
         (tmp / "empty").mkdir(),
@@ -421,6 +430,22 @@ CASES = [
     Case("tokenizer-folder-empty", M, ["grpo", "model.path={tmp}/qwen", "model.tokenizer={tmp}/empty"],
          ["model.tokenizer=", "no tokenizer.json"], "names the folder without tokenizer files",
          setup="causal_and_empty"),
+    Case("export-not-a-folder", F, ["export", "{tmp}/afile", "--merge"],
+         ["afile is not a folder", "RUN/checkpoints/step_N"], "names the path and what to give",
+         setup="file"),
+    Case("export-merge-a-full-model", F, ["export", "{tmp}/ckpt", "--merge"],
+         ["holds no LoRA adapter", "drop --merge"], "a full fine-tune's checkpoint is already whole",
+         setup="full_checkpoint"),
+    Case("export-copy-without-out", F, ["export", "{tmp}/ckpt"], ["--out DIR"],
+         "a copy needs its folder named", setup="full_checkpoint"),
+    Case("export-unknown-dtype", F, ["export", "{tmp}/adapter", "--merge", "--dtype", "fp8"],
+         ["--dtype fp8", "float32, bfloat16, float16"], "lists the dtypes", setup="lone_adapter"),
+    Case("export-adapter-without-base", F, ["export", "{tmp}/adapter", "--merge"],
+         ["names no base model", "--base PATH"],
+         "an adapter outside a run folder that names no base", setup="lone_adapter"),
+    Case("eval-adapter-without-base", F, ["eval", "{tmp}/adapter"],
+         ["names no base model", "keep it in its run folder", "--merge --base PATH"], "`rltrain eval` merges a LoRA adapter first",
+         setup="lone_adapter"),
     # -- data ------------------------------------------------------------------------------------
     Case("data-file-missing", D, ["grpo", "data=gsm8k", "data.path={tmp}/none.jsonl"],
          ["data file", "none.jsonl' does not exist"], "names the file and both ways to give data"),

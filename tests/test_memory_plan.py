@@ -460,7 +460,12 @@ def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
     run eager. The estimate against the H200's measured peaks: see
     test_estimates_are_within_15_percent_of_every_measured_figure."""
     from rltrain.config.schema import RunConfig, value_run_config
-    from rltrain.plan.parts import activation_memory_budget, kept_activation_share, trainer_parts
+    from rltrain.plan.parts import (
+        activation_memory_budget,
+        kept_activation_share,
+        requested_activation_memory_budget,
+        trainer_parts,
+    )
 
     shape = known_shape("Qwen/Qwen2.5-1.5B")
     per_token = 2 * 28 * (8 * 1536 + 2 * 256 + 3 * 8960)
@@ -473,6 +478,9 @@ def test_a_lora_policys_compiled_blocks_keep_the_budgets_share_of_activations():
     cfg.train.lora.rank = 16
     assert activation_memory_budget(cfg) == 0.8
     assert activation_memory_budget(value_run_config(cfg), "value") == 1.0
+    # what the trainers ask the compiler for: the LoRA policy 0.8, the critic nothing
+    assert requested_activation_memory_budget(cfg) == 0.8
+    assert requested_activation_memory_budget(value_run_config(cfg), "value") is None
     lora = trainer_parts(cfg, shape, 1, "policy", 16384, True)["activations"]
     assert lora == int(16384 * per_token * 0.8 * 0.84)  # as measured: 0.84 of the bound
     cfg.train.activation_memory_budget = 1.0

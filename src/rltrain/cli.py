@@ -251,6 +251,53 @@ def _sweep_report(sweep_dir: Path) -> None:
     print_outcome(console, load_sweep(sweep_dir), outputs)
 
 
+@app.command()
+def export(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(help="A checkpoint folder written by a run (RUN/checkpoints/step_N)."),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Output folder (default with --merge: CHECKPOINT/merged; required without).",
+        ),
+    ] = None,
+    merge: Annotated[
+        bool,
+        typer.Option(
+            "--merge", help="LoRA: merge the adapter into its base and write a plain HF model."
+        ),
+    ] = False,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="--merge: float32 (exact sum), bfloat16 or float16.")
+    ] = "float32",
+    base: Annotated[
+        str | None,
+        typer.Option(
+            "--base",
+            help="--merge: the base model (HF folder or id); default the run's model.path.",
+        ),
+    ] = None,
+) -> None:
+    """Write a checkpoint's HF export on its own (without the trainer state), or with --merge
+    a LoRA run's adapter merged into its base model as a plain HF folder."""
+    from rltrain.config.errors import ConfigError
+    from rltrain.train.export import base_config, check_export_args, copy_export, merge_checkpoint
+
+    try:
+        target = check_export_args(checkpoint, out, merge, dtype, base)
+        if merge:
+            names = merge_checkpoint(checkpoint, target, base_config(checkpoint, base), dtype)
+            console.print(f"merged the adapters of {len(names)} layers into the base: {target}")
+        else:
+            names = copy_export(checkpoint, target)
+            console.print(f"copied {', '.join(names)} to {target}")
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+
+
 @app.command("eval")
 def eval_(
     model: Annotated[
@@ -267,20 +314,29 @@ def eval_(
     A checkpoint of a run (RUN/checkpoints/step_N) is evaluated with that run's
     config.yaml (data, reward, eval) plus key=value overrides; any other model
     with the composed config (e.g. data=gsm8k data.path=...). model.path is set to MODEL.
+    A LoRA run's checkpoint is evaluated as its base with the adapter merged in (fp32).
     """
-    from pathlib import Path
+    import tempfile
 
     from rltrain.config.compose import load_run_config
     from rltrain.config.errors import ConfigError
+    from rltrain.config.schema import LoraConfig
     from rltrain.loops.evaluate import evaluate_model
+    from rltrain.train.export import base_config, is_adapter, merge_checkpoint, run_config_of
 
-    run_config = Path(model).parent.parent / "config.yaml"
+    run_config = run_config_of(Path(model))
     try:
-        if run_config.is_file():
-            cfg = load_run_config(run_config, [*(overrides or []), f"model.path={model}"])
-        else:
-            cfg, _ = _compose("grpo", [*(overrides or []), f"model.path={model}"])
-        metrics = evaluate_model(cfg)
+        with tempfile.TemporaryDirectory(prefix="rltrain-merged-") as merged:
+            path = model
+            if is_adapter(Path(model)):
+                merge_checkpoint(Path(model), Path(merged), base_config(Path(model)))
+                path = merged
+            if run_config.is_file():
+                cfg = load_run_config(run_config, [*(overrides or []), f"model.path={path}"])
+            else:
+                cfg, _ = _compose("grpo", [*(overrides or []), f"model.path={path}"])
+            cfg.train.lora = LoraConfig()  # a merged adapter is in the weights
+            metrics = evaluate_model(cfg)
     except ConfigError as exc:
         _fail(str(exc), 2)
     if as_json:

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from rltrain.loops.context import RunContext
 
 
-LOOP_STATE = "loop_state.pt"
-
-
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
     """This process's torch intra-op threads at ``n`` until the block ends (0: as they
@@ -65,7 +62,9 @@ def save_checkpoint(
     newest ``keep_last`` are deleted.
     """
     from rltrain.train.checkpoint import (
+        LOOP_STATE,
         RUN_STATE,
+        TRAINER_STATE,
         atomic_folder,
         prune_checkpoints,
         step_folder,
@@ -79,7 +78,7 @@ def save_checkpoint(
 
             torch.save(loop_state(), tmp / LOOP_STATE)
         workers.export_hf(str(tmp), {"step": step, "weight_version": weight_version})
-        roles = workers.save_state(str(tmp / "trainer"))
+        roles = workers.save_state(str(tmp / TRAINER_STATE))
         state = {
             "step": step,
             "weight_version": weight_version,
@@ -95,10 +94,10 @@ def restore_checkpoint(ctx: RunContext, workers: Workers, path: Path) -> None:
     """Continue from a checkpoint folder: trainer gangs, data order, then a refit so the
     rollout engines hold the restored weights before the first resumed step; sets
     ``ctx.start_step`` and ``ctx.weight_version``."""
-    from rltrain.train.checkpoint import RUN_STATE
+    from rltrain.train.checkpoint import LOOP_STATE, RUN_STATE, TRAINER_STATE
 
     state = json.loads((path / RUN_STATE).read_text())
-    workers.load_state(str(path / "trainer"))
+    workers.load_state(str(path / TRAINER_STATE))
     if state["task"] is not None:
         ctx.task.load_state_dict(state["task"])
     if (path / LOOP_STATE).exists():

@@ -85,10 +85,18 @@ def activation_memory_budget(cfg: RunConfig, role: str = "policy") -> float:
     lets LoRA run full fine-tuning's 16384-token micro batches at under half its memory
     (0.44 on an H200, ``scripts/results/bench_lora-nvidia-h200.json``), for about 3 % more
     train time at the same micro batch (``bench_train-h200-lora-budget.json``)."""
+    asked = requested_activation_memory_budget(cfg, role)
+    return 1.0 if asked is None else asked
+
+
+def requested_activation_memory_budget(cfg: RunConfig, role: str = "policy") -> float | None:
+    """The budget a trainer ``role`` asks the compiler for: ``train.activation_memory_budget``
+    when set, :data:`LORA_ACTIVATION_MEMORY_BUDGET` for a LoRA policy, else None (torch's
+    own setting, 1.0, is left alone: it is the process's, shared by every model in it)."""
     v = cfg.train.activation_memory_budget
     if v is not None:
         return v
-    return LORA_ACTIVATION_MEMORY_BUDGET if role == "policy" and cfg.train.lora.rank > 0 else 1.0
+    return LORA_ACTIVATION_MEMORY_BUDGET if role == "policy" and cfg.train.lora.rank > 0 else None
 
 
 # LoRA on one rank without FSDP2 (rltrain.train.lora.OneRankAdapters); False keeps the model

@@ -177,6 +177,8 @@ def atomic_folder(final: Path):
 # exists is complete; a kill during a save leaves only a step_<n>.tmp behind.
 
 RUN_STATE = "run_state.json"
+LOOP_STATE = "loop_state.pt"  # the asynchronous loop's buffer
+TRAINER_STATE = "trainer"  # one sharded trainer checkpoint per gang
 
 
 def step_folder(checkpoints: Path, step: int) -> Path:

@@ -22,10 +22,8 @@ from rltrain.models import lora as lora_module
 from rltrain.models.lora import (
     PEFT_PREFIX,
     LoRALinear,
-    base_name,
     is_adapter_name,
     lora_modules,
-    merge_into,
     peft_adapter_config,
 )
 
@@ -184,28 +182,6 @@ def adapter_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def merged_tensors(named: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """HF-named full weights with every adapter merged in (``W + scaling * B A``, fp32):
-    what a checkpoint exports under ``merged/``. Never used for a refit."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in named.items():
-        if is_adapter_name(name):
-            continue
-        if ".base_layer.weight" in name:
-            module = name[: -len(".base_layer.weight")]
-            a, b = named[f"{module}.lora_A.weight"], named[f"{module}.lora_B.weight"]
-            out[base_name(name)] = merge_into(t, a, b, scaling).cpu().contiguous()
-        else:
-            out[base_name(name)] = t.detach().float().cpu().contiguous()
-    return out
-
-
-def adapter_export_names(lora: LoraConfig, shapes: list[tuple[str, Any]]) -> list[str] | None:
-    """The tensors an export gathers: every one when it also writes the merged model, else
-    those of ``shapes`` (the trainable ones)."""
-    return None if lora.export_merged else [n for n, _ in shapes]
-
-
 def write_adapter(
     named: dict[str, torch.Tensor],
     path: Path,
@@ -213,13 +189,11 @@ def write_adapter(
     targets: Sequence[str],
     base_model: str | None,
     tokenizer: Any,
-    hf_config: Any,
     metadata: dict | None,
 ) -> None:
     """Write the policy's adapter (``named``: gathered HF-named tensors) to ``path`` in
     PEFT's format (adapter_config.json with ``targets``, adapter_model.safetensors, the
-    tokenizer), and with
-    ``train.lora.export_merged`` the merged model as an HF folder under ``path/merged``."""
+    tokenizer)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -229,12 +203,3 @@ def write_adapter(
     tokenizer.save_pretrained(path)
     if metadata:
         (path / "rltrain_meta.json").write_text(json.dumps(metadata, indent=2))
-    if lora.export_merged:
-        merged = path / MERGED
-        merged.mkdir(exist_ok=True)
-        save_file(
-            merged_tensors(named, lora.resolved_alpha() / lora.rank),
-            str(merged / "model.safetensors"),
-        )
-        hf_config.save_pretrained(merged)
-        tokenizer.save_pretrained(merged)

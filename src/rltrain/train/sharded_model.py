@@ -40,7 +40,7 @@ from rltrain.models.lora import (
     head_weight,
     inject_lora,
 )
-from rltrain.plan.parts import activation_memory_budget, one_rank_lora
+from rltrain.plan.parts import one_rank_lora, requested_activation_memory_budget
 from rltrain.train.batch import TrainBatch
 from rltrain.train.compile import (
     CompileCounter,
@@ -298,12 +298,10 @@ class ShardedModel:
                 layers[i] = checkpoint_wrapper(layer)
         if self.compiled:
             # after TP and AC, before fully_shard. The budget is the process's: only a
-            # trained model that asks for one sets it (a set key, or a LoRA policy's
-            # default), so a critic built beside a LoRA policy in one process (an
-            # in-process run) leaves the policy's in place; a reference runs no backward.
-            budget = None
-            if trainable and (self.cfg.train.activation_memory_budget is not None or self.lora):
-                budget = activation_memory_budget(self.cfg)
+            # trained model that asks for one sets it, so a critic built beside a LoRA
+            # policy in one process (an in-process run) leaves the policy's in place; a
+            # reference runs no backward.
+            budget = requested_activation_memory_budget(self.cfg) if trainable else None
             compile_blocks(decoder_layers(model), self.compile_backend, budget)
         if trainable and self.one_rank_lora:
             # Nothing to shard and only adapters train: no FSDP2 (see OneRankAdapters,
@@ -533,27 +531,29 @@ class ShardedModel:
 
         With LoRA: the adapter in PEFT's format (adapter_config.json,
         adapter_model.safetensors) and, with ``train.lora.export_merged``, the merged model
-        under ``merged/`` (see :func:`rltrain.train.lora.write_adapter`).
+        under ``merged/`` (:func:`rltrain.train.export.merge_checkpoint`, from the base on
+        disk: only the adapters are gathered).
         """
         from safetensors.torch import save_file
 
         if self.lora:
-            from rltrain.train.lora import adapter_export_names, write_adapter
+            from rltrain.train.export import merge_checkpoint
+            from rltrain.train.lora import MERGED, write_adapter
 
-            lo = self.cfg.train.lora
             # Collective: every rank gathers; rank 0 writes.
-            named = self.full_tensors(adapter_export_names(lo, self.param_shapes()))
+            named = self.full_tensors([n for n, _ in self.param_shapes()])
             if self.is_rank0:
                 write_adapter(
                     named,
                     Path(path),
-                    lo,
+                    self.cfg.train.lora,
                     lora_targets(self.cfg),
                     self.cfg.model.path,
                     self.tokenizer,
-                    self.hf_config,
                     metadata,
                 )
+                if self.cfg.train.lora.export_merged:
+                    merge_checkpoint(Path(path), Path(path) / MERGED, self.cfg)
             if dist.is_initialized() and self.env.world_size > 1:
                 dist.barrier()
             return str(path)
