@@ -191,6 +191,11 @@ def check_export_args(
         if not merge:
             raise ConfigError("give the folder to copy the HF export to with --out DIR.")
         out = checkpoint / MERGED
-    if out.resolve() == checkpoint.resolve():
-        raise ConfigError(f"--out {out} is the checkpoint itself; give another folder.")
+    # An export replaces its folder whole: only the checkpoint's own merged/ may be replaced.
+    holds_files = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if holds_files and out.resolve() != (checkpoint / MERGED).resolve():
+        raise ConfigError(
+            f"--out {out} already exists and is not empty; give a new folder (an export "
+            "replaces its folder whole)."
+        )
     return out
