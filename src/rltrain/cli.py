@@ -43,6 +43,13 @@ def _compose(algorithm: str, overrides: list[str] | None):
         _fail(str(exc), 2)
 
 
+def _no_transformers_progress_bars() -> None:
+    """Commands that read or write one model print their own line, not transformers' bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _train(algorithm: str, overrides: list[str] | None) -> None:
     from rltrain.config.errors import ConfigError
 
@@ -286,6 +293,7 @@ def export(
     from rltrain.config.errors import ConfigError
     from rltrain.train.export import base_config, check_export_args, copy_export, merge_checkpoint
 
+    _no_transformers_progress_bars()
     try:
         target = check_export_args(checkpoint, out, merge, dtype, base)
         if merge:
@@ -324,6 +332,7 @@ def eval_(
     from rltrain.loops.evaluate import evaluate_model
     from rltrain.train.export import base_config, is_adapter, merge_checkpoint, run_config_of
 
+    _no_transformers_progress_bars()
     run_config = run_config_of(Path(model))
     try:
         with tempfile.TemporaryDirectory(prefix="rltrain-merged-") as merged:
