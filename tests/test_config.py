@@ -297,7 +297,7 @@ def test_help_lists_exactly_the_commands():
     assert result.exit_code == 0, result.output
     panel = result.output.split("Commands", 1)[1]
     listed = re.findall(r"^[│|]\s(\w[\w-]*)\s{2,}", panel, flags=re.M)
-    commands = ["grpo", "ppo", "plan", "sweep", "recipes", "report", "eval"]
+    commands = ["grpo", "ppo", "plan", "sweep", "recipes", "report", "export", "eval"]
     assert listed == commands
     assert set(typer.main.get_command(app).commands) == set(commands)
 
