@@ -176,7 +176,7 @@ VARIANT_MODULE_SETTINGS: dict[str, dict[tuple[str, str], object]] = {
     "lora_fsdp": {("rltrain.plan.parts", "ONE_RANK_LORA_WITHOUT_FSDP"): False},
     "lora_ungrouped": {("rltrain.train.lora", "ADAPTER_GROUPS"): False},
     "lora_group_add": {("rltrain.models.lora", "GROUP_UPDATE_IN_GEMM"): False},
-    "lora_dy_twice": {("rltrain.models.lora", "BACKWARD_ONE_READ_OF_DY"): False},
+    "lora_dy_twice": {("rltrain.models.lora_gemm", "BACKWARD_ONE_READ_OF_DY"): False},
     "lora_narrow_add": {("rltrain.models.lora", "NARROW_INPUT_GRAD_IN_ONE_GEMM"): False},
     "lora_grads_cat": {("rltrain.models.lora", "GROUP_OUTPUTS_APART"): False},
 }

@@ -278,19 +278,20 @@ def test_lora_update_inside_the_base_gemm_matches_the_plain_form(
     input's, A's and B's gradients equal the plain ``base(x) + s B(A(x))`` in float64, eager
     and compiled, 2-D and 3-D, with the base's bias; the base gets no gradient."""
     from rltrain.models import lora as lora_module
+    from rltrain.models import lora_gemm
     from rltrain.models.lora import LoRALinear
 
     monkeypatch.setattr(lora_module, "CONCAT_MIN_OUT_OVER_IN", 1.0)
-    monkeypatch.setattr(lora_module, "BACKWARD_ONE_READ_OF_DY", one_read)
+    monkeypatch.setattr(lora_gemm, "BACKWARD_ONE_READ_OF_DY", one_read)
     torch._dynamo.reset()  # LoRALinear.forward's graphs of the other cases: a fresh limit
     narrow_calls = []
-    narrow_apply = lora_module._NarrowLoRA.apply
+    narrow_apply = lora_gemm._NarrowLoRA.apply
 
     def counted(*args):  # dynamo traces the class's own apply: this sees eager calls only
         narrow_calls.append(1)
         return narrow_apply(*args)
 
-    monkeypatch.setattr(lora_module._NarrowLoRA, "apply", counted)
+    monkeypatch.setattr(lora_gemm._NarrowLoRA, "apply", counted)
 
     def as_if_compiled(x):  # the compiled blocks' path, run eagerly
         with monkeypatch.context() as m:
